@@ -1,0 +1,1 @@
+"""Block types: dense, ffn_moe, msit, paths, ssm_moe."""

@@ -1,0 +1,54 @@
+"""Command-line entry points: argument parsing and one-line errors; the work happens elsewhere."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from moep_ds.errors import UserError
+
+log = logging.getLogger("moep_ds")
+
+
+def pretrain_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Pre-train a moep_ds model under DeepSpeed.")
+    p.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
+    p.add_argument("--ds_config", help="DeepSpeed JSON config (ds_configs/*.json)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides, e.g. train.optimizer.lr=1e-3")
+    p.add_argument("--dry_run", action="store_true", help="print the parameter/FLOP report as one JSON line and exit")
+    p.add_argument("--resume", default=None, help="'auto' (latest complete checkpoint in output_dir) or a checkpoint dir")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    return p
+
+
+def run_guarded(fn, *args) -> int:
+    """Run a command body, turning expected failures into one line on stderr and exit status 2."""
+    try:
+        return fn(*args) or 0
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def dry_run(cfg) -> int:
+    from moep_ds.models.accounting import meta_param_report
+
+    print(json.dumps(meta_param_report(cfg.model).as_dict()))
+    return 0
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    from moep_ds.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    if args.dry_run:
+        return dry_run(cfg)
+    from moep_ds.training.trainer import fit
+
+    return fit(cfg, ds_config_path=args.ds_config, resume=args.resume)
+
+
+def pretrain_main(argv: list[str] | None = None) -> int:
+    args = pretrain_parser().parse_args(argv)
+    return run_guarded(_pretrain, args)

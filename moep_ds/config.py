@@ -1,0 +1,127 @@
+"""The recipe: one YAML file, parsed strictly into a typed dataclass tree.
+
+    cfg = load_config("configs/x.yaml", overrides=["train.optimizer.lr=1e-3", "model.layers[0].repeat=2"])
+
+Unknown keys (with a close-match suggestion), wrong types, out-of-range values and inconsistent fields are
+rejected before any tensor exists, each as one ConfigError line naming the dotted path and the value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+from typing import Any
+
+import yaml
+
+from moep_ds.data.config import DataConfig
+from moep_ds.evaluation.config import EvalConfig
+from moep_ds.models.config import ModelConfig
+from moep_ds.schema import ConfigError, fail, parse, to_dict
+from moep_ds.training.config import TrainConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class Config:
+    model: ModelConfig
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    @classmethod
+    def preprocess(cls, raw: dict[str, Any], path: str) -> dict[str, Any]:
+        """data.seq_len defaults to model.max_seq_len."""
+        model, data = raw.get("model"), raw.get("data", {})
+        if isinstance(model, dict) and isinstance(data, dict) and "seq_len" not in data and "max_seq_len" in model:
+            raw = {**raw, "data": {**data, "seq_len": model["max_seq_len"]}}
+        return raw
+
+    def validate(self, path: str) -> None:
+        if self.data.seq_len > self.model.max_seq_len:
+            fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 insists on `1.0e-3`)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"),
+    list("-+0123456789"),
+)
+
+
+def yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def read_yaml(path: str | pathlib.Path) -> dict[str, Any]:
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.suffix not in (".yaml", ".yml"):
+        raise ConfigError(f"config file {str(path)!r} is not a YAML file (expected .yaml or .yml)")
+    try:
+        raw = yaml_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {first}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+_SEGMENT = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def split_key(key: str) -> list[str | int]:
+    """'model.layers[3].moe.num_experts' -> ['model', 'layers', 3, 'moe', 'num_experts']."""
+    parts: list[str | int] = []
+    for name, index in _SEGMENT.findall(key):
+        if index:
+            parts.append(int(index))
+        elif name.isdigit():
+            parts.append(int(name))
+        else:
+            parts.append(name)
+    if not parts or "".join(str(p) for p in parts) != re.sub(r"[.\[\]]", "", key):
+        raise ConfigError(f"override key {key!r} is not a dotted path like model.layers[0].repeat")
+    return parts
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like key.path=value")
+    key, text = override.split("=", 1)
+    parts = split_key(key.strip())
+    node: Any = raw
+    for depth, part in enumerate(parts[:-1]):
+        nxt = parts[depth + 1]
+        if isinstance(part, int):
+            if not isinstance(node, list) or part >= len(node):
+                raise ConfigError(f"override {key!r}: index {part} is out of range")
+        elif not isinstance(node.get(part), (dict, list)):
+            node[part] = [] if isinstance(nxt, int) else {}
+        node = node[part]
+    last = parts[-1]
+    if isinstance(last, int) and (not isinstance(node, list) or last >= len(node)):
+        raise ConfigError(f"override {key!r}: index {last} is out of range")
+    node[last] = yaml_load(text)
+
+
+def config_from_dict(raw: dict[str, Any], overrides: list[str] | None = None) -> Config:
+    import moep_ds.components  # noqa: F401 - fills the registries
+
+    raw = dict(raw)
+    for override in overrides or []:
+        apply_override(raw, override)
+    return parse(Config, raw, "")
+
+
+def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) -> Config:
+    return config_from_dict(read_yaml(path), overrides)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

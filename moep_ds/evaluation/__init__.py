@@ -1,0 +1,1 @@
+"""Evaluation: lm-eval LM wrapper, Hugging Face export, reports."""

@@ -1,0 +1,1 @@
+"""Layers: norms, RoPE, attention (causal, GQA, sliding window, routed-subset), FFNs, SSM."""

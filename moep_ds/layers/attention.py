@@ -1,0 +1,133 @@
+"""Causal self-attention through `scaled_dot_product_attention`: MHA/GQA, optional sliding window, KV cache.
+
+# B batch, T query tokens, S key tokens, H query heads, G key/value heads, Dh head dim, D model dim
+
+A key at position s is visible from a query at position t iff s <= t and, with a window w, t - w < s.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moep_ds.layers.rope import RopeConfig, apply_rope, rope_cos_sin, rotary_dims, table_dtype
+from moep_ds.registry import ATTENTIONS
+from moep_ds.schema import PositiveInt, fail
+
+
+@dataclasses.dataclass(kw_only=True)
+class AttentionConfig:
+    type: str = "causal"
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt | None = None  # null: = num_heads (MHA); fewer: grouped-query attention
+    head_dim: PositiveInt | None = None  # null: d_model / num_heads
+    window: PositiveInt | None = None  # sliding window in tokens, the query included; null: unbounded
+    rope: RopeConfig | None = None  # null: no rotary embedding (e.g. GPT-2's learned positions)
+    bias: bool = False
+
+    def validate(self, path: str) -> None:
+        kv = self.kv_heads
+        if self.num_heads % kv:
+            fail(f"{path}.num_kv_heads", kv, f"must divide num_heads ({self.num_heads})")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    def check_dims(self, path: str, d_model: int) -> None:
+        if self.head_dim is None and d_model % self.num_heads:
+            fail(f"{path}.num_heads", self.num_heads, f"must divide d_model ({d_model})")
+
+    def resolved_head_dim(self, d_model: int) -> int:
+        return self.head_dim or d_model // self.num_heads
+
+
+@dataclasses.dataclass
+class KVCache:
+    """Keys/values of the tokens decoded so far, with their positions (for causal and window masks)."""
+
+    k_BGSd: torch.Tensor | None = None
+    v_BGSd: torch.Tensor | None = None
+    pos_BS: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.k_BGSd is None:
+            self.k_BGSd, self.v_BGSd, self.pos_BS = k, v, pos_BT
+        else:
+            self.k_BGSd = torch.cat([self.k_BGSd, k], dim=2)
+            self.v_BGSd = torch.cat([self.v_BGSd, v], dim=2)
+            self.pos_BS = torch.cat([self.pos_BS, pos_BT], dim=1)
+        return self.k_BGSd, self.v_BGSd, self.pos_BS
+
+
+def attention_mask(q_pos_BT: torch.Tensor, k_pos_BS: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean [B, 1, T, S]: True where the query may attend to the key."""
+    delta = q_pos_BT[:, :, None] - k_pos_BS[:, None, :]
+    mask = delta >= 0
+    if window is not None:
+        mask &= delta < window
+    return mask[:, None]
+
+
+def causal_attention(
+    q_BHTd: torch.Tensor,
+    k_BGSd: torch.Tensor,
+    v_BGSd: torch.Tensor,
+    q_pos_BT: torch.Tensor,
+    k_pos_BS: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(Dh) + mask) v with G key/value heads shared by H/G query heads each."""
+    plain_causal = window is None and q_BHTd.shape[2] == k_BGSd.shape[2]
+    mask = None if plain_causal else attention_mask(q_pos_BT, k_pos_BS, window)
+    # Every query sees at least itself, so no row of the mask is empty.
+    return F.scaled_dot_product_attention(
+        q_BHTd, k_BGSd, v_BGSd, attn_mask=mask, is_causal=plain_causal,
+        enable_gqa=q_BHTd.shape[1] != k_BGSd.shape[1],
+    )
+
+
+@ATTENTIONS.register("causal", config=AttentionConfig)
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: AttentionConfig, d_model: int):
+        super().__init__()
+        self.cfg = cfg
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.kv_heads
+        self.head_dim = cfg.resolved_head_dim(d_model)
+        self.rot_dim = rotary_dims(self.head_dim, cfg.rope.fraction) if cfg.rope else 0
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.w_qkv = nn.Linear(d_model, qkv_out, bias=cfg.bias)
+        self.w_o = nn.Linear(self.num_heads * self.head_dim, d_model, bias=cfg.bias)
+
+    def forward(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q, k, v = self.w_qkv(x_BTD).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1
+        )
+        q_BHTd = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BGTd = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BGTd = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rot_dim:
+            cos, sin = rope_cos_sin(positions_BT, self.rot_dim, self.cfg.rope.base, table_dtype(x_BTD))
+            cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+            q_BHTd, k_BGTd = apply_rope(q_BHTd, cos, sin), apply_rope(k_BGTd, cos, sin)
+        k_pos = positions_BT
+        if cache is not None:
+            k_BGTd, v_BGTd, k_pos = cache.append(k_BGTd, v_BGTd, positions_BT)
+        out = causal_attention(q_BHTd, k_BGTd, v_BGTd, positions_BT, k_pos, self.cfg.window)
+        return self.w_o(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Forward+backward FLOPs of the score and value matmuls per token (PaLM's 12·H·Dh·T convention)."""
+        ctx = min(seq_len, self.cfg.window) if self.cfg.window else seq_len
+        return 12.0 * self.num_heads * self.head_dim * ctx
+
+
+def build_attention(cfg: AttentionConfig, d_model: int) -> nn.Module:
+    return ATTENTIONS.build(cfg, d_model)
+

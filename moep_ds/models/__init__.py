@@ -1,0 +1,1 @@
+"""CausalLM and parameter/FLOP accounting."""

@@ -1,0 +1,139 @@
+"""Model config: embedding, a list of block configs (with `repeat:` and nested groups), final norm.
+
+A `flavour` (gpt2, llama, gemma, pythia) fills in the defaults of that architecture family, model-wide and
+in every layer entry; anything written in the recipe wins over the flavour.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Annotated, Any, Iterator, Literal
+
+from moep_ds.layers.norm import NormConfig
+from moep_ds.registry import BLOCKS, NORMS
+from moep_ds.schema import ConfigError, OneOf, PositiveFloat, PositiveInt, fail, join
+
+FLAVOURS: dict[str, dict[str, dict[str, Any]]] = {
+    "gpt2": {
+        "model": {"position_embedding": "learned", "final_norm": {"type": "layernorm"}},
+        "block": {"norm": {"type": "layernorm"}, "ffn": {"type": "gelu", "bias": True}, "attention": {"bias": True}},
+    },
+    "llama": {
+        "model": {"final_norm": {"type": "rmsnorm"}},
+        "block": {"norm": {"type": "rmsnorm"}, "ffn": {"type": "swiglu"}, "attention": {"rope": {}}},
+    },
+    "gemma": {
+        "model": {"final_norm": {"type": "gemma_rmsnorm"}, "embedding_scale": True},
+        "block": {"norm": {"type": "gemma_rmsnorm"}, "ffn": {"type": "geglu"}, "attention": {"rope": {}}},
+    },
+    "pythia": {
+        "model": {"final_norm": {"type": "layernorm"}, "tie_embeddings": False},
+        "block": {
+            "norm": {"type": "layernorm"},
+            "ffn": {"type": "gelu", "bias": True},
+            "attention": {"bias": True, "rope": {"fraction": 0.25}},
+            "parallel_residual": True,
+        },
+    },
+}
+
+
+def merge_defaults(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """Deep merge: values in `given` win; nested mappings merge key by key."""
+    out = copy.deepcopy(defaults)
+    for key, value in given.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_defaults(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_flavour_to_layer(entry: Any, flavour: str | None, path: str) -> Any:
+    if not isinstance(entry, dict):
+        return entry
+    flavour = entry.get("flavour", flavour)
+    entry = {k: v for k, v in entry.items() if k != "flavour"}
+    if entry.get("type") == "group" and isinstance(entry.get("layers"), list):
+        layers = entry["layers"]
+        entry["layers"] = [apply_flavour_to_layer(e, flavour, join(join(path, "layers"), i)) for i, e in enumerate(layers)]
+        return entry
+    if flavour is None or entry.get("type") not in BLOCKS:
+        return entry
+    fields = {f.name for f in dataclasses.fields(BLOCKS.config_class(entry["type"]))}
+    preset = {k: v for k, v in flavour_preset(flavour, join(path, "flavour"))["block"].items() if k in fields}
+    return merge_defaults(preset, entry)
+
+
+def flavour_preset(name: str, path: str) -> dict[str, dict[str, Any]]:
+    if name not in FLAVOURS:
+        raise ConfigError(f"{path}: unknown flavour {name!r}; known: {', '.join(sorted(FLAVOURS))}")
+    return FLAVOURS[name]
+
+
+@dataclasses.dataclass(kw_only=True)
+class BlockGroupConfig:
+    """A repeated pattern of blocks, e.g. `{type: group, repeat: 4, layers: [dense, ffn_moe]}`."""
+
+    type: str = "group"
+    repeat: PositiveInt = 1
+    layers: list[Annotated[Any, OneOf(BLOCKS)]]
+
+    def validate(self, path: str) -> None:
+        if not self.layers:
+            fail(f"{path}.layers", self.layers, "must not be empty")
+
+    def check_dims(self, path: str, d_model: int) -> None:
+        for i, layer in enumerate(self.layers):
+            if hasattr(layer, "check_dims"):
+                layer.check_dims(join(join(path, "layers"), i), d_model)
+
+
+BLOCKS.register("group", config=BlockGroupConfig)(None)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    flavour: str | None = None
+    vocab_size: PositiveInt
+    d_model: PositiveInt
+    max_seq_len: PositiveInt
+    layers: list[Annotated[Any, OneOf(BLOCKS)]]
+    tie_embeddings: bool = True
+    position_embedding: Literal["none", "learned"] = "none"
+    embedding_scale: bool = False  # multiply embeddings by sqrt(d_model) (Gemma)
+    final_norm: Annotated[Any, OneOf(NORMS)] = dataclasses.field(default_factory=NormConfig)
+    init_std: PositiveFloat = 0.02
+
+    @classmethod
+    def preprocess(cls, raw: dict[str, Any], path: str) -> dict[str, Any]:
+        flavour = raw.get("flavour")
+        if flavour is None:
+            out = dict(raw)
+        else:
+            out = merge_defaults(flavour_preset(flavour, join(path, "flavour"))["model"], raw)
+        if isinstance(out.get("layers"), list):
+            out["layers"] = [
+                apply_flavour_to_layer(e, flavour, join(join(path, "layers"), i)) for i, e in enumerate(out["layers"])
+            ]
+        return out
+
+    def validate(self, path: str) -> None:
+        if not self.layers:
+            fail(join(path, "layers"), self.layers, "must not be empty")
+        for i, layer in enumerate(self.layers):
+            if hasattr(layer, "check_dims"):
+                layer.check_dims(join(join(path, "layers"), i), self.d_model)
+
+    def expanded_layers(self) -> list[Any]:
+        """One block config per layer, `repeat` and groups unrolled."""
+        return list(expand(self.layers))
+
+
+def expand(layers: list[Any]) -> Iterator[Any]:
+    for layer in layers:
+        for _ in range(layer.repeat):
+            if isinstance(layer, BlockGroupConfig):
+                yield from expand(layer.layers)
+            else:
+                yield layer

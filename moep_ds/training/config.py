@@ -1,0 +1,63 @@
+"""The recipe's `train:` section: optimizer, schedule, length, checkpointing, logging, parallelism.
+
+The DeepSpeed JSON owns batch sizes, ZeRO stage, precision, clipping and offload. The optional
+`micro_batch_size`, `global_batch_size` and `grad_clip` here let a recipe state the values it was tuned
+for: they fill a DeepSpeed config that leaves them out ("auto") and must agree with one that sets them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Literal
+
+from moep_ds.schema import Between, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, fail
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimizerConfig:
+    lr: PositiveFloat = 3e-4
+    betas: list[Annotated[float, Between(0.0, 1.0, hi_open=True)]] = dataclasses.field(
+        default_factory=lambda: [0.9, 0.95]
+    )
+    eps: PositiveFloat = 1e-8
+    weight_decay: NonNegativeFloat = 0.1
+
+    def validate(self, path: str) -> None:
+        if len(self.betas) != 2:
+            fail(f"{path}.betas", self.betas, "must be a list of two numbers")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ScheduleConfig:
+    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: NonNegativeInt = 100
+    min_lr_ratio: Annotated[float, Between(0.0, 1.0)] = 0.1  # the floor, as a fraction of the peak lr
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    every_steps: PositiveInt | None = 1000
+    every_minutes: PositiveFloat | None = None
+    keep_last: PositiveInt = 3
+    at_end: bool = True
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    output_dir: str = "runs/default"
+    seed: NonNegativeInt = 1234
+    max_steps: PositiveInt | None = None  # optimizer steps; null: derived from `epochs`
+    epochs: PositiveFloat | None = None
+    micro_batch_size: PositiveInt | None = None
+    global_batch_size: PositiveInt | None = None
+    grad_clip: PositiveFloat | None = None
+    expert_parallel_size: PositiveInt = 1
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    log_every: PositiveInt = 10
+    eval_every: PositiveInt | None = None
+    eval_batches: PositiveInt = 8
+
+    def validate(self, path: str) -> None:
+        if self.max_steps is None and self.epochs is None:
+            fail(f"{path}.max_steps", None, "must be set when train.epochs is not")

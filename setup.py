@@ -1,0 +1,40 @@
+"""moep_ds: pre-training sparse Mixture-of-Experts language models under DeepSpeed.
+
+torch is pinned to the CPU wheel this project is developed and tested with; GPU users install their own
+build and override the pin, e.g. `MOEP_TORCH_SPEC="torch>=2.4" pip install -e .`.
+"""
+import os
+
+from setuptools import find_packages, setup
+
+TORCH = os.environ.get("MOEP_TORCH_SPEC", "torch==2.13.0")
+
+setup(
+    name="moep_ds",
+    version="0.1.0",
+    description="Pre-training framework for sparse Mixture-of-Experts language models under DeepSpeed",
+    packages=find_packages(include=["moep_ds", "moep_ds.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        TORCH,
+        "deepspeed>=0.16",
+        "tokenizers>=0.19",
+        "datasets>=2.19",
+        "sentencepiece",
+        "tensorboard",
+        "pyyaml",
+        "lm-eval>=0.4.3",
+        "transformers>=4.40",
+        "tqdm",
+        "matplotlib",
+        "safetensors",
+        "numpy",
+    ],
+    extras_require={"test": ["pytest>=8", "pytest-timeout"]},
+    entry_points={
+        "console_scripts": [
+            "moep-pretrain = moep_ds.cli:pretrain_main",
+            "moep-prepare = moep_ds.data.prepare:main",
+        ]
+    },
+)

@@ -1,0 +1,24 @@
+"""Shared test setup: offline hubs, one thread per process, paths to the repository and the shared data."""
+import os
+import pathlib
+
+import pytest
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+SHARED_DATA = pathlib.Path(os.environ.get("MOEP_DATA_DIR", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture
+def shared_data() -> pathlib.Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA} (set MOEP_DATA_DIR to run this case)")
+    return SHARED_DATA

@@ -1,0 +1,41 @@
+import torch
+
+from moep_ds.layers.ffn import FFNConfig, build_ffn, ffn_hidden_size
+from moep_ds.layers.norm import NormConfig, build_norm
+
+
+def test_rmsnorm_matches_formula_and_gemma_scale_is_one_plus_w():
+    x = torch.randn(3, 8, dtype=torch.float64)
+    rms = build_norm(NormConfig(type="rmsnorm", eps=1e-6), 8).double()
+    gemma = build_norm(NormConfig(type="gemma_rmsnorm", eps=1e-6), 8).double()
+    with torch.no_grad():
+        rms.weight.copy_(torch.linspace(0.5, 2.0, 8))
+        gemma.weight.copy_(torch.linspace(0.5, 2.0, 8) - 1.0)
+    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.linspace(0.5, 2.0, 8, dtype=torch.float64)
+    torch.testing.assert_close(rms(x), ref)
+    torch.testing.assert_close(gemma(x), ref)
+
+
+def test_layernorm_without_bias():
+    norm = build_norm(NormConfig(type="layernorm", bias=False), 8)
+    assert norm.bias is None
+
+
+def test_ffn_hidden_size_rule():
+    assert ffn_hidden_size(FFNConfig(type="swiglu"), 256) == 680  # 682.7 -> nearest multiple of 8
+    assert ffn_hidden_size(FFNConfig(type="geglu"), 512) == 1368  # 1365.3 -> 1368
+    assert ffn_hidden_size(FFNConfig(type="gelu"), 512) == 2048
+    assert ffn_hidden_size(FFNConfig(type="swiglu", hidden_size=100), 512) == 100
+
+
+def test_swiglu_and_geglu_formulas():
+    torch.manual_seed(0)
+    x = torch.randn(5, 16, dtype=torch.float64)
+    for kind, act in [("swiglu", torch.nn.functional.silu),
+                      ("geglu", lambda h: torch.nn.functional.gelu(h, approximate="tanh"))]:
+        ffn = build_ffn(FFNConfig(type=kind, hidden_size=24), 16).double()
+        ref = (act(x @ ffn.w1.weight.T) * (x @ ffn.w3.weight.T)) @ ffn.w2.weight.T
+        torch.testing.assert_close(ffn(x), ref)
+    gelu = build_ffn(FFNConfig(type="gelu", bias=True), 16).double()
+    ref = torch.nn.functional.gelu(x @ gelu.w_in.weight.T + gelu.w_in.bias) @ gelu.w_out.weight.T + gelu.w_out.bias
+    torch.testing.assert_close(gelu(x), ref)

@@ -1,0 +1,182 @@
+"""Strict config loading: overrides, repeat/groups, flavours, and one-line errors for bad recipes."""
+import copy
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from moep_ds.cli import pretrain_main
+from moep_ds.config import config_from_dict, load_config
+from moep_ds.schema import ConfigError
+
+from conftest import CONFIGS, REPO
+
+BASE = {
+    "model": {
+        "flavour": "llama",
+        "vocab_size": 64,
+        "d_model": 32,
+        "max_seq_len": 16,
+        "layers": [{"type": "dense", "repeat": 2, "attention": {"num_heads": 4, "window": 8}}],
+    },
+    "train": {"max_steps": 3},
+}
+
+
+def with_change(path: str, value):
+    raw = copy.deepcopy(BASE)
+    node = raw
+    keys = path.split("/")
+    for k in keys[:-1]:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    last = keys[-1]
+    if value is DELETE:
+        del node[last]
+    elif isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return raw
+
+
+DELETE = object()
+
+BAD = [
+    ("unknown key with suggestion", with_change("model/layers/0/attention/num_haeds", 4),
+     "model.layers[0].attention.num_haeds: unknown key; did you mean 'num_heads'?"),
+    ("unknown top-level key", with_change("trian", {}), "trian: unknown key; did you mean 'train'?"),
+    ("wrong type", with_change("model/d_model", "big"), "model.d_model ('big') must be an integer"),
+    ("bool is not int", with_change("model/vocab_size", True), "model.vocab_size (True) must be an integer"),
+    ("zero dim", with_change("model/d_model", 0), "model.d_model (0) must be > 0"),
+    ("negative dim", with_change("model/layers/0/ffn", {"hidden_size": -8}),
+     "model.layers[0].ffn.hidden_size (-8) must be > 0"),
+    ("heads not dividing d_model", with_change("model/layers/0/attention/num_heads", 5),
+     "model.layers[0].attention.num_heads (5) must divide d_model (32)"),
+    ("kv heads not dividing heads", with_change("model/layers/0/attention/num_kv_heads", 3),
+     "model.layers[0].attention.num_kv_heads (3) must divide num_heads (4)"),
+    ("unknown block", with_change("model/layers/0/type", "densee"),
+     "model.layers[0].type: unknown block 'densee'; known: "),
+    ("unknown norm", with_change("model/layers/0/norm", "batchnorm"),
+     "model.layers[0].norm.type: unknown norm 'batchnorm'; known: gemma_rmsnorm, layernorm, rmsnorm"),
+    ("unknown ffn", with_change("model/layers/0/ffn", {"type": "relu2"}),
+     "model.layers[0].ffn.type: unknown ffn 'relu2'; known: geglu, gelu, swiglu"),
+    ("window zero", with_change("model/layers/0/attention/window", 0),
+     "model.layers[0].attention.window (0) must be > 0"),
+    ("empty layer list", with_change("model/layers", []), "model.layers ([]) must not be empty"),
+    ("repeat zero", with_change("model/layers/0/repeat", 0), "model.layers[0].repeat (0) must be > 0"),
+    ("rotary fraction zero", with_change("model/layers/0/attention/rope", {"fraction": 0.0}),
+     "model.layers[0].attention.rope.fraction (0.0) must be in (0.0, 1.0]"),
+    ("rotary fraction above one", with_change("model/layers/0/attention/rope", {"fraction": 1.5}),
+     "model.layers[0].attention.rope.fraction (1.5) must be in (0.0, 1.0]"),
+    ("vocab zero", with_change("model/vocab_size", 0), "model.vocab_size (0) must be > 0"),
+    ("vocab negative", with_change("model/vocab_size", -5), "model.vocab_size (-5) must be > 0"),
+    ("missing required", with_change("model/d_model", DELETE), "model.d_model: required key is missing"),
+    ("unknown flavour", with_change("model/flavour", "mistral"),
+     "model.flavour: unknown flavour 'mistral'; known: gemma, gpt2, llama, pythia"),
+    ("bad literal", with_change("model/position_embedding", "sinusoidal"),
+     "model.position_embedding ('sinusoidal') must be one of none, learned"),
+    ("seq_len beyond context", with_change("data", {"seq_len": 32}),
+     "data.seq_len (32) must be <= model.max_seq_len (16)"),
+    ("group with empty layers", with_change("model/layers/0", {"type": "group", "layers": []}),
+     "model.layers[0].layers ([]) must not be empty"),
+]
+
+
+@pytest.mark.parametrize("name,raw,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_is_rejected_with_dotted_path(name, raw, message):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name,raw,message", BAD[:14], ids=[b[0] for b in BAD[:14]])
+def test_pretrain_exits_nonzero_with_one_line(name, raw, message, tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert pretrain_main(["--config", str(path), "--dry_run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"error: {captured.err[7:]}" and captured.err.count("\n") == 1
+    assert message in captured.err
+
+
+def test_non_yaml_files_are_rejected(tmp_path, capsys):
+    text = tmp_path / "recipe.txt"
+    text.write_text("model: {}\n")
+    assert pretrain_main(["--config", str(text), "--dry_run"]) == 2
+    assert "is not a YAML file" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"
+    broken.write_bytes(b"model: [unclosed\n\x00\xff")
+    assert pretrain_main(["--config", str(broken), "--dry_run"]) == 2
+    assert "is not valid YAML" in capsys.readouterr().err
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    assert pretrain_main(["--config", str(scalar), "--dry_run"]) == 2
+    assert "must hold a mapping of sections, got str" in capsys.readouterr().err
+    assert pretrain_main(["--config", str(tmp_path / "missing.yaml"), "--dry_run"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_pretrain_script_bad_config_has_no_traceback(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(with_change("model/layers/0/attention/num_heads", 5)))
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain.py"), "--config", str(path), "--dry_run"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: model.layers[0].attention.num_heads (5) must divide d_model (32)"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_overrides_types_and_indices(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    cfg = load_config(path, ["train.optimizer.lr=1e-3", "model.layers[0].repeat=3",
+                             "model.layers.0.attention.window=null", "train.optimizer.betas=[0.8, 0.9]"])
+    assert cfg.train.optimizer.lr == 1e-3 and isinstance(cfg.train.optimizer.lr, float)
+    assert len(cfg.model.expanded_layers()) == 3
+    assert cfg.model.layers[0].attention.window is None
+    assert cfg.train.optimizer.betas == [0.8, 0.9]
+    with pytest.raises(ConfigError, match=r"index 4 is out of range"):
+        load_config(path, ["model.layers[4].repeat=1"])
+    with pytest.raises(ConfigError, match=r"must look like key.path=value"):
+        load_config(path, ["model.d_model"])
+    with pytest.raises(ConfigError, match=r"train.optimizer.lrr: unknown key; did you mean 'lr'\?"):
+        load_config(path, ["train.optimizer.lrr=1"])
+
+
+def test_flavours_fill_defaults_and_recipe_wins():
+    raw = copy.deepcopy(BASE)
+    raw["model"]["flavour"] = "pythia"
+    raw["model"]["layers"][0]["norm"] = "rmsnorm"
+    cfg = config_from_dict(raw)
+    layer = cfg.model.layers[0]
+    assert layer.parallel_residual and layer.attention.bias and layer.ffn.type == "gelu"
+    assert layer.attention.rope.fraction == 0.25
+    assert layer.norm.type == "rmsnorm"  # the recipe's choice wins over the flavour's layernorm
+    assert cfg.model.tie_embeddings is False and cfg.model.final_norm.type == "layernorm"
+    gpt2 = config_from_dict(with_change("model/flavour", "gpt2"))
+    assert gpt2.model.position_embedding == "learned" and gpt2.model.layers[0].attention.rope is None
+
+
+def test_groups_make_mixed_stacks_data():
+    raw = copy.deepcopy(BASE)
+    dense = {"type": "dense", "attention": {"num_heads": 4}}
+    raw["model"]["layers"] = [
+        {"type": "group", "repeat": 3, "layers": [dense, {**dense, "attention": {"num_heads": 2}}]},
+        {**dense, "repeat": 2},
+    ]
+    heads = [layer.attention.num_heads for layer in config_from_dict(raw).model.expanded_layers()]
+    assert heads == [4, 2, 4, 2, 4, 2, 4, 4]
+
+
+def test_yaml_exponent_floats():
+    cfg = config_from_dict(BASE, ["train.optimizer.eps=1e-6"])
+    assert cfg.train.optimizer.eps == 1e-6
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_recipe_loads(recipe):
+    load_config(CONFIGS / recipe)
