@@ -47,14 +47,24 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, init_std) for linear and embedding weights; output projections of residual branches scaled
-        by 1/sqrt(2 * num_layers) (GPT-2) so the residual stream's variance does not grow with depth."""
+        by 1/sqrt(2 * num_layers) (GPT-2) so the residual stream's variance does not grow with depth. A submodule
+        with an `init_weights(std, out_scale)` method initialises its own parameters after that."""
         std = self.cfg.init_std
+        out_scale = 1.0 / math.sqrt(2 * len(self.blocks))
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                scale = 1.0 / math.sqrt(2 * len(self.blocks)) if name.endswith(("w_o", "w_out", "w2")) else 1.0
+                scale = out_scale if name.endswith(("w_o", "w_out", "w2")) else 1.0
                 nn.init.normal_(module.weight, std=std * scale)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+        # Modules with parameters of their own kind (stacked experts, routers, SSM) initialise those themselves.
+        done: list[str] = []
+        for name, module in self.named_modules():
+            if name and callable(getattr(module, "init_weights", None)) and not any(
+                name.startswith(prefix + ".") for prefix in done
+            ):
+                module.init_weights(std, out_scale)
+                done.append(name)
 
     def embed_tokens(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids_BT)

@@ -47,6 +47,7 @@ class TrainConfig:
     seed: NonNegativeInt = 1234
     max_steps: PositiveInt | None = None  # optimizer steps; null: derived from `epochs`
     epochs: PositiveFloat | None = None
+    exit_at_step: PositiveInt | None = None  # checkpoint and exit there (Megatron's exit-interval); schedule unchanged
     micro_batch_size: PositiveInt | None = None
     global_batch_size: PositiveInt | None = None
     grad_clip: PositiveFloat | None = None
@@ -57,6 +58,7 @@ class TrainConfig:
     log_every: PositiveInt = 10
     eval_every: PositiveInt | None = None
     eval_batches: PositiveInt = 8
+    peak_tflops: PositiveFloat | None = None  # per device, for the MFU estimate; null: known GPUs only
 
     def validate(self, path: str) -> None:
         if self.max_steps is None and self.epochs is None:

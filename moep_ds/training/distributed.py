@@ -1,0 +1,55 @@
+"""Process-group setup for `deepspeed`, `torchrun`, `srun` (via env) and plain single-process runs."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> torch.device:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU) and return this rank's device."""
+    import deepspeed
+
+    if "RANK" not in os.environ:  # a plain `python pretrain.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, dist_init_required=True)
+    return device
+
+
+class RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def setup_logging(rank: int, all_ranks: bool = False) -> None:
+    """INFO from rank 0 (every rank with MOEP_LOG_ALL_RANKS=1), each line prefixed with `[rank N]`."""
+    handler = logging.StreamHandler()
+    handler.addFilter(RankFilter(rank))
+    handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)d] %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("moep_ds")
+    root.handlers[:] = [handler]
+    root.propagate = False
+    verbose = rank == 0 or all_ranks or os.environ.get("MOEP_LOG_ALL_RANKS") == "1"
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

@@ -1,0 +1,134 @@
+"""The DeepSpeed JSON config, reconciled with the recipe.
+
+The JSON owns batch sizes, ZeRO stage, precision, clipping and offload; the recipe owns model, data,
+optimizer and schedule. The recipe may state micro/global batch size and clipping: those fill values the
+JSON leaves out (or sets to "auto") and must agree with values it sets. Any disagreement is an error.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+from typing import Any
+
+from moep_ds.errors import UserError
+from moep_ds.training.config import TrainConfig
+
+# recipe field -> DeepSpeed key
+SHARED_KEYS = {
+    "micro_batch_size": "train_micro_batch_size_per_gpu",
+    "global_batch_size": "train_batch_size",
+    "grad_clip": "gradient_clipping",
+}
+
+DEFAULTS: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 0},
+}
+
+
+class DeepSpeedConfigError(UserError):
+    pass
+
+
+def read_ds_config(path: str | dict | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    if isinstance(path, dict):
+        return copy.deepcopy(path)
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise DeepSpeedConfigError(f"--ds_config {path!r} does not exist")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise DeepSpeedConfigError(f"--ds_config {path!r} is not valid JSON: {err}") from None
+    if not isinstance(cfg, dict):
+        raise DeepSpeedConfigError(f"--ds_config {path!r} must hold a JSON object")
+    return cfg
+
+
+def is_unset(value: Any) -> bool:
+    return value is None or value == "auto"
+
+
+def reconcile(ds: dict[str, Any], train: TrainConfig, world_size: int) -> dict[str, Any]:
+    """A complete DeepSpeed config for `world_size` data-parallel ranks, or a one-line error."""
+    ds = copy.deepcopy(ds)
+    for section in ("optimizer", "scheduler"):
+        if section in ds:
+            raise DeepSpeedConfigError(
+                f"ds_config {section!r}: the recipe's train.{'optimizer' if section == 'optimizer' else 'schedule'} "
+                f"owns it; remove the section from the DeepSpeed config"
+            )
+    for field, key in SHARED_KEYS.items():
+        ours = getattr(train, field)
+        theirs = ds.get(key)
+        if ours is not None and not is_unset(theirs) and theirs != ours:
+            raise DeepSpeedConfigError(
+                f"train.{field} ({ours}) conflicts with ds_config {key} ({theirs}); set it in one place"
+            )
+        if is_unset(theirs):
+            if ours is not None:
+                ds[key] = ours
+            else:
+                ds.pop(key, None)
+    fill_batch_sizes(ds, world_size)
+    if is_unset(ds.get("gradient_clipping")):
+        ds["gradient_clipping"] = DEFAULTS["gradient_clipping"]
+    ds.setdefault("zero_optimization", dict(DEFAULTS["zero_optimization"]))
+    if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
+        raise DeepSpeedConfigError("ds_config enables both fp16 and bf16; choose one")
+    # A client torch optimizer (AdamW): no FusedAdam build, same numerics on every backend.
+    ds["zero_allow_untested_optimizer"] = True
+    ds.setdefault("steps_per_print", 10**9)
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def fill_batch_sizes(ds: dict[str, Any], world_size: int) -> None:
+    """train_batch_size = micro x accumulation x data-parallel size; derive a missing one, check all three."""
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    accum = ds.get("gradient_accumulation_steps")
+    total = ds.get("train_batch_size")
+    given = {k: v for k, v in (("micro", micro), ("accum", accum), ("total", total)) if not is_unset(v)}
+    if "micro" not in given and "total" not in given:
+        micro = DEFAULTS["train_micro_batch_size_per_gpu"]
+    if is_unset(accum):
+        if not is_unset(total) and not is_unset(micro):
+            accum, rem = divmod(total, micro * world_size)
+            if rem or accum == 0:
+                raise DeepSpeedConfigError(
+                    f"ds_config train_batch_size ({total}) is not a multiple of train_micro_batch_size_per_gpu "
+                    f"({micro}) x data-parallel size ({world_size})"
+                )
+        else:
+            accum = 1
+    if is_unset(micro):
+        micro, rem = divmod(total, accum * world_size)
+        if rem or micro == 0:
+            raise DeepSpeedConfigError(
+                f"ds_config train_batch_size ({total}) is not a multiple of gradient_accumulation_steps ({accum}) "
+                f"x data-parallel size ({world_size})"
+            )
+    expected = micro * accum * world_size
+    if not is_unset(total) and total != expected:
+        raise DeepSpeedConfigError(
+            f"ds_config train_batch_size ({total}) != train_micro_batch_size_per_gpu ({micro}) x "
+            f"gradient_accumulation_steps ({accum}) x data-parallel size ({world_size}) = {expected}"
+        )
+    ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=expected)
+
+
+def precision(ds: dict[str, Any]) -> str:
+    if ds.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if ds.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def zero_stage(ds: dict[str, Any]) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))

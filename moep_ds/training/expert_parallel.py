@@ -1,0 +1,92 @@
+"""Expert parallelism: DeepSpeed's expert groups, sharded experts, all-to-all dispatch, MoE parameter marks.
+
+The DeepSpeed engine treats a module as MoE (expert gradients averaged over the expert-data-parallel
+group, MoE optimizer groups) only if it is an instance of `deepspeed.moe.layer.MoE`. Model code stays
+free of deepspeed: at engine build time each of our MoE layers is given a class that also derives from
+DeepSpeed's MoE, with the attributes the engine reads.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from moep_ds.errors import UserError
+from moep_ds.moe.all_to_all import AllToAllDispatcher
+from moep_ds.moe.layer import MoELayer, shard_experts
+from moep_ds.registry import ROUTERS
+from moep_ds.training.ds_config import zero_stage
+
+
+class ParallelLayoutError(UserError):
+    pass
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def routed_module_classes(model: nn.Module) -> list[type]:
+    """Classes of the modules that own a router: which of their parameters a rank uses depends on the data,
+    so ZeRO-3 must fetch each such module's parameters as one unit (a leaf module)."""
+    router_types = tuple(ROUTERS.get(name) for name in ROUTERS.names())
+    classes = []
+    for module in model.modules():
+        if any(isinstance(child, router_types) for child in module.children()) and type(module) not in classes:
+            classes.append(type(module))
+    return classes
+
+
+moe_layer_classes = routed_module_classes
+
+
+def check_parallel_layout(cfg: Any, ds: dict, world_size: int) -> None:
+    ep = cfg.train.expert_parallel_size
+    if ep == 1:
+        return
+    if world_size % ep:
+        raise ParallelLayoutError(
+            f"train.expert_parallel_size ({ep}) must divide the world size ({world_size})")
+    if zero_stage(ds) == 3:
+        raise ParallelLayoutError(
+            f"train.expert_parallel_size ({ep}) > 1 is not supported with ZeRO stage 3 (DeepSpeed refuses expert "
+            f"parameters there); use ZeRO 0-2, or expert_parallel_size 1 with ZeRO-3")
+
+
+def engine_view_class(cls: type) -> type:
+    from deepspeed.moe.layer import MoE
+
+    def set_deepspeed_parallelism(self, *args: Any, **kwargs: Any) -> None:
+        """Groups were created by `setup_expert_parallel`; our dispatcher already holds its group."""
+
+    return type(f"DeepSpeed{cls.__name__}", (cls, MoE), {"set_deepspeed_parallelism": set_deepspeed_parallelism})
+
+
+def setup_expert_parallel(model: nn.Module, ep_size: int):
+    """Shard every MoE layer's experts over `ep_size` ranks and wire the all-to-all dispatcher.
+    Returns the expert-parallel process group (None at ep_size 1, where experts are ordinary parameters)."""
+    if ep_size == 1:
+        return None
+    from deepspeed.utils import groups
+
+    layers = moe_layers(model)
+    if not layers:
+        raise ParallelLayoutError(f"train.expert_parallel_size ({ep_size}) > 1 but the model has no MoE layers")
+    name = f"ep_size_{ep_size}"
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep_size)
+    ep_group = groups._get_expert_parallel_group(name)
+    ep_rank = dist.get_rank(ep_group)
+    for layer in layers:
+        shard_experts(layer, ep_rank, ep_size)
+        layer.set_dispatcher(AllToAllDispatcher(ep_group, layer.num_experts))
+        for p in layer.experts.parameters():
+            p.allreduce = False  # DeepSpeed's mark of an expert parameter
+            p.group_name = name
+        layer.__class__ = engine_view_class(type(layer))
+        layer.ep_size = ep_size
+        layer.expert_group_name = name
+        layer.num_local_experts = layer.num_experts // ep_size
+        layer.enable_expert_tensor_parallelism = False
+    return ep_group

@@ -1,0 +1,73 @@
+"""Metrics: `metrics.jsonl`, `expert_utilization.jsonl` and TensorBoard scalars through DeepSpeed's monitor.
+
+DeepSpeed's engine logs only the learning rate by itself; everything else goes through
+`engine.monitor.write_events`. Files are written by rank 0 only.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def split_stats(stats: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Scalar statistics and per-expert vectors (e.g. `layers.3.tokens_per_expert`)."""
+    scalars, vectors = {}, {}
+    for key, value in stats.items():
+        value = value.detach().float().cpu()
+        if value.numel() == 1:
+            scalars[key] = float(value)
+        else:
+            vectors[key] = value.flatten().tolist()
+    return scalars, vectors
+
+
+class Monitor:
+    def __init__(self, run_dir: pathlib.Path, engine, enabled: bool):
+        self.enabled = enabled
+        self.engine = engine
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
+            self.utilization = open(run_dir / "expert_utilization.jsonl", "a", buffering=1)
+
+    def write_events(self, step: int, scalars: dict[str, float], prefix: str = "train") -> None:
+        monitor = getattr(self.engine, "monitor", None)
+        if monitor is not None and monitor.enabled:
+            monitor.write_events([(f"{prefix}/{k}", v, step) for k, v in scalars.items()])
+
+    def log_step(self, step: int, metrics: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
+        if not self.enabled:
+            return
+        scalars, vectors = split_stats(stats)
+        self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+        events = dict(metrics)
+        events.update({f"moe/{k}": v for k, v in scalars.items()})
+        for key, values in vectors.items():
+            events.update({f"moe/{key}/expert_{i}": v for i, v in enumerate(values)})
+        self.write_events(step, events)
+        if vectors or scalars:
+            self.utilization.write(json.dumps({"step": step, **scalars, **vectors}) + "\n")
+
+    def log_events(self, step: int, events: list[dict[str, Any]]) -> None:
+        """Discrete events (lifecycle replacements, loss-scale overflows): JSON lines and a TensorBoard counter."""
+        if not self.enabled or not events:
+            return
+        for event in events:
+            self.utilization.write(json.dumps({"step": step, "event": event}) + "\n")
+        self.write_events(step, {"events": float(len(events))}, prefix="lifecycle")
+
+    def close(self) -> None:
+        if self.enabled:
+            self.metrics.close()
+            self.utilization.close()
+            monitor = getattr(self.engine, "monitor", None)
+            for writer in getattr(monitor, "monitors", []) if monitor is not None else []:
+                summary = getattr(writer, "summary_writer", None)
+                if summary is not None:
+                    summary.flush()

@@ -1,0 +1,45 @@
+"""AdamW parameter groups and the warmup + cosine (or linear/constant) learning-rate schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moep_ds.training.config import OptimizerConfig, ScheduleConfig
+
+
+def no_decay(name: str, param: nn.Parameter, embedding_ids: set[int]) -> bool:
+    """Norm scales and biases (1-D) and embedding tables are not decayed."""
+    return param.ndim < 2 or id(param) in embedding_ids
+
+
+def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, keep = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (keep if no_decay(name, p, embedding_ids) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay, "name": "decay"},
+              {"params": keep, "weight_decay": 0.0, "name": "no_decay"}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup, then decay to the floor."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.kind == "constant":
+        return 1.0
+    span = max(1, max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.kind == "cosine" else 1.0 - progress
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, max_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))

@@ -1,0 +1,102 @@
+"""Full (unpartitioned) fp32 parameters and optimizer state, whatever ZeRO stage holds them.
+
+Under ZeRO 1/2/3 and the bf16 optimizer the fp32 master weights and Adam moments are partitioned over
+ranks: DeepSpeed's partitioned-state API assembles and scatters them (collective calls: every rank of the
+data-parallel group must make the same calls in the same order). Without a partitioning optimizer (ZeRO-0
+fp32) the module parameter is the master weight and the torch optimizer holds the state directly.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def is_partitioned(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+def inner_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's wrappers (ZeRO, bf16, fp16), or the optimizer itself."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def link_optimizer_state(optimizer) -> None:
+    """Make every partitioned parameter's view of the Adam moments current.
+
+    ZeRO-1/2 and the bf16 optimizer link these views once, after the first optimizer step of the FIRST
+    parameter group, so groups stepped after it (e.g. our no-weight-decay group) stay unlinked; relinking is
+    cheap (narrow views into the flat state)."""
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def init_optimizer_state(optimizer) -> None:
+    """Create zero Adam state (as torch's AdamW would at its first step) so that a checkpoint's moments can be
+    written into an optimizer that has not stepped yet."""
+    inner = inner_optimizer(optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state[p]
+            if "exp_avg" not in state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    link_optimizer_state(optimizer)
+
+
+def get_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    full = safe_get_full_fp32_param(param) if is_partitioned(param) else None
+    return (full if full is not None else param.detach()).float().cpu().clone()
+
+
+def set_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set the master weight (and the module's working copy, which DeepSpeed refreshes only at the next step)."""
+    if is_partitioned(param):
+        safe_set_full_fp32_param(param, value.to(param.device, torch.float32))
+    if not hasattr(param, "ds_id"):
+        with torch.no_grad():
+            param.copy_(value.to(param.device, param.dtype))
+
+
+def get_optimizer_state(param: torch.nn.Parameter, optimizer, key: str) -> torch.Tensor | None:
+    if is_partitioned(param):
+        value = safe_get_full_optimizer_state(param, key)
+    else:
+        value = inner_optimizer(optimizer).state.get(param, {}).get(key)
+    return None if value is None else value.float().cpu().clone()
+
+
+def set_optimizer_state(param: torch.nn.Parameter, optimizer, key: str, value: torch.Tensor) -> None:
+    if is_partitioned(param):
+        safe_set_full_optimizer_state(param, value.to(torch.float32), key)
+        return
+    state = inner_optimizer(optimizer).state.setdefault(param, {})
+    if key in state:
+        state[key].copy_(value.to(state[key].device, state[key].dtype))
+    else:
+        state[key] = value.to(param.device, torch.float32).clone()
+
+
+def optimizer_step_count(optimizer) -> int:
+    steps = [int(s["step"]) for s in inner_optimizer(optimizer).state.values() if "step" in s]
+    return max(steps, default=0)
+
+
+def set_optimizer_step_count(optimizer, params: list[torch.nn.Parameter], step: int) -> None:
+    """Adam's bias correction reads `step`; partitioned optimizers keep one per flat group."""
+    inner = inner_optimizer(optimizer)
+    for p in params:
+        if not is_partitioned(p):
+            inner.state.setdefault(p, {})
+    for state in inner.state.values():
+        state["step"] = torch.tensor(float(step))

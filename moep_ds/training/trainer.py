@@ -1,0 +1,255 @@
+"""The training loop under DeepSpeed: build, resume, step, log, checkpoint, stop cleanly on a signal.
+
+# B micro-batch, T sequence length
+"""
+from __future__ import annotations
+
+import logging
+import math
+import pathlib
+import signal
+import time
+from collections import defaultdict
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from moep_ds.config import Config
+from moep_ds.data.dataset import PackedDataset
+from moep_ds.data.prepare import check_meta, prepare
+from moep_ds.data.sampler import BatchLoader
+from moep_ds.models.accounting import count_params
+from moep_ds.models.causal_lm import build_model
+from moep_ds.training import checkpoint as ckpt_io
+from moep_ds.training.distributed import init_distributed, setup_logging
+from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
+from moep_ds.training.expert_parallel import check_parallel_layout, moe_layer_classes, setup_expert_parallel
+from moep_ds.training.hooks import after_optimizer_step
+from moep_ds.training.monitor import Monitor
+from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
+
+log = logging.getLogger(__name__)
+
+PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+class StopRequest:
+    """SIGUSR1 / SIGTERM (SLURM preemption) ask for a checkpoint and a clean exit at the next step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        log.warning("received signal %d: checkpointing and stopping after this step", signum)
+        self.requested = True
+
+
+def prepare_data(cfg: Config, rank: int) -> tuple[pathlib.Path, dict]:
+    """Rank 0 prepares (or reuses) the packed corpus; the others then find it complete."""
+    if rank == 0:
+        prepared = prepare(cfg.data)
+    dist.barrier()
+    if rank != 0:
+        prepared = prepare(cfg.data)
+    return prepared, check_meta(prepared, vocab_size=cfg.model.vocab_size)
+
+
+def total_steps(cfg: Config, num_windows: int, global_batch: int) -> int:
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    return max(1, int(cfg.train.epochs * num_windows // global_batch))
+
+
+def peak_flops(cfg: Config, device: torch.device) -> float | None:
+    if cfg.train.peak_tflops is not None:
+        return cfg.train.peak_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((v * 1e12 for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)
+    return None
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ds_config_path: str | None, resume: str | None):
+        self.cfg = cfg
+        self.device = init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        setup_logging(self.rank)
+        self.run_dir = pathlib.Path(cfg.train.output_dir)
+        ds = reconcile(read_ds_config(ds_config_path), cfg.train, self.world)
+        ds.setdefault("tensorboard", {"enabled": True, "output_path": str(self.run_dir), "job_name": "tensorboard"})
+        self.ds = ds
+        check_parallel_layout(cfg, ds, self.world)
+        self.prepared, self.meta = prepare_data(cfg, self.rank)
+        self.resume_from = ckpt_io.resolve_resume(resume, self.run_dir)
+        self.engine, self.model, self.ep_group = self.build_engine()
+        self.dataset = PackedDataset(self.prepared / "train.bin", cfg.data.seq_len)
+        self.accum = ds["gradient_accumulation_steps"]
+        self.loader = BatchLoader(self.dataset, micro_batch_size=ds["train_micro_batch_size_per_gpu"],
+                                  grad_accum=self.accum, dp_rank=self.rank, dp_size=self.world, seed=cfg.train.seed)
+        self.step = 0
+        self.tokens_per_step = ds["train_batch_size"] * cfg.data.seq_len
+        if self.resume_from is not None:
+            state = ckpt_io.load_engine_state(self.engine, self.model, self.resume_from, self.ep_group)
+            self.loader.load_state_dict(state["data"])
+            self.step = state["step"]
+            log.info("resumed from %s at step %d", self.resume_from, self.step)
+        self.monitor = Monitor(self.run_dir, self.engine, enabled=self.rank == 0)
+        self.stop = StopRequest()
+
+    def build_engine(self):
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        model = build_model(cfg.model)
+        self.report = count_params(model, cfg.data.seq_len)
+        ep_group = setup_expert_parallel(model, cfg.train.expert_parallel_size)
+        if self.resume_from is not None:
+            ckpt_io.load_model_state(model, self.resume_from, ep_group)
+        if zero_stage(self.ds) == 3 and moe_layer_classes(model):
+            # Expert order depends on the data: gather each MoE module's parameters as one unit so that ranks
+            # routing differently never wait on different parameter fetches.
+            deepspeed.utils.set_z3_leaf_modules(model, moe_layer_classes(model))
+        groups = param_groups(model, cfg.train.optimizer)
+        if ep_group is not None:
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+            groups = split_params_into_different_moe_groups_for_optimizer(groups)
+        optimizer = build_optimizer(groups, cfg.train.optimizer)
+        windows = len(PackedDataset(self.prepared / "train.bin", cfg.data.seq_len))
+        self.max_steps = total_steps(cfg, windows, self.ds["train_batch_size"])
+        scheduler = build_scheduler(optimizer, cfg.train.schedule, self.max_steps)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=self.ds, dist_init_required=False)
+        log.info("model: %s | %s | ZeRO-%d | %d ranks | expert parallel %d | %d steps",
+                 self.report.as_dict(), precision(self.ds), zero_stage(self.ds), self.world,
+                 cfg.train.expert_parallel_size, self.max_steps)
+        return engine, model, ep_group
+
+    def train_step(self) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """One optimizer step over `accum` micro-batches; losses averaged over micro-batches and ranks."""
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+        stats: dict[str, torch.Tensor] = {}
+        for _ in range(self.accum):
+            input_ids, labels = self.loader.next_micro_batch()
+            out = self.engine(input_ids.to(self.device), labels=labels.to(self.device))
+            self.engine.backward(out.loss)
+            self.engine.step()
+            sums["loss"] += out.loss.detach().float() / self.accum
+            sums["ce_loss"] += out.ce_loss.detach().float() / self.accum
+            for name, value in out.aux_losses.items():
+                sums[f"aux/{name}"] += value.detach().float() / self.accum
+            for name, value in out.stats.items():
+                value = value.detach().float() / self.accum
+                stats[name] = stats[name] + value if name in stats else value
+        keys = sorted(sums)
+        packed = torch.stack([sums[k] for k in keys])
+        dist.all_reduce(packed)
+        packed /= self.world
+        return {k: float(v) for k, v in zip(keys, packed.tolist())}, stats
+
+    def should_stop_and_save(self, last_save: float) -> tuple[bool, bool]:
+        """Agree across ranks on a signal-requested stop and on a time-based checkpoint."""
+        minutes = self.cfg.train.checkpoint.every_minutes
+        due = minutes is not None and (time.time() - last_save) >= 60 * minutes
+        flags = torch.tensor([float(self.stop.requested), float(due)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    def save(self) -> None:
+        scheduler = self.engine.lr_scheduler
+        state = {
+            "step": self.step,
+            "global_samples": self.engine.global_samples,
+            "skipped_steps": self.engine.skipped_steps,
+            "data": self.loader.state_dict(),
+            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "loss_scaler": ckpt_io.loss_scaler_state(self.engine),
+            "world_size": self.world,
+            "expert_parallel_size": self.cfg.train.expert_parallel_size,
+            "seed": self.cfg.train.seed,
+            "tokenizer_sha256": self.meta.get("tokenizer_sha256"),
+        }
+        ckpt_io.save_checkpoint(
+            self.engine, self.model, self.cfg, self.run_dir, self.step, state, ep_group=self.ep_group,
+            tokenizer_dir=self.prepared, keep_last=self.cfg.train.checkpoint.keep_last,
+            meta={"tokens": self.step * self.tokens_per_step, **self.report.as_dict()},
+        )
+
+    def metrics(self, losses: dict[str, float], seconds: float) -> dict[str, float]:
+        tokens_per_s = self.tokens_per_step / max(seconds, 1e-9)
+        out = {**losses, "lr": self.engine.get_lr()[0], "tokens_per_s": tokens_per_s,
+               "tokens": float(self.step * self.tokens_per_step)}
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None:
+            out["grad_norm"] = float(grad_norm)
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        if precision(self.ds) == "fp16" and scaler is not None:
+            out["loss_scale"] = float(scaler.cur_scale)
+            out["skipped_steps"] = float(self.engine.skipped_steps)
+        peak = peak_flops(self.cfg, self.device)
+        if peak:
+            out["mfu"] = self.report.flops_per_token * tokens_per_s / (peak * self.world)
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over `eval_batches` windows per rank (routers in their eval mode)."""
+        val = PackedDataset(self.prepared / "val.bin", self.cfg.data.seq_len)
+        if len(val) == 0:
+            return math.nan
+        self.engine.eval()
+        total = torch.zeros((), device=self.device)
+        n = self.cfg.train.eval_batches
+        for i in range(n):
+            window = val[(self.rank + i * self.world) % len(val)][None].to(self.device)
+            total += self.engine(window[:, :-1], labels=window[:, 1:]).ce_loss.float()
+        self.engine.train()
+        dist.all_reduce(total)
+        return float(total) / (n * self.world)
+
+    def fit(self) -> int:
+        cfg = self.cfg.train
+        last_save = time.time()
+        self.engine.train()
+        while self.step < self.max_steps:
+            start = time.time()
+            losses, stats = self.train_step()
+            self.step += 1
+            events = after_optimizer_step(self.model, self.engine, self.step)
+            if self.engine.skipped_steps and precision(self.ds) == "fp16":
+                losses["skipped_steps"] = float(self.engine.skipped_steps)
+            if self.step % cfg.log_every == 0 or self.step in (1, self.max_steps):
+                metrics = self.metrics(losses, time.time() - start)
+                self.monitor.log_step(self.step, metrics, stats)
+                log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s", self.step, self.max_steps,
+                         metrics["loss"], metrics["lr"], metrics["tokens_per_s"])
+            self.monitor.log_events(self.step, events)
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                val_loss = self.evaluate()
+                self.monitor.log_step(self.step, {"val_loss": val_loss}, {})
+                log.info("step %d val_loss %.4f", self.step, val_loss)
+            stop, time_due = self.should_stop_and_save(last_save)
+            stop = stop or self.step == cfg.exit_at_step
+            step_due = cfg.checkpoint.every_steps is not None and self.step % cfg.checkpoint.every_steps == 0
+            end_due = cfg.checkpoint.at_end and self.step == self.max_steps
+            if stop or time_due or step_due or end_due:
+                self.save()
+                last_save = time.time()
+            if stop:
+                log.warning("stopped at step %d on request; resume with --resume auto", self.step)
+                break
+        self.monitor.close()
+        return 0
+
+
+def fit(cfg: Config, ds_config_path: str | None = None, resume: str | None = None) -> int:
+    trainer = Trainer(cfg, ds_config_path, resume)
+    try:
+        return trainer.fit()
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
