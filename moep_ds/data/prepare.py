@@ -1,0 +1,442 @@
+"""Corpus preparation: sources -> tokenizer -> packed train.bin / val.bin + meta.json (`moep-prepare`).
+
+# N tokens, D documents
+
+Pipeline: resolve and hash the sources (missing or empty input fails here, before anything is written);
+read them with `datasets`; split documents into train/validation by a seeded draw per document; train a
+tokenizer on the train documents (or reuse one); tokenize with `datasets.map(num_proc=...)`; write each
+split as the concatenation of its documents, each followed by end-of-text. Everything is built in a
+temporary folder beside the output and moved in only when complete (meta.json last), so a failure leaves
+no partial output. A complete output with matching settings and source hashes is reused as is.
+
+    moep-prepare --source shared:corpus --vocab-size 16384 --seq-len 512 --num-proc 2 --out prepared/corpus
+    python -m moep_ds.data.prepare --config configs/msit_babylm.yaml          # its `data` section
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moep_ds.data.builtin import default_cache_dir
+from moep_ds.data.config import DataConfig
+from moep_ds.data.errors import DataError
+from moep_ds.data.sources import Part, load_documents, resolve_sources, scan_sources
+from moep_ds.data.tokenizer import (TOKENIZER_FILE, TextTokenizer, copy_tokenizer, load_tokenizer, save_tokenizer,
+                                    tokenizer_file, tokenizer_sha256, train_tokenizer)
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META, TRAIN_BIN, VAL_BIN = "meta.json", "train.bin", "val.bin"
+MAP_BATCH, WRITE_BATCH = 1000, 20_000
+
+
+def prepare(cfg: DataConfig, *, force: bool = False) -> Path:
+    """Prepare (or reuse) the packed corpus described by `cfg`; returns the folder holding train.bin,
+    val.bin, meta.json and the tokenizer files."""
+    from filelock import FileLock
+
+    parts = resolve_sources(cfg.sources)
+    if cfg.tokenizer.path is not None:
+        check_reusable_tokenizer(cfg)
+    scans = scan_sources(parts)
+    settings = prepare_settings(cfg, scans)
+    out = Path(cfg.prepared_dir).expanduser() if cfg.prepared_dir else default_prepared_dir(cfg, scans)
+    with FileLock(str(lock_path(out))):  # data-parallel ranks may all call prepare(); one builds
+        meta = None if force else reusable_meta(out, settings)
+        if meta is not None:
+            check_windows(meta, cfg)
+            logger.info("reusing prepared data in %s", out)
+            return out
+        build_atomically(cfg, parts, scans, settings, out)
+    return out
+
+
+def check_meta(prepared_dir: str | os.PathLike, *, vocab_size: int) -> dict[str, Any]:
+    """meta.json of a prepared folder, after checking it against the model's vocabulary and the tokenizer
+    file beside it; raises DataError naming the field and both values."""
+    meta_path = Path(prepared_dir) / META
+    meta = read_meta(Path(prepared_dir))
+    if meta is None:
+        raise DataError(f"no complete {META} in {prepared_dir}; run moep-prepare first")
+    if meta["vocab_size"] != vocab_size:
+        raise DataError(f"{meta_path} vocab_size ({meta['vocab_size']}) differs from the model's vocab_size "
+                        f"({vocab_size})")
+    if not tokenizer_file(prepared_dir).is_file():
+        raise DataError(f"no {TOKENIZER_FILE} in {prepared_dir}")
+    sha = tokenizer_sha256(prepared_dir)
+    if sha != meta["tokenizer_sha256"]:
+        raise DataError(f"{Path(prepared_dir) / TOKENIZER_FILE} sha256 ({sha[:16]}...) differs from {META} "
+                        f"tokenizer_sha256 ({meta['tokenizer_sha256'][:16]}...)")
+    return meta
+
+
+def check_windows(meta: dict[str, Any], cfg: DataConfig) -> None:
+    """Both splits must hold at least one window of seq_len + 1 tokens."""
+    need = cfg.seq_len + 1
+    if meta["train_tokens"] < need:
+        raise DataError(f"corpus too short: the train split has {meta['train_tokens']} tokens, fewer than one "
+                        f"window (data.seq_len + 1 = {need})")
+    if cfg.val_fraction > 0 and meta["val_tokens"] < need:
+        raise DataError(f"validation split too short: {meta['val_tokens']} tokens in {meta['val_documents']} "
+                        f"document(s), fewer than one window (data.seq_len + 1 = {need}); raise "
+                        f"data.val_fraction ({cfg.val_fraction}) or set it to 0")
+
+
+def check_reusable_tokenizer(cfg: DataConfig) -> TextTokenizer:
+    tok = load_tokenizer(cfg.tokenizer.path)
+    if tok.vocab_size != cfg.tokenizer.vocab_size:
+        raise DataError(f"tokenizer {cfg.tokenizer.path} has vocab_size {tok.vocab_size}, "
+                        f"data.tokenizer.vocab_size is {cfg.tokenizer.vocab_size}")
+    return tok
+
+
+# ---- identity of a preparation --------------------------------------------------------------------------
+
+
+def prepare_settings(cfg: DataConfig, scans: list[dict[str, Any]]) -> dict[str, Any]:
+    """Everything the bytes of the output depend on (not num_proc, seq_len or the output folder)."""
+    tok = cfg.tokenizer
+    return {
+        "format": FORMAT_VERSION,
+        "sources": [{k: s.get(k) for k in ("path", "sha256", "hub", "config") if k in s} for s in scans],
+        "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size,
+                      "reused_sha256": tokenizer_sha256(tok.path) if tok.path else None},
+        "val_fraction": cfg.val_fraction, "seed": cfg.seed, "sample_by": cfg.sample_by, "text_field": cfg.text_field,
+    }
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def default_prepared_dir(cfg: DataConfig, scans: list[dict[str, Any]]) -> Path:
+    """`$MOEP_CACHE_DIR/prepared/<first source>-<hash>`: the hash covers source paths and settings but not
+    file contents, so edited sources are rebuilt in the same folder."""
+    key = {"sources": [s.get("path") or s.get("hub") for s in scans], "tokenizer": vars(cfg.tokenizer),
+           "val_fraction": cfg.val_fraction, "seed": cfg.seed, "sample_by": cfg.sample_by,
+           "text_field": cfg.text_field, "format": FORMAT_VERSION}
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", cfg.sources[0]).strip("_")[-40:] or "data"
+    return default_cache_dir() / "prepared" / f"{slug}-{sha256_json(key)[:12]}"
+
+
+def lock_path(out: Path) -> Path:
+    # kept in the cache, not beside the output, so that a failed run leaves nothing at the output path
+    locks = default_cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / f"{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}.lock"
+
+
+def read_meta(prepared_dir: Path) -> dict[str, Any] | None:
+    """meta.json as a dict; None when absent or unreadable (an interrupted or foreign folder)."""
+    try:
+        meta = json.loads((Path(prepared_dir) / META).read_text())
+    except (OSError, ValueError):
+        return None
+    required = {"vocab_size", "dtype", "train_tokens", "val_tokens", "tokenizer_sha256"}
+    return meta if isinstance(meta, dict) and required <= meta.keys() else None
+
+
+def reusable_meta(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The existing meta.json if `out` is complete and was built from exactly these settings and sources."""
+    meta = read_meta(out)
+    if meta is None:
+        return None
+    if meta.get("settings_sha256") != sha256_json(settings):
+        logger.info("%s was prepared from other settings or source contents; rebuilding", out)
+        return None
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for name, tokens in ((TRAIN_BIN, meta["train_tokens"]), (VAL_BIN, meta["val_tokens"])):
+        if not (out / name).is_file() or (out / name).stat().st_size != tokens * itemsize:
+            logger.warning("%s in %s is missing or truncated; rebuilding", name, out)
+            return None
+    if not tokenizer_file(out).is_file() or tokenizer_sha256(out) != meta["tokenizer_sha256"]:
+        logger.warning("tokenizer in %s differs from %s; rebuilding", out, META)
+        return None
+    return meta
+
+
+# ---- building ------------------------------------------------------------------------------------------
+
+
+def build_atomically(cfg: DataConfig, parts: list[Part], scans: list[dict[str, Any]], settings: dict[str, Any],
+                     out: Path) -> None:
+    created = [p for p in out.parents if not p.exists()]  # deepest first; removed again on failure
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    work.mkdir()  # not mkdtemp: the folder is renamed into place and keeps the usual permissions
+    try:
+        build(cfg, parts, scans, settings, work)
+        publish(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        for parent in created:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def publish(work: Path, out: Path) -> None:
+    """Move the finished files into `out`; meta.json goes last, so its presence means complete."""
+    if not out.exists():
+        try:
+            os.replace(work, out)
+            return
+        except OSError:  # another node published first (locks are per machine); replace its files in turn
+            pass
+    (out / META).unlink(missing_ok=True)
+    for f in sorted(work.iterdir(), key=lambda p: p.name == META):
+        os.replace(f, out / f.name)
+
+
+def build(cfg: DataConfig, parts: list[Part], scans: list[dict[str, Any]], settings: dict[str, Any],
+          work: Path) -> dict[str, Any]:
+    clock = PhaseClock()
+    docs = load_documents(parts, cfg, work / "hf_cache")
+    if docs.num_rows == 0:
+        raise DataError(f"empty corpus: {parts[0].describe()} ... hold no documents")
+    clock.lap("read", f"{docs.num_rows} documents")
+    val_mask = split_mask(docs.num_rows, cfg.val_fraction, cfg.seed)
+    tok = obtain_tokenizer(cfg, docs, val_mask, work)
+    clock.lap("tokenizer", f"{cfg.tokenizer.kind}, vocab_size {tok.vocab_size}")
+    tokenized = docs.map(DocumentEncoder(str(work / TOKENIZER_FILE), cfg.sample_by, cfg.num_proc == 1),
+                         batched=True, batch_size=MAP_BATCH, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                         remove_columns=["text"], cache_file_name=str(work / "hf_cache" / "tokens.arrow"),
+                         desc="tokenizing")
+    clock.lap("tokenize", f"num_proc {cfg.num_proc}")
+    dtype = bin_dtype(tok.vocab_size)
+    counts = write_bins(tokenized, val_mask, tok.eot_id, dtype, work)
+    if counts["train_documents"] + counts["val_documents"] == 0:
+        raise DataError(f"empty corpus: {docs.num_rows} document(s), all blank ({parts[0].describe()})")
+    del docs, tokenized
+    shutil.rmtree(work / "hf_cache")
+    clock.lap("write", f"{counts['train_tokens'] + counts['val_tokens']} tokens as {dtype.name}")
+    seconds = clock.total()
+    meta = {
+        "format": FORMAT_VERSION, "vocab_size": tok.vocab_size, "dtype": dtype.name,
+        "eot_id": tok.eot_id, "mask_id": tok.mask_id,
+        "tokenizer_kind": cfg.tokenizer.kind, "tokenizer_reused_from": cfg.tokenizer.path,
+        "tokenizer_sha256": tokenizer_sha256(work), **counts, "seed": cfg.seed,
+        "val_fraction": cfg.val_fraction, "sample_by": cfg.sample_by, "text_field": cfg.text_field,
+        "source": cfg.sources, "sources": scans,
+        "invalid_utf8_bytes": sum(s.get("invalid_utf8_bytes", 0) for s in scans),
+        "settings_sha256": sha256_json(settings), "seconds": round(seconds, 3), "phase_seconds": clock.phases,
+        "tokens_per_second": round((counts["train_tokens"] + counts["val_tokens"]) / seconds),
+    }
+    check_windows(meta, cfg)
+    (work / META).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+class PhaseClock:
+    """Wall time per preparation phase, kept in meta.json; the log line adds the CPU time of this process
+    and its finished workers, which says more than wall time on a shared machine."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.last_cpu = self.cpu_seconds()
+        self.phases: dict[str, float] = {}
+
+    @staticmethod
+    def cpu_seconds() -> float:
+        import resource
+
+        usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        return sum(u.ru_utime + u.ru_stime for u in usage)
+
+    def lap(self, name: str, detail: str) -> None:
+        now, cpu = time.perf_counter(), self.cpu_seconds()
+        self.phases[name] = round(now - self.last, 3)
+        logger.info("%s: %.2f s wall, %.2f s cpu (%s)", name, self.phases[name], cpu - self.last_cpu, detail)
+        self.last, self.last_cpu = now, cpu
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def bin_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits, uint32 once the vocabulary exceeds 65,535 ids."""
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+def split_mask(num_docs: int, val_fraction: float, seed: int) -> np.ndarray:
+    """Document d goes to validation iff its seeded uniform draw is < val_fraction; with val_fraction > 0
+    and at least two documents, each split keeps at least one document."""
+    u_D = np.random.default_rng([seed, 1]).random(num_docs)
+    val_D = u_D < val_fraction
+    if val_fraction > 0 and num_docs > 1:
+        val_D[np.argmin(u_D)] = True
+        val_D[np.argmax(u_D)] = False
+    return val_D
+
+
+def document_text(text: str, sample_by: str) -> str | None:
+    """The text a document contributes, or None for a blank one. Paragraphs lose the extra newlines of
+    runs of blank lines around them."""
+    if sample_by == "paragraph":
+        text = text.strip("\n")
+    return text if text.strip() else None
+
+
+def obtain_tokenizer(cfg: DataConfig, docs, val_mask: np.ndarray, work: Path) -> TextTokenizer:
+    """Copy the configured tokenizer into `work`, or train one there on the train documents."""
+    if cfg.tokenizer.path is not None:
+        copy_tokenizer(cfg.tokenizer.path, work)
+        tok = load_tokenizer(work)
+        if not (work / "tokenizer_config.json").is_file():
+            save_tokenizer(tok.tok, work)  # the transformers side files, for exports
+        return tok
+    train_docs = docs.select(np.flatnonzero(~val_mask))
+    texts = (t for batch in train_docs.iter(batch_size=MAP_BATCH) for t in
+             (document_text(x, cfg.sample_by) for x in batch["text"]) if t is not None)
+    logger.info("training a %s tokenizer (vocab_size %d) on %d documents", cfg.tokenizer.kind,
+                cfg.tokenizer.vocab_size, train_docs.num_rows)
+    return train_tokenizer(texts, cfg.tokenizer, work)
+
+
+class DocumentEncoder:
+    """`datasets.map` function: batch of {"text"} -> {"ids"}; blank documents get no ids. Loads the tokenizer
+    lazily in each worker process."""
+
+    def __init__(self, tokenizer_path: str, sample_by: str, parallel: bool):
+        self.tokenizer_path, self.sample_by, self.parallel = tokenizer_path, sample_by, parallel
+        self._tok: TextTokenizer | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tok": None}
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        if self._tok is None:
+            if not self.parallel:  # num_proc workers: one thread each, and no fork-after-threads warning
+                os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            self._tok = load_tokenizer(self.tokenizer_path)
+        texts = [document_text(t, self.sample_by) for t in batch["text"]]
+        nonblank = [t for t in texts if t is not None]
+        encoded = iter(self._tok.encode_batch(nonblank))
+        return {"ids": [next(encoded) if t is not None else [] for t in texts]}
+
+
+def write_bins(tokenized, val_mask: np.ndarray, eot_id: int, dtype: np.dtype, work: Path) -> dict[str, int]:
+    """Stream the tokenized documents into train.bin / val.bin, end-of-text after each document."""
+    import pyarrow.compute as pc
+    from tqdm.auto import tqdm
+
+    counts = {"train_tokens": 0, "val_tokens": 0, "train_documents": 0, "val_documents": 0}
+    row = 0
+    with open(work / TRAIN_BIN, "wb") as train_f, open(work / VAL_BIN, "wb") as val_f:
+        batches = tokenized.with_format("arrow").iter(batch_size=WRITE_BATCH)
+        for table in tqdm(batches, total=math.ceil(tokenized.num_rows / WRITE_BATCH), desc="writing bins"):
+            ids = table.column("ids").combine_chunks()
+            lengths_D = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+            flat_N = ids.flatten().to_numpy(zero_copy_only=False)
+            is_val_D = val_mask[row:row + len(lengths_D)]
+            row += len(lengths_D)
+            for split, f, keep_D in (("train", train_f, ~is_val_D), ("val", val_f, is_val_D)):
+                keep_D = keep_D & (lengths_D > 0)
+                tokens_N = with_eot(flat_N, lengths_D, keep_D, eot_id)
+                tokens_N.astype(dtype).tofile(f)
+                counts[f"{split}_tokens"] += int(tokens_N.size)
+                counts[f"{split}_documents"] += int(keep_D.sum())
+    return counts
+
+
+def with_eot(flat_N: np.ndarray, lengths_D: np.ndarray, keep_D: np.ndarray, eot_id: int) -> np.ndarray:
+    """Tokens of the kept documents in order, each document followed by `eot_id`."""
+    kept_N = flat_N[np.repeat(keep_D, lengths_D)]
+    return np.insert(kept_N, np.cumsum(lengths_D[keep_D]), eot_id)
+
+
+# ---- command line --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="moep-prepare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="a recipe YAML; its `data` section is the starting point")
+    p.add_argument("--source", nargs="+", help="paths, globs, folders, builtin[:MB], shared:NAME, hf:NAME[:CONFIG]")
+    p.add_argument("--out", dest="prepared_dir", help="output folder (default: a cache folder)")
+    p.add_argument("--tokenizer", dest="kind", choices=["bpe", "sentencepiece_unigram", "sentencepiece_bpe"])
+    p.add_argument("--vocab-size", type=int)
+    p.add_argument("--tokenizer-path", help="reuse this tokenizer folder or tokenizer.json")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--val-fraction", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--num-proc", type=int)
+    p.add_argument("--sample-by", choices=["line", "paragraph", "document"])
+    p.add_argument("--text-field")
+    p.add_argument("--force", action="store_true", help="rebuild even if a matching output exists")
+    p.add_argument("--check", action="store_true",
+                   help="only check the prepared folder's meta.json against --vocab-size and its tokenizer")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> DataConfig:
+    from moep_ds.schema import parse
+
+    data: dict[str, Any] = {}
+    model: dict[str, Any] = {}
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            recipe = yaml.safe_load(f) or {}
+        data, model = dict(recipe.get("data") or {}), dict(recipe.get("model") or {})
+    tokenizer = dict(data.get("tokenizer") or {})
+    for key, value in (("kind", args.kind), ("vocab_size", args.vocab_size), ("path", args.tokenizer_path)):
+        if value is not None:
+            tokenizer[key] = value
+    if tokenizer:
+        data["tokenizer"] = tokenizer
+    for key in ("prepared_dir", "seq_len", "val_fraction", "seed", "num_proc", "sample_by", "text_field"):
+        if getattr(args, key) is not None:
+            data[key] = getattr(args, key)
+    if args.source:
+        data["source"] = args.source if len(args.source) > 1 else args.source[0]
+    if "seq_len" not in data and model.get("max_seq_len") is not None:
+        data["seq_len"] = model["max_seq_len"]  # a recipe's context length, when its data section omits it
+    return parse(DataConfig, data, "data")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moep_ds.schema import ConfigError
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.check:
+            if not args.prepared_dir or args.vocab_size is None:
+                raise DataError("--check needs --out DIR and --vocab-size N")
+            meta = check_meta(args.prepared_dir, vocab_size=args.vocab_size)
+            print(json.dumps({"prepared_dir": args.prepared_dir, "ok": True, "vocab_size": meta["vocab_size"]}))
+            return 0
+        cfg = config_from_args(args)
+        out = prepare(cfg, force=args.force)
+    except (DataError, ConfigError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    meta = json.loads((out / META).read_text())
+    summary = {k: meta[k] for k in ("vocab_size", "train_tokens", "val_tokens", "train_documents", "val_documents",
+                                    "invalid_utf8_bytes", "seconds", "phase_seconds", "tokens_per_second")}
+    print(json.dumps({"prepared_dir": str(out), **summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

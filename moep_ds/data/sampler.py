@@ -1,0 +1,142 @@
+"""Deterministic, resumable, data-parallel batching of window indices.
+
+# W windows in the dataset, G global batch (windows per optimizer step over all ranks), B micro-batch,
+# A gradient-accumulation steps, P data-parallel size (G = B * A * P)
+
+Each epoch permutes the W windows with a generator seeded by (seed, epoch). Global batch g is
+perm[g*G : (g+1)*G]; rank r takes the contiguous slice [r*G/P, (r+1)*G/P) of it and consumes it in A
+micro-batches of B, in order. The windows of a step therefore depend only on (seed, G, step), not on
+how G is factored into B, A and P: one process with A=2 sees what two processes with A=1 see together,
+and a run resumed at another P (same G) continues with the same batches.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from moep_ds.data.dataset import PackedDataset
+from moep_ds.data.errors import DataError
+
+
+def epoch_permutation(num_items: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of all items in `epoch`; a pure function of (num_items, seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_items)
+
+
+def rank_epoch_indices(num_items: int, *, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                       epoch: int, drop_last: bool = True) -> np.ndarray:
+    """Rank `dp_rank`'s items of `epoch`, in consumption order.
+
+    Full global batches split into equal contiguous slices. Without drop_last the final partial global
+    batch is split into `dp_size` contiguous, nearly equal slices (some possibly empty), so that over all
+    ranks every item appears exactly once per epoch.
+    """
+    if global_batch_size % dp_size or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"global_batch_size {global_batch_size} must split over dp_size {dp_size} "
+                         f"(dp_rank {dp_rank})")
+    perm = epoch_permutation(num_items, seed, epoch)
+    num_full = num_items // global_batch_size
+    per_rank = global_batch_size // dp_size
+    full_GP = perm[:num_full * global_batch_size].reshape(num_full, dp_size, per_rank)
+    mine = full_GP[:, dp_rank].reshape(-1)
+    if drop_last or num_full * global_batch_size == num_items:
+        return mine
+    tail = np.array_split(perm[num_full * global_batch_size:], dp_size)[dp_rank]
+    return np.concatenate([mine, tail])
+
+
+class BatchLoader:
+    """Endless micro-batches of (input_ids [B, T], labels [B, T]) for one data-parallel rank.
+
+    `state_dict()` (taken at optimizer-step boundaries) is the position in global batches, so a resumed
+    run, at the same or another dp_size with the same global batch size, sees the batches that the
+    uninterrupted run would have seen. The incomplete last global batch of each epoch is dropped.
+    """
+
+    def __init__(self, dataset: PackedDataset, *, micro_batch_size: int, grad_accum: int, dp_rank: int,
+                 dp_size: int, seed: int):
+        if min(micro_batch_size, grad_accum, dp_size) < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need micro_batch_size, grad_accum, dp_size >= 1 and 0 <= dp_rank < dp_size, got "
+                             f"{micro_batch_size}, {grad_accum}, {dp_size}, dp_rank {dp_rank}")
+        self.dataset = dataset
+        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.global_batch_size = micro_batch_size * grad_accum * dp_size
+        self.batches_per_epoch = len(dataset) // self.global_batch_size
+        if self.batches_per_epoch == 0:
+            raise DataError(f"{len(dataset)} windows of seq_len {getattr(dataset, 'seq_len', '?')} are fewer than "
+                            f"one global batch ({micro_batch_size} x {grad_accum} accum x {dp_size} ranks = "
+                            f"{self.global_batch_size})")
+        self.epoch, self.global_batch, self.micro_step = 0, 0, 0
+        self._indices_epoch, self._indices = -1, np.empty(0, dtype=np.int64)
+
+    def _epoch_indices(self) -> np.ndarray:
+        if self._indices_epoch != self.epoch:
+            self._indices = rank_epoch_indices(len(self.dataset), global_batch_size=self.global_batch_size,
+                                               dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed,
+                                               epoch=self.epoch)
+            self._indices_epoch = self.epoch
+        return self._indices
+
+    def next_indices(self) -> np.ndarray:
+        """Window indices [B] of the next micro-batch; advances the position."""
+        start = (self.global_batch * self.grad_accum + self.micro_step) * self.micro_batch_size
+        idx_B = self._epoch_indices()[start:start + self.micro_batch_size]
+        self.micro_step += 1
+        if self.micro_step == self.grad_accum:
+            self.micro_step, self.global_batch = 0, self.global_batch + 1
+            if self.global_batch == self.batches_per_epoch:
+                self.epoch, self.global_batch = self.epoch + 1, 0
+        return idx_B
+
+    def next_micro_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [B, T], labels [B, T]) with labels[:, t] = input_ids[:, t + 1] of the same window."""
+        return split_inputs_labels(read_windows(self.dataset, self.next_indices()))
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_micro_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        if self.micro_step != 0:
+            raise RuntimeError(f"BatchLoader.state_dict() inside a global batch (micro-step {self.micro_step} of "
+                               f"{self.grad_accum}); take it at optimizer-step boundaries")
+        return {"epoch": self.epoch, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, global_batch = int(state["epoch"]), int(state["global_batch"])
+        if epoch < 0 or not 0 <= global_batch <= self.batches_per_epoch:
+            raise DataError(f"data state (epoch {epoch}, global_batch {global_batch}) is outside this dataset's "
+                            f"{self.batches_per_epoch} global batches per epoch")
+        if global_batch == self.batches_per_epoch:  # the end of an epoch is the start of the next
+            epoch, global_batch = epoch + 1, 0
+        self.epoch, self.global_batch, self.micro_step = epoch, global_batch, 0
+
+
+def read_windows(dataset, indices: np.ndarray) -> torch.Tensor:
+    """Windows [B, T+1]; one gather for a PackedDataset, item by item for any other map-style dataset."""
+    if hasattr(dataset, "get_batch"):
+        return dataset.get_batch(indices)
+    return torch.stack([dataset[int(i)] for i in indices])
+
+
+def split_inputs_labels(windows_BT1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return windows_BT1[:, :-1].contiguous(), windows_BT1[:, 1:].contiguous()
+
+
+def eval_batches(dataset, *, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 max_windows: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Validation micro-batches in file order, no shuffle. The first `max_windows` windows (all by default),
+    cut to a multiple of micro_batch_size * dp_size so every rank runs the same number of batches (no rank
+    waits in a collective for another), are split into contiguous per-rank ranges."""
+    per_step = micro_batch_size * dp_size
+    usable = min(len(dataset), max_windows if max_windows is not None else len(dataset))
+    usable -= usable % per_step
+    if usable == 0:
+        raise DataError(f"{len(dataset)} validation windows (max_windows {max_windows}) are fewer than one "
+                        f"evaluation step ({micro_batch_size} x {dp_size} ranks = {per_step})")
+    mine = np.arange(usable).reshape(dp_size, -1)[dp_rank]
+    for start in range(0, mine.size, micro_batch_size):
+        yield split_inputs_labels(read_windows(dataset, mine[start:start + micro_batch_size]))

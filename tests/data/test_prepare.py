@@ -1,0 +1,266 @@
+"""moep-prepare: packed splits that decode back to the source documents, idempotent reuse, atomic
+output, and one-line errors for bad input."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from moep_ds.data.builtin import generate_corpus
+from moep_ds.data.config import DataConfig, TokenizerConfig
+from moep_ds.data.dataset import PackedDataset
+from moep_ds.data.errors import DataError
+from moep_ds.data.prepare import bin_dtype, check_meta, main, prepare
+from moep_ds.data.sampler import BatchLoader
+from moep_ds.data.tokenizer import load_tokenizer
+from moep_ds.schema import ConfigError, parse
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path_factory, monkeypatch):
+    """The moep_ds cache (builtin corpus, locks, default prepared folders) in a temporary folder."""
+    cache = tmp_path_factory.getbasetemp() / "moep_cache"
+    monkeypatch.setenv("MOEP_CACHE_DIR", str(cache))
+    return cache
+
+
+def config(source, out, **kw):
+    tok = TokenizerConfig(**{"kind": "bpe", "vocab_size": 300, **kw.pop("tokenizer", {})})
+    return DataConfig(**{"source": str(source), "prepared_dir": str(out) if out else None, "tokenizer": tok,
+                         "seq_len": 16, "val_fraction": 0.1, **kw})
+
+
+def split_documents(prepared, split):
+    """Decode a .bin back into its documents (text between end-of-text tokens)."""
+    meta = json.loads((prepared / "meta.json").read_text())
+    tok = load_tokenizer(prepared)
+    ids = np.fromfile(prepared / f"{split}.bin", dtype=meta["dtype"])
+    assert ids.size == meta[f"{split}_tokens"] and (ids.size == 0 or ids[-1] == tok.eot_id)
+    ends = np.flatnonzero(ids == tok.eot_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tok.decode(ids[s:e].tolist()) for s, e in zip(starts, ends)]
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(generate_corpus(60_000, seed=4) + "\n\n\n\nCafé 日本 🙂 tail.\n")
+    return path
+
+
+def test_splits_decode_to_the_source_documents(tmp_path, corpus_file):
+    out = prepare(config(corpus_file, tmp_path / "prep"))
+    assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.json", "tokenizer_config.json", "train.bin", "val.bin"]
+    meta = check_meta(out, vocab_size=300)
+    source_docs = [d.strip("\n") for d in corpus_file.read_text().split("\n\n") if d.strip()]
+    train, val = split_documents(out, "train"), split_documents(out, "val")
+    assert len(train) == meta["train_documents"] and len(val) == meta["val_documents"] > 0
+    assert sorted(train + val) == sorted(source_docs)
+    assert [d for d in source_docs if d not in set(val)] == train  # document order kept within a split
+    assert 0.05 < len(val) / len(source_docs) < 0.15
+    assert meta["dtype"] == "uint16" and meta["mask_id"] == 299 and meta["invalid_utf8_bytes"] == 0
+
+
+def test_reuse_is_fast_and_source_edits_rebuild(tmp_path, corpus_file, caplog):
+    cfg = config(corpus_file, tmp_path / "prep")
+    out = prepare(cfg)
+    first = (out / "meta.json").read_text()
+    caplog.set_level("INFO")
+    assert prepare(cfg) == out and (out / "meta.json").read_text() == first
+    assert "reusing" in caplog.text
+    twin = prepare(config(corpus_file, tmp_path / "twin"))  # determinism: same bytes elsewhere
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (twin / name).read_bytes() == (out / name).read_bytes()
+    with open(corpus_file, "a") as f:
+        f.write("\n\nA new story about a fox.\n")
+    prepare(cfg)
+    assert json.loads((out / "meta.json").read_text())["sources"] != json.loads(first)["sources"]
+    assert any("A new story about a fox." in d for d in split_documents(out, "train") + split_documents(out, "val"))
+
+
+def test_default_folder_is_in_the_cache_and_builtin_source_works(isolated_cache):
+    out = prepare(DataConfig(source="builtin:0.2", tokenizer=TokenizerConfig(vocab_size=400), seq_len=64))
+    assert out.parent == isolated_cache / "prepared" and out.name.startswith("builtin_0_2-")
+    assert check_meta(out, vocab_size=400)["train_tokens"] > 20_000
+    loader = BatchLoader(PackedDataset(out / "train.bin", 64), micro_batch_size=4, grad_accum=1, dp_rank=0,
+                         dp_size=1, seed=0)
+    x, y = loader.next_micro_batch()
+    assert x.shape == (4, 64) and 0 <= int(x.min()) and int(y.max()) < 399  # never the mask id
+
+
+def test_json_parquet_and_text_sources_in_order(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = generate_corpus(20_000, seed=8).strip().split("\n\n")
+    third = len(docs) // 3
+    rows = [json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(docs[:third])]
+    (tmp_path / "a.jsonl").write_text("".join(rows))
+    pq.write_table(pa.table({"body": docs[third:2 * third]}), tmp_path / "b.parquet")
+    (tmp_path / "c.txt").write_text("\n\n".join(docs[2 * third:]))
+    cfg = config(tmp_path / "*.*", tmp_path / "out" / "prep", text_field="body", val_fraction=0.0)
+    out = prepare(cfg)
+    assert split_documents(out, "train") == docs and split_documents(out, "val") == []
+
+
+@pytest.mark.slow
+def test_num_proc_2_writes_identical_bins(tmp_path, corpus_file):
+    one = prepare(config(corpus_file, tmp_path / "one"))
+    two = prepare(config(corpus_file, tmp_path / "two", num_proc=2))
+    assert (one / "train.bin").read_bytes() == (two / "train.bin").read_bytes()
+    assert (one / "val.bin").read_bytes() == (two / "val.bin").read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece_unigram", "sentencepiece_bpe"])
+def test_sentencepiece_kinds_prepare(tmp_path, corpus_file, kind):
+    out = prepare(config(corpus_file, tmp_path / "sp", tokenizer={"kind": kind, "vocab_size": 500}))
+    assert check_meta(out, vocab_size=500)["mask_id"] == 499
+    assert "Café 日本 🙂 tail." in split_documents(out, "train") + split_documents(out, "val")
+
+
+def test_large_vocabulary_uses_uint32(tmp_path, corpus_file):
+    assert bin_dtype(65535).name == "uint16" and bin_dtype(65536).name == "uint32"
+    out = prepare(config(corpus_file, tmp_path / "big", tokenizer={"vocab_size": 70_000}))
+    assert check_meta(out, vocab_size=70_000)["dtype"] == "uint32"
+    assert len(split_documents(out, "train")) > 10
+
+
+def test_reused_tokenizer(tmp_path, corpus_file):
+    first = prepare(config(corpus_file, tmp_path / "first"))
+    again = prepare(config(corpus_file, tmp_path / "again", tokenizer={"path": str(first)}))
+    assert (again / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+    assert (again / "train.bin").read_bytes() == (first / "train.bin").read_bytes()
+    with pytest.raises(DataError, match="has vocab_size 300, data.tokenizer.vocab_size is 512"):
+        prepare(config(corpus_file, tmp_path / "bad", tokenizer={"path": str(first), "vocab_size": 512}))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_shared_source_resolves_against_moep_data_dir(tmp_path, monkeypatch, corpus_file):
+    (tmp_path / "shared" / "mine").mkdir(parents=True)
+    (tmp_path / "shared" / "mine" / "x.txt").write_text(corpus_file.read_text())
+    monkeypatch.setenv("MOEP_DATA_DIR", str(tmp_path / "shared"))
+    out = prepare(config("shared:mine", tmp_path / "prep"))
+    assert check_meta(out, vocab_size=300)["sources"][0]["path"].endswith("mine/x.txt")
+    with pytest.raises(DataError, match=r"shared data 'shared:other' not found .* MOEP_DATA_DIR"):
+        prepare(config("shared:other", tmp_path / "prep2"))
+
+
+@pytest.mark.slow
+def test_shared_tinystories(tmp_path, shared_data):
+    if not (shared_data / "tinystories").is_dir():
+        pytest.skip(f"no tinystories folder in {shared_data}")
+    out = prepare(config("shared:tinystories", tmp_path / "ts", tokenizer={"vocab_size": 1024}, seq_len=256))
+    meta = check_meta(out, vocab_size=1024)
+    assert meta["train_tokens"] > 100_000 and meta["val_documents"] > 0
+
+
+# ---- bad input: one line on stderr, exit status 2, nothing left at the output path ----------------------
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, pattern):
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and pattern in lines[0], err
+
+
+def test_missing_path(tmp_path, capsys):
+    out = tmp_path / "a" / "b" / "prep"
+    code, _, err = run_cli(capsys, "--source", str(tmp_path / "nope.txt"), "--seq-len", "16", "--out", str(out))
+    assert_one_line_error(code, err, f"source path not found: {tmp_path / 'nope.txt'}")
+    assert not (tmp_path / "a").exists()
+    code, _, err = run_cli(capsys, "--source", str(tmp_path / "*.none"), "--seq-len", "16", "--out", str(out))
+    assert_one_line_error(code, err, "matches no files")
+
+
+@pytest.mark.parametrize("content,pattern", [(b"", "empty corpus: 1 source file(s), 0 bytes"),
+                                             (b"\n\n  \n\n\t\n", "all blank")])
+def test_empty_corpus(tmp_path, capsys, content, pattern):
+    (tmp_path / "empty.txt").write_bytes(content)
+    out = tmp_path / "out" / "prep"
+    code, _, err = run_cli(capsys, "--source", str(tmp_path / "empty.txt"), "--seq-len", "16", "--vocab-size", "300",
+                           "--out", str(out))
+    assert_one_line_error(code, err, pattern)
+    assert not (tmp_path / "out").exists()
+
+
+def test_corpus_shorter_than_one_window(tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("A short story.\n\nAnother one.\n")
+    (tmp_path / "out").mkdir()
+    code, _, err = run_cli(capsys, "--source", str(tmp_path / "short.txt"), "--seq-len", "512", "--vocab-size", "300",
+                           "--val-fraction", "0", "--out", str(tmp_path / "out" / "prep"))
+    assert_one_line_error(code, err, "corpus too short: the train split has")
+    assert "(data.seq_len + 1 = 513)" in err
+    assert os.listdir(tmp_path / "out") == []  # no partial or temporary output
+
+
+def test_invalid_utf8_is_replaced_counted_and_warned(tmp_path, capsys, caplog):
+    text = generate_corpus(20_000, seed=9).encode()
+    (tmp_path / "bad.txt").write_bytes(text[:5000] + b"caf\xe9 \xff\xfe ok" + text[5000:])
+    code, out, _ = run_cli(capsys, "--source", str(tmp_path / "bad.txt"), "--seq-len", "16", "--vocab-size", "300",
+                           "--out", str(tmp_path / "prep"))
+    assert code == 0 and json.loads(out)["invalid_utf8_bytes"] == 3
+    assert "3 invalid UTF-8 byte(s) replaced" in caplog.text
+    docs = split_documents(tmp_path / "prep", "train") + split_documents(tmp_path / "prep", "val")
+    assert any("caf\ufffd \ufffd\ufffd ok" in d for d in docs)
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "caf\xe9 ' + text[:3000].replace(b"\n", b" ") + b'"}\n')
+    code, out, _ = run_cli(capsys, "--source", str(tmp_path / "bad.jsonl"), "--seq-len", "16", "--vocab-size", "300",
+                           "--val-fraction", "0", "--out", str(tmp_path / "prep_json"))
+    assert code == 0 and json.loads(out)["invalid_utf8_bytes"] == 1
+    assert split_documents(tmp_path / "prep_json", "train")[0].startswith("caf\ufffd ")
+
+
+def test_meta_vocab_and_tokenizer_hash_mismatch(tmp_path, corpus_file, capsys):
+    out = prepare(config(corpus_file, tmp_path / "prep"))
+    with pytest.raises(DataError, match=r"vocab_size \(300\) differs from the model's vocab_size \(512\)"):
+        check_meta(out, vocab_size=512)
+    code, _, err = run_cli(capsys, "--check", "--out", str(out), "--vocab-size", "512")
+    assert_one_line_error(code, err, "differs from the model's vocab_size (512)")
+    with open(out / "tokenizer.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(DataError, match=r"tokenizer.json sha256 \(\w{16}\.\.\.\) differs from meta.json"):
+        check_meta(out, vocab_size=300)
+    code, _, err = run_cli(capsys, "--check", "--out", str(out), "--vocab-size", "300")
+    assert_one_line_error(code, err, "differs from meta.json tokenizer_sha256")
+
+
+def test_config_errors_are_one_line(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "--source", "builtin", "--out", str(tmp_path / "p"))
+    assert_one_line_error(code, err, "data.seq_len: required key is missing")
+    code, _, err = run_cli(capsys, "--source", "builtin", "--seq-len", "8", "--vocab-size", "100")
+    assert_one_line_error(code, err, "data.tokenizer.vocab_size (100) must be >= 258")
+    with pytest.raises(ConfigError, match="data.vocab: unknown key"):
+        parse(DataConfig, {"vocab": 3, "seq_len": 8}, "data")
+
+
+def test_malformed_json_is_one_line_error(tmp_path, capsys):
+    (tmp_path / "x.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    code, _, err = run_cli(capsys, "--source", str(tmp_path / "x.jsonl"), "--seq-len", "16", "--vocab-size", "300",
+                           "--out", str(tmp_path / "p"))
+    assert_one_line_error(code, err, "cannot read 1 json file(s) starting with")
+    assert not (tmp_path / "p").exists()
+
+
+def test_hub_source_offline_is_one_line_error(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "--source", "hf:no-such-user/no-such-dataset", "--seq-len", "16",
+                           "--vocab-size", "300", "--out", str(tmp_path / "hub"))
+    assert_one_line_error(code, err, "cannot read hub dataset no-such-user/no-such-dataset")
+    assert not (tmp_path / "hub").exists()
+
+
+def test_cli_reads_a_recipe_data_section_and_flags_override(tmp_path, capsys, corpus_file):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {{vocab_size: 320, max_seq_len: 32}}\n"
+                      f"data:\n  source: {corpus_file}\n  tokenizer: {{kind: bpe, vocab_size: 320}}\n"
+                      f"  val_fraction: 0.2\n")
+    code, out, _ = run_cli(capsys, "--config", str(recipe), "--val-fraction", "0.1", "--out", str(tmp_path / "p"))
+    assert code == 0
+    summary = json.loads(out)
+    meta = check_meta(tmp_path / "p", vocab_size=320)
+    assert summary["train_tokens"] == meta["train_tokens"] and meta["val_fraction"] == 0.1
+    assert set(summary["phase_seconds"]) == {"read", "tokenizer", "tokenize", "write"}
