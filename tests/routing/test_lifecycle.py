@@ -1,0 +1,377 @@
+"""Expert lifecycle manager: schedule and selection rules, impact from this step's gradients, replacement
+(weights, optimizer state, statistics, exploration bias), a starved expert re-born in a short run, checkpoint
+round trip and resume, and replacement under DeepSpeed ZeRO-2 on two gloo processes.
+
+Run as a script (`torchrun --nproc_per_node 2 test_lifecycle.py --zero2-worker OUT`) it is that test's worker.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moep_ds.config import config_from_dict
+from moep_ds.models.causal_lm import build_model
+from moep_ds.routing.lifecycle import (
+    TorchParamStateIO,
+    birth_boost,
+    clone_with_noise,
+    lifecycle_layers,
+    lifecycle_step,
+    log_expert_utilization,
+    per_expert_parameters,
+    select_dead_experts,
+    value_scores,
+)
+from moep_ds.schema import ConfigError
+
+# B batch, T tokens, E experts, S routed (token, expert) pairs
+
+VOCAB, D_MODEL, E = 32, 16, 4
+
+
+def tiny_model(lifecycle: dict | None, *, block: str = "ssm_moe", seed: int = 0):
+    layer = {
+        "type": block,
+        "moe": {
+            "num_experts": E,
+            "expert": {"type": "gelu", "hidden_size": 16},
+            "router": {"type": "topk", "k": 2, "lifecycle": lifecycle},
+        },
+    }
+    if block == "ssm_moe":
+        layer["mixer"] = {"type": "ssm", "state_size": 4, "chunk_size": 8}
+    else:
+        layer["attention"] = {"num_heads": 2}
+    cfg = config_from_dict({"model": {"vocab_size": VOCAB, "d_model": D_MODEL, "max_seq_len": 16, "layers": [layer]}})
+    torch.manual_seed(seed)
+    return build_model(cfg.model)
+
+
+def batch(step: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(1000 * rank + step))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def moe_of(model):
+    return model.blocks[0].moe
+
+
+def starve(model, expert: int) -> None:
+    """Router logit of `expert` = -D for every token: the MoE norm's output is x_hat + 1 (x_hat sums to 0 over
+    features), and the expert's router row is -1 everywhere, while the other logits are ~N(0, 0.1^2)."""
+    block = model.blocks[0]
+    with torch.no_grad():
+        block.moe_norm.bias.fill_(1.0)
+        block.moe.router.weight[expert] = -1.0
+
+
+def train(model, optimizer, steps: range, stats: list | None = None) -> list[dict]:
+    events = []
+    for step in steps:
+        inputs, labels = batch(step)
+        out = model(inputs, labels=labels)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        if stats is not None:
+            stats.append(out.stats["layers.0.tokens_per_expert"].clone())
+        events += lifecycle_step(model, TorchParamStateIO(optimizer))
+    return events
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the rules, as plain functions
+
+
+def test_birth_boost_decays_linearly_to_zero_at_twice_min_tokens():
+    ages = torch.tensor([0, 2500, 5000, 7500, 10000, 20000])
+    torch.testing.assert_close(birth_boost(ages, 5000, 0.35), torch.tensor([0.35, 0.2625, 0.175, 0.0875, 0.0, 0.0]))
+
+
+def test_value_scores_match_a_loop():
+    freq = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    impact = torch.tensor([0.5, -0.2, 1.0, 0.3], dtype=torch.float64)
+    contribution = [f * max(m, 0.0) for f, m in zip(freq.tolist(), impact.tolist())]
+    expected = [0.7 * f / 0.4 + 0.3 * c / max(contribution) for f, c in zip(freq.tolist(), contribution)]
+    torch.testing.assert_close(value_scores(freq, impact, 0.3), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_probation_protects_young_experts():
+    score = torch.tensor([0.9, 0.01, 0.02, 0.8])
+    dead, best = select_dead_experts(score, score, torch.tensor([9000, 4999, 5000, 9000]), 0.5, 5000)
+    assert best == 0 and dead == [2]
+
+
+def test_best_expert_is_never_replaced():
+    value = torch.tensor([0.1, 0.3, 0.2, 0.05])
+    dead, best = select_dead_experts(value, value, torch.full((4,), 10**6), threshold=10.0, min_tokens=5000)
+    assert best == 1 and 1 not in dead
+
+
+@pytest.mark.parametrize("num_experts", [8, 5])
+def test_at_most_half_the_experts_per_check(num_experts):
+    value = torch.linspace(1.0, 0.0, num_experts)
+    dead, _ = select_dead_experts(value, value, torch.full((num_experts,), 10**6), threshold=2.0, min_tokens=1)
+    assert dead == list(range(num_experts - 1, num_experts - 1 - num_experts // 2, -1))  # lowest scores first
+
+
+def test_clone_noise_is_gaussian_at_the_relative_scale():
+    src = torch.randn(200, 100) * 3.0
+    noise = clone_with_noise(src, 0.01, torch.Generator().manual_seed(0)) - src
+    assert abs(float(noise.std()) - 0.01 * float(src.std())) < 0.002 * float(src.std())
+    assert abs(float(noise.mean())) < 0.002
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the manager inside a model
+
+
+@pytest.mark.parametrize("block", ["ssm_moe", "ffn_moe"])
+def test_impact_ema_is_this_steps_first_order_loss_change(block):
+    """impact_i <- EMA of mean over i's tokens of -(dL/dy . y), with dL/dy from torch.autograd.grad; the EMA
+    holds this step's value as soon as the step ends (no lag), on any top-k MoE layer built from YAML."""
+    model = tiny_model({"ema_decay": 0.9}, block=block)
+    assert [name for name, _ in lifecycle_layers(model)] == ["blocks.0.moe"]
+    lifecycle = moe_of(model).router.lifecycle
+    captured = []
+    track = lifecycle.track_impact
+    lifecycle.track_impact = lambda y, counts: captured.append((y, counts)) or track(y, counts)
+    inputs, labels = batch(0)
+    out = model(inputs, labels=labels)  # reference pass
+    y_SD, counts = captured[-1]
+    (grad_SD,) = torch.autograd.grad(out.loss, y_SD)
+    impact_S = -(grad_SD.double() * y_SD.double()).sum(-1)
+    experts_S = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    mean_E = torch.stack([impact_S[experts_S == e].mean() if counts[e] else torch.zeros((), dtype=torch.float64)
+                          for e in range(E)])
+    lifecycle.step_sums.zero_()  # forget the reference pass
+    model(inputs, labels=labels).loss.backward()  # the training pass
+    lifecycle_step(model)
+    expected = torch.where(torch.tensor(counts) > 0, 0.1 * mean_E, torch.zeros_like(mean_E)).float()
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(lifecycle.impact_ema_E, expected, rtol=1e-5, atol=1e-10)
+    shares = torch.tensor(counts, dtype=torch.float64) / sum(counts)
+    torch.testing.assert_close(lifecycle.freq_ema_E, (0.9 / E + 0.1 * shares).float())
+    assert lifecycle.age_tokens_E.tolist() == [inputs.numel()] * E
+    assert lifecycle.tokens_seen_E.tolist() == counts
+
+
+def test_replacement_clones_best_plus_noise_and_resets_optimizer_state_and_statistics():
+    cfg = {"min_tokens": 64, "check_interval": 3, "ema_decay": 0.5, "noise_std": 0.05, "exploration_bias": 2.0}
+    model = tiny_model(cfg)
+    moe = moe_of(model)
+    lifecycle = moe.router.lifecycle
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert train(model, optimizer, range(1)) == []  # expert 1 still gets tokens: its moments are not zero
+    starve(model, 1)
+    assert train(model, optimizer, range(1, 2)) == []
+    inputs, labels = batch(2)
+    optimizer.zero_grad()
+    model(inputs, labels=labels).loss.backward()
+    optimizer.step()
+    params = per_expert_parameters(moe.experts, moe.router, E)
+    before = [p.detach().clone() for p in params]
+    moments = [{k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for p in params]
+    events = lifecycle_step(model, TorchParamStateIO(optimizer))  # step 3: a check
+
+    # the other experts' values are untouched by the replacement: the source is the best of them
+    assert [(e["expert"], e["source"]) for e in events] == [(1, int(lifecycle.scores()[0].argmax()))]
+    best = events[0]["source"]
+    generator = lifecycle.noise_generator("blocks.0.moe")  # the stream the replacement drew from
+    for p, old, moment in zip(params, before, moments):
+        keep = [e for e in range(E) if e != 1]
+        torch.testing.assert_close(p[keep], old[keep], rtol=0, atol=0)
+        torch.testing.assert_close(p[1], clone_with_noise(old[best], 0.05, generator))
+        noise = (p[1] - old[best]).detach()
+        assert 0 < float(noise.abs().max()) and float(noise.std()) < 0.1 * float(old[best].std())
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert float(moment[key][1].abs().max()) > 0  # there was something to reset
+            assert torch.equal(optimizer.state[p][key][1], torch.zeros_like(p[1]))
+            torch.testing.assert_close(optimizer.state[p][key][keep], moment[key][keep], rtol=0, atol=0)
+    report = log_expert_utilization(model)["blocks.0.moe"]
+    assert report["frequency"][1] == 0.0 and report["impact"][1] == 0.0 and report["age_tokens"][1] == 0
+    assert report["births"] == [0, 1, 0, 0] and report["logit_bias"] == [0.0, 2.0, 0.0, 0.0]
+    assert lifecycle.events == events
+
+
+def test_exploration_bias_decays_by_099_per_step_and_enters_the_logits():
+    model = tiny_model({"exploration_bias": 3.0})
+    lifecycle = moe_of(model).router.lifecycle
+    lifecycle.reset_expert(2)
+    for _ in range(7):
+        lifecycle.end_step()
+    torch.testing.assert_close(lifecycle.logit_bias_E, torch.tensor([0.0, 0.0, 3.0 * 0.99**7, 0.0]))
+    logits = torch.randn(5, E)
+    torch.testing.assert_close(lifecycle.bias_logits(logits), logits + lifecycle.logit_bias_E)
+
+
+def test_starved_expert_is_replaced_and_then_receives_tokens():
+    model = tiny_model({"min_tokens": 128, "check_interval": 5, "ema_decay": 0.5})
+    starve(model, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stats: list[torch.Tensor] = []
+    events = train(model, optimizer, range(5), stats)
+    assert all(s[2] == 0 for s in stats), "the starved expert got tokens"
+    assert 2 in [e["expert"] for e in events] and all(e["step"] == 5 for e in events)
+    stats.clear()
+    train(model, optimizer, range(5, 8), stats)
+    assert all(s[2] > 0 for s in stats), f"the re-born expert gets no tokens: {stats}"
+
+
+# every check replaces the experts below the layer's median: decisions in every stretch of a short run
+CHURN = {"min_tokens": 64, "check_interval": 2, "threshold_ratio": 1.0, "ema_decay": 0.5}
+
+
+def test_state_dict_round_trip():
+    model = tiny_model(CHURN)
+    train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), range(4))
+    lifecycle = moe_of(model).router.lifecycle
+    assert lifecycle.events, "expected replacements to round-trip"
+    state = model.state_dict()
+    other = tiny_model(CHURN, seed=1)
+    other.load_state_dict(copy.deepcopy(state))
+    restored = moe_of(other).router.lifecycle
+    for name, buf in lifecycle.named_buffers():
+        if not name.startswith("step_sums"):
+            assert torch.equal(buf, dict(restored.named_buffers())[name]), name
+    assert restored.events == lifecycle.events and restored.events is not lifecycle.events
+
+
+def test_resumed_run_makes_the_same_decisions():
+    model = tiny_model(CHURN)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, optimizer, range(6))
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    later = train(model, optimizer, range(6, 12))
+    assert later, "expected replacements after the checkpoint"
+
+    resumed = tiny_model(CHURN, seed=1)
+    resumed.load_state_dict(saved[0])
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
+    resumed_optimizer.load_state_dict(saved[1])
+    assert train(resumed, resumed_optimizer, range(6, 12)) == later
+    assert moe_of(resumed).router.lifecycle.events == moe_of(model).router.lifecycle.events
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        if torch.is_tensor(a):
+            assert torch.equal(a, b), name
+
+
+def test_statistics_keep_their_dtype_when_the_model_is_cast():
+    model = tiny_model({}).bfloat16()
+    lifecycle = moe_of(model).router.lifecycle
+    assert lifecycle.freq_ema_E.dtype == torch.float32 and lifecycle.step_sums.dtype == torch.float64
+    assert moe_of(model).router.weight.dtype == torch.bfloat16
+
+
+def test_config_errors_name_the_path():
+    with pytest.raises(ConfigError, match=r"model.layers\[0\].moe.router.lifecycle.min_tokens \(0\) must be > 0"):
+        tiny_model({"min_tokens": 0})
+    with pytest.raises(ConfigError, match=r"lifecycle.check_intervall: unknown key; did you mean 'check_interval'"):
+        tiny_model({"check_intervall": 5})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-2, two gloo processes
+
+LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
+
+
+def zero2_worker(out_dir: str) -> None:
+    """Train under ZeRO-2 with a starved expert; at the check, record the replaced rows of the module, the fp32
+    master and the Adam moments; then one more step (with its full gradient) and record them again."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+
+    from moep_ds.training import state as st
+    from moep_ds.training.lifecycle_state import lifecycle_after_step
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    model = tiny_model({"min_tokens": 64, "check_interval": 3, "ema_decay": 0.5})
+    starve(model, 1)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    moe = moe_of(engine.module)
+    params = per_expert_parameters(moe.experts, moe.router, E)
+
+    def snapshot() -> dict:
+        return {
+            "module": [p.detach().clone() for p in params],
+            "master": [st.get_fp32_param(p) for p in params],
+            "exp_avg": [st.get_optimizer_state(p, engine.optimizer, "exp_avg") for p in params],
+            "exp_avg_sq": [st.get_optimizer_state(p, engine.optimizer, "exp_avg_sq") for p in params],
+        }
+
+    def step(step_idx: int, with_grads: bool = False) -> tuple[list[dict], list[torch.Tensor]]:
+        inputs, labels = batch(step_idx, rank)
+        engine.backward(engine(inputs, labels=labels).loss)
+        grads = [safe_get_full_grad(p).clone() for p in params] if with_grads else []
+        engine.step()
+        return lifecycle_after_step(engine.module, engine), grads
+
+    events = []
+    for i in range(3):
+        events += step(i)[0]
+    after_replace = snapshot()
+    _, grads = step(3, with_grads=True)
+    after_step = snapshot()
+    result = {"events": events, "replaced": after_replace, "stepped": after_step, "grads": grads,
+              "adam_step": st.optimizer_step_count(engine.optimizer)}
+    torch.save(result, pathlib.Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_replacement_under_zero2_survives_the_next_step(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(pathlib.Path.cwd())}
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           __file__, "--zero2-worker", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    events = ranks[0]["events"]
+    assert [e["expert"] for e in events] == [1] and ranks[1]["events"] == events
+    best = events[0]["source"]
+    for result in ranks:
+        replaced, stepped = result["replaced"], result["stepped"]
+        t = result["adam_step"]
+        for i, grad in enumerate(result["grads"]):
+            clone = replaced["master"][i][1]
+            # right after the replacement: module = master = best + noise; moments of the row are zero
+            torch.testing.assert_close(replaced["module"][i][1], clone)
+            assert 0 < float((clone - replaced["master"][i][best]).abs().max()) < 0.1 * float(clone.abs().max())
+            assert float(replaced["exp_avg"][i][1].abs().max()) == 0.0
+            assert float(replaced["exp_avg_sq"][i][1].abs().max()) == 0.0
+            # one step later: Adam from zero moments, applied to the clone, in the master and the module
+            g = grad[1]
+            torch.testing.assert_close(stepped["exp_avg"][i][1], (1 - BETAS[0]) * g)
+            torch.testing.assert_close(stepped["exp_avg_sq"][i][1], (1 - BETAS[1]) * g * g)
+            m_hat = (1 - BETAS[0]) * g / (1 - BETAS[0] ** t)
+            v_hat = (1 - BETAS[1]) * g * g / (1 - BETAS[1] ** t)
+            expected = clone - LR * m_hat / (v_hat.sqrt() + EPS)
+            torch.testing.assert_close(stepped["master"][i][1], expected)
+            torch.testing.assert_close(stepped["module"][i][1], expected)
+    for key in ("module", "master", "exp_avg", "exp_avg_sq"):
+        for a, b in zip(ranks[0]["stepped"][key], ranks[1]["stepped"][key]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+if __name__ == "__main__" and "--zero2-worker" in sys.argv:
+    zero2_worker(sys.argv[sys.argv.index("--zero2-worker") + 1])
+    os._exit(0)
