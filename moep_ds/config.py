@@ -16,7 +16,7 @@ import yaml
 
 from moep_ds.data.config import DataConfig
 from moep_ds.evaluation.config import EvalConfig
-from moep_ds.models.config import ModelConfig
+from moep_ds.models.config import ModelConfig, layer_entries
 from moep_ds.schema import ConfigError, fail, parse, to_dict
 from moep_ds.training.config import TrainConfig
 
@@ -39,6 +39,11 @@ class Config:
     def validate(self, path: str) -> None:
         if self.data.seq_len > self.model.max_seq_len:
             fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
+        ep = self.train.expert_parallel_size
+        for layer_path, layer in layer_entries(self.model.layers, "model"):
+            moe = getattr(layer, "moe", None)
+            if moe is not None and hasattr(moe, "check_expert_parallel"):
+                moe.check_expert_parallel(f"{layer_path}.moe", ep)
 
 
 class _Loader(yaml.SafeLoader):

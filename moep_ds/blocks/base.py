@@ -9,18 +9,19 @@ cache offsets); the sequence id of a token is its batch row.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 
-@dataclasses.dataclass
-class BlockOutput:
+class BlockOutput(NamedTuple):
+    """A named tuple rather than a dataclass: DeepSpeed ZeRO-3 attaches its backward hooks (which re-gather a
+    block's parameters for the backward pass) only to tensors inside tuples, lists and dicts."""
+
     x: torch.Tensor  # [B, T, D]
-    aux_losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # name -> scalar
-    stats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # name -> detached tensor
+    aux_losses: dict[str, torch.Tensor] = {}  # name -> scalar (never mutated: the default is shared)
+    stats: dict[str, torch.Tensor] = {}  # name -> detached tensor
 
 
 class Block(nn.Module):

@@ -130,6 +130,16 @@ class ModelConfig:
         return list(expand(self.layers))
 
 
+def layer_entries(layers: list[Any], path: str) -> Iterator[tuple[str, Any]]:
+    """(dotted path, block config) for every entry of a layer list, groups opened, repeats not unrolled."""
+    for i, layer in enumerate(layers):
+        entry_path = join(join(path, "layers"), i)
+        if isinstance(layer, BlockGroupConfig):
+            yield from layer_entries(layer.layers, entry_path)
+        else:
+            yield entry_path, layer
+
+
 def expand(layers: list[Any]) -> Iterator[Any]:
     for layer in layers:
         for _ in range(layer.repeat):

@@ -21,6 +21,7 @@ import os
 import pathlib
 import random
 import shutil
+import warnings
 from typing import Any
 
 import numpy as np
@@ -192,12 +193,8 @@ def load_engine_state(engine, model, ckpt: pathlib.Path, ep_group=None) -> dict[
             st.set_optimizer_state(p, engine.optimizer, key, values[key])
     st.set_optimizer_step_count(engine.optimizer, [p for _, p in params], optim["step"])
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    scheduler = engine.lr_scheduler
-    if scheduler is not None:
-        scheduler.load_state_dict(state["lr_scheduler"])
-        # load_state_dict restores the schedule's position but not the lr the next step will use
-        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
+    if engine.lr_scheduler is not None:
+        restore_schedule(engine.lr_scheduler, state["lr_scheduler"]["last_epoch"])
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     if scaler is not None and state.get("loss_scaler"):
         for key, value in state["loss_scaler"].items():
@@ -207,6 +204,16 @@ def load_engine_state(engine, model, ckpt: pathlib.Path, ep_group=None) -> dict[
     engine.skipped_steps = state.get("skipped_steps", 0)
     restore_rng(ckpt, dist.get_rank(), state)
     return state
+
+
+def restore_schedule(scheduler, last_epoch: int) -> None:
+    """Put the schedule at `last_epoch` and set every group's lr from it. The schedule is a function of the
+    step alone, so this works whatever the number of parameter groups (expert parallelism adds MoE groups),
+    unlike LRScheduler.load_state_dict, which also leaves the groups' current lr stale."""
+    scheduler.last_epoch = last_epoch - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": intended here
+        scheduler.step()
 
 
 def loss_scaler_state(engine) -> dict[str, Any] | None:

@@ -28,13 +28,14 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
 
 
 def routed_module_classes(model: nn.Module) -> list[type]:
-    """Classes of the modules that own a router: which of their parameters a rank uses depends on the data,
-    so ZeRO-3 must fetch each such module's parameters as one unit (a leaf module)."""
+    """Classes of the blocks that contain a router: which of their parameters a rank uses depends on the data,
+    so ZeRO-3 fetches each such block's parameters as one unit (a leaf module). Blocks return tuples of
+    tensors, to which ZeRO-3 attaches the hooks that fetch the parameters again for the backward pass."""
     router_types = tuple(ROUTERS.get(name) for name in ROUTERS.names())
     classes = []
-    for module in model.modules():
-        if any(isinstance(child, router_types) for child in module.children()) and type(module) not in classes:
-            classes.append(type(module))
+    for block in getattr(model, "blocks", []):
+        if any(isinstance(m, router_types) for m in block.modules()) and type(block) not in classes:
+            classes.append(type(block))
     return classes
 
 

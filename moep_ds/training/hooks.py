@@ -5,12 +5,9 @@ from typing import Any
 
 from torch import nn
 
+from moep_ds.training.lifecycle_state import lifecycle_after_step
+
 
 def after_optimizer_step(model: nn.Module, engine: Any, step: int) -> list[dict]:
-    """Run every module's `after_optimizer_step(step, engine)` hook; returns their events for the monitor."""
-    events: list[dict] = []
-    for module in model.modules():
-        hook = getattr(module, "after_optimizer_step", None)
-        if callable(hook) and module is not model:
-            events.extend(hook(step, engine) or [])
-    return events
+    """Run the expert lifecycle managers of the model (if any); returns their events for the monitor."""
+    return lifecycle_after_step(model, engine)

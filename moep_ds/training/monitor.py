@@ -36,17 +36,18 @@ class Monitor:
             self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
             self.utilization = open(run_dir / "expert_utilization.jsonl", "a", buffering=1)
 
-    def write_events(self, step: int, scalars: dict[str, float], prefix: str = "train") -> None:
+    def write_events(self, step: int, scalars: dict[str, float]) -> None:
+        """TensorBoard scalars, keyed by their full tag (`train/loss`, `moe/layers.3.entropy`, ...)."""
         monitor = getattr(self.engine, "monitor", None)
         if monitor is not None and monitor.enabled:
-            monitor.write_events([(f"{prefix}/{k}", v, step) for k, v in scalars.items()])
+            monitor.write_events([(tag, v, step) for tag, v in scalars.items()])
 
     def log_step(self, step: int, metrics: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
         if not self.enabled:
             return
         scalars, vectors = split_stats(stats)
         self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
-        events = dict(metrics)
+        events = {f"train/{k}": v for k, v in metrics.items()}
         events.update({f"moe/{k}": v for k, v in scalars.items()})
         for key, values in vectors.items():
             events.update({f"moe/{key}/expert_{i}": v for i, v in enumerate(values)})
@@ -60,7 +61,7 @@ class Monitor:
             return
         for event in events:
             self.utilization.write(json.dumps({"step": step, "event": event}) + "\n")
-        self.write_events(step, {"events": float(len(events))}, prefix="lifecycle")
+        self.write_events(step, {"lifecycle/events": float(len(events))})
 
     def close(self) -> None:
         if self.enabled:

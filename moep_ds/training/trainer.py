@@ -166,7 +166,7 @@ class Trainer:
             "global_samples": self.engine.global_samples,
             "skipped_steps": self.engine.skipped_steps,
             "data": self.loader.state_dict(),
-            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "lr_scheduler": {"last_epoch": scheduler.last_epoch} if scheduler is not None else None,
             "loss_scaler": ckpt_io.loss_scaler_state(self.engine),
             "world_size": self.world,
             "expert_parallel_size": self.cfg.train.expert_parallel_size,

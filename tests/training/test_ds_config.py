@@ -1,0 +1,100 @@
+"""DeepSpeed JSON reconciliation, schedule, parameter groups, and layout errors (no processes started)."""
+import math
+
+import pytest
+import torch
+
+from moep_ds import build_model
+from moep_ds.config import config_from_dict
+from moep_ds.schema import ConfigError
+from moep_ds.training.config import ScheduleConfig, TrainConfig
+from moep_ds.training.ds_config import DeepSpeedConfigError, reconcile
+from moep_ds.training.expert_parallel import ParallelLayoutError, check_parallel_layout
+from moep_ds.training.optim import lr_multiplier, param_groups
+
+
+def train(**kw):
+    return TrainConfig(max_steps=10, **kw)
+
+
+def test_auto_values_are_filled_from_the_recipe_and_batch_derived():
+    ds = reconcile({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                    "train_batch_size": "auto", "gradient_clipping": "auto"},
+                   train(micro_batch_size=4, global_batch_size=32, grad_clip=0.5), world_size=2)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (4, 4, 32)
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["zero_allow_untested_optimizer"] is True
+
+
+def test_defaults_without_a_ds_config():
+    ds = reconcile({}, train(), world_size=3)
+    assert ds["train_batch_size"] == 8 * 1 * 3 and ds["zero_optimization"] == {"stage": 0}
+
+
+@pytest.mark.parametrize("ds,tc,world,message", [
+    ({"train_micro_batch_size_per_gpu": 8}, {"micro_batch_size": 4}, 1,
+     "train.micro_batch_size (4) conflicts with ds_config train_micro_batch_size_per_gpu (8); set it in one place"),
+    ({"gradient_clipping": 1.0}, {"grad_clip": 0.5}, 1,
+     "train.grad_clip (0.5) conflicts with ds_config gradient_clipping (1.0); set it in one place"),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, {}, 2,
+     "ds_config train_batch_size (32) != train_micro_batch_size_per_gpu (4) x gradient_accumulation_steps (2) x "
+     "data-parallel size (2) = 16"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, {}, 2,
+     "ds_config train_batch_size (30) is not a multiple of train_micro_batch_size_per_gpu (4) x data-parallel size (2)"),
+    ({"optimizer": {"type": "Adam"}}, {}, 1,
+     "ds_config 'optimizer': the recipe's train.optimizer owns it; remove the section from the DeepSpeed config"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}, 1, "ds_config enables both fp16 and bf16; choose one"),
+])
+def test_conflicts_are_one_line_errors(ds, tc, world, message):
+    with pytest.raises(DeepSpeedConfigError) as info:
+        reconcile(ds, train(**tc), world_size=world)
+    assert str(info.value) == message
+
+
+def test_warmup_then_cosine_to_floor():
+    cfg = ScheduleConfig(kind="cosine", warmup_steps=4, min_lr_ratio=0.1)
+    lrs = [lr_multiplier(s, cfg, 14) for s in range(16)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == 1.0
+    assert math.isclose(lrs[9], 0.1 + 0.9 * 0.5)  # halfway through the decay
+    assert lrs[14] == lrs[15] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def tiny_cfg(**train_kw):
+    raw = {"model": {"flavour": "gpt2", "vocab_size": 32, "d_model": 16, "max_seq_len": 8,
+                     "layers": [{"type": "dense", "attention": {"num_heads": 2}}]},
+           "train": {"max_steps": 2, **train_kw}}
+    return config_from_dict(raw)
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    model = build_model(tiny_cfg().model)
+    decay, keep = param_groups(model, tiny_cfg().train.optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in keep["params"]}
+    assert decayed == {"blocks.0.attention.attn.w_qkv.weight", "blocks.0.attention.attn.w_o.weight",
+                       "blocks.0.ffn.w_in.weight", "blocks.0.ffn.w_out.weight"}
+    assert {"embed.weight", "pos_embed.weight", "norm.weight", "norm.bias", "blocks.0.ffn.w_in.bias"} <= kept
+    assert keep["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+
+
+def test_expert_parallel_layout_errors():
+    cfg = tiny_cfg(expert_parallel_size=2)
+    with pytest.raises(ParallelLayoutError, match=r"^train.expert_parallel_size \(2\) must divide the world size \(3\)$"):
+        check_parallel_layout(cfg, {"zero_optimization": {"stage": 2}}, 3)
+    with pytest.raises(ParallelLayoutError, match=r"not supported with ZeRO stage 3"):
+        check_parallel_layout(cfg, {"zero_optimization": {"stage": 3}}, 2)
+    check_parallel_layout(cfg, {"zero_optimization": {"stage": 2}}, 4)
+
+
+def test_experts_not_divisible_by_expert_parallel_size():
+    raw = {"model": {"flavour": "llama", "vocab_size": 32, "d_model": 16, "max_seq_len": 8,
+                     "layers": [{"type": "dense", "attention": {"num_heads": 2}},
+                                {"type": "ffn_moe", "attention": {"num_heads": 2},
+                                 "moe": {"num_experts": 6, "router": {"type": "topk", "k": 2}}}]},
+           "train": {"max_steps": 2, "expert_parallel_size": 4}}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw)
+    assert str(info.value) == "model.layers[1].moe.num_experts (6) must be divisible by expert_parallel_size (4)"

@@ -1,0 +1,177 @@
+"""End-to-end training on 2 CPU processes (gloo): ZeRO stages x precisions, expert parallelism, exact and
+cross-layout resume, crash safety of checkpoints, TensorBoard scalars, fp16 loss scaling."""
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from tiny import DS_CONFIGS, REPO, launch, losses, metrics, write_recipe
+
+pytestmark = pytest.mark.slow
+SCRIPTS = pathlib.Path(__file__).parent / "scripts"
+
+
+def jobs_file(tmp: pathlib.Path, jobs: list[dict]) -> str:
+    path = tmp / f"jobs_{len(list(tmp.glob('jobs_*')))}.json"
+    path.write_text(json.dumps(jobs))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def zero_matrix(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero")
+    jobs, runs = [], {}
+    for stage in range(4):
+        for precision in ("fp32", "bf16"):
+            out = tmp / f"zero{stage}_{precision}"
+            recipe = write_recipe(tmp / f"zero{stage}_{precision}.yaml", "mixed", out, max_steps=20)
+            jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_{precision}.json")})
+            runs[(stage, precision)] = out
+    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp, jobs))
+    return runs
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_zero_stage_and_precision_trains_all_routed_blocks(zero_matrix, stage, precision):
+    curve = losses(zero_matrix[(stage, precision)])
+    assert sorted(curve) == list(range(1, 21))
+    first, last = sum(curve[s] for s in range(1, 4)) / 3, sum(curve[s] for s in range(18, 21)) / 3
+    assert last < first - 0.3, curve
+
+
+def test_tensorboard_events_hold_the_named_scalars(zero_matrix):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = zero_matrix[(2, "fp32")]
+    events = list((run / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("train/loss", "train/ce_loss", "train/lr", "train/grad_norm", "train/tokens_per_s"):
+        assert tag in tags, sorted(tags)
+    assert any(t.startswith("train/aux/layers.") and t.endswith("load_balancing_loss") for t in tags), sorted(tags)
+    assert any(t.startswith("moe/layers.") and "/expert_" in t for t in tags), sorted(tags)
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 21))
+    utilization = [json.loads(l) for l in (run / "expert_utilization.jsonl").read_text().splitlines()]
+    assert utilization and all("step" in u for u in utilization)
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_runs(tmp_path_factory):
+    """2 processes: expert parallel 1 and 2 on the same global batch, checkpoints at step 5."""
+    tmp = tmp_path_factory.mktemp("ep")
+    runs, jobs = {}, []
+    for ep in (1, 2):
+        out = tmp / f"ep{ep}"
+        recipe = write_recipe(tmp / f"ep{ep}.yaml", "nova_moe", out, max_steps=8, global_batch_size=8,
+                              expert_parallel_size=ep, checkpoint={"every_steps": 5, "at_end": False})
+        jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")})
+        runs[ep] = (recipe, out)
+    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp, jobs))
+    return tmp, runs
+
+
+def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs):
+    _, runs = expert_parallel_runs
+    ep1, ep2 = losses(runs[1][1]), losses(runs[2][1])
+    assert sorted(ep1) == sorted(ep2) == list(range(1, 9))
+    for step in range(1, 9):
+        assert ep2[step] == pytest.approx(ep1[step], abs=1e-5), (step, ep1, ep2)
+
+
+def resume_job(recipe, out, ckpt, **overrides):
+    sets = [f"train.output_dir={out}"] + [f"train.{k}={v}" for k, v in overrides.items()]
+    return {"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json"), "resume": str(ckpt),
+            "overrides": sets}
+
+
+def test_checkpoints_move_between_expert_parallel_and_single_process(expert_parallel_runs):
+    tmp, runs = expert_parallel_runs
+    recipe_ep2, out_ep2 = runs[2]
+    # an expert-parallel-2 checkpoint (2 processes) resumes on 1 process
+    one = tmp / "ep2_on_1p"
+    ckpt = out_ep2 / "checkpoints" / "step_00000005"
+    one_ref = tmp / "ref_1p"
+    recipe_1p = write_recipe(tmp / "ref_1p.yaml", "nova_moe", one_ref, max_steps=8, global_batch_size=8,
+                             checkpoint={"every_steps": 5, "at_end": False})
+    launch(1, SCRIPTS / "run_many.py", jobs_file(tmp, [
+        resume_job(recipe_1p, one, ckpt, exit_at_step=6, expert_parallel_size=1),
+        {"recipe": str(recipe_1p), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
+    ]))
+    assert losses(one)[6] == pytest.approx(losses(out_ep2)[6], abs=1e-5)
+    # and a 1-process checkpoint resumes on 2 processes at expert parallel 2
+    two = tmp / "1p_on_ep2"
+    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp, [
+        resume_job(recipe_ep2, two, one_ref / "checkpoints" / "step_00000005", exit_at_step=6)]))
+    assert losses(two)[6] == pytest.approx(losses(one_ref)[6], abs=1e-5)
+
+
+def test_exact_resume_with_lifecycle(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    jobs = []
+    for out, extra in ((full, {}), (part, {"exit_at_step": 5})):
+        recipe = write_recipe(tmp_path / f"{out.name}.yaml", "mixed", out, max_steps=10, **extra)
+        jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")})
+    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp_path, jobs))
+    assert sorted(losses(part)) == [1, 2, 3, 4, 5]
+    resume = write_recipe(tmp_path / "resume.yaml", "mixed", part, max_steps=10)
+    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp_path, [
+        {"recipe": str(resume), "ds_config": str(DS_CONFIGS / "zero2_fp32.json"), "resume": "auto"}]))
+    assert losses(part) == losses(full)
+    events = [json.loads(l) for l in (full / "expert_utilization.jsonl").read_text().splitlines() if '"event"' in l]
+    resumed = [json.loads(l) for l in (part / "expert_utilization.jsonl").read_text().splitlines() if '"event"' in l]
+    assert events and resumed == events  # the lifecycle manager replaced experts, and made the same decisions
+
+
+def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path):
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=6, checkpoint={"every_steps": 2, "keep_last": 2})
+    args = ["--config", str(recipe), "--ds_config", str(DS_CONFIGS / "zero2_fp32.json")]
+    import os
+    os.environ["MOEP_TEST_KILL_AT_STEP"] = "4"
+    try:
+        crashed = launch(2, SCRIPTS / "pretrain_fault.py", *args, check=False)
+    finally:
+        del os.environ["MOEP_TEST_KILL_AT_STEP"]
+    assert crashed.returncode != 0
+    root = out / "checkpoints"
+    assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000002"]
+    assert (root / ".tmp-step_00000004").is_dir()  # the half-written one is not a checkpoint
+    resumed = launch(2, REPO / "pretrain.py", *args, "--resume", "auto")
+    assert "resumed from" in resumed.stderr and "step_00000002" in resumed.stderr
+    assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000004", "step_00000006"]
+    assert not list(root.glob(".tmp-*"))
+    steps = [m["step"] for m in metrics(out)]
+    assert steps == [1, 2, 3, 4, 3, 4, 5, 6]
+
+
+def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path):
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=12)
+    ds = json.loads((DS_CONFIGS / "zero2_fp16.json").read_text())
+    ds["fp16"]["initial_scale_power"] = 32  # overflows at first: the scaler must skip steps and back off
+    ds_path = tmp_path / "fp16.json"
+    ds_path.write_text(json.dumps(ds))
+    launch(1, SCRIPTS / "fp16_on_cpu.py", "--config", str(recipe), "--ds_config", str(ds_path))
+    rows = metrics(out)
+    scales = [r["loss_scale"] for r in rows]
+    assert scales[0] <= 2.0**32 and scales[-1] < scales[0]
+    assert rows[-1]["skipped_steps"] >= 1
+    assert all(r["loss"] == r["loss"] for r in rows)  # finite, no NaN
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_conflicting_settings_fail_before_training(tmp_path):
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, grad_clip=0.5)
+    ds_path = tmp_path / "ds.json"
+    ds_path.write_text(json.dumps({"gradient_clipping": 1.0}))
+    proc = launch(1, REPO / "pretrain.py", "--config", str(recipe), "--ds_config", str(ds_path), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: train.grad_clip (0.5) conflicts with ds_config gradient_clipping (1.0); set it in one place")
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()

@@ -1,0 +1,79 @@
+"""Tiny recipes for multi-process training tests, and launch helpers (every launch writes its results to files)."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import yaml
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DS_CONFIGS = REPO / "ds_configs"
+
+ATTN = {"num_heads": 4}
+EXPERT_CHOICE = {"type": "expert_choice", "capacity_factor": 1.25, "rounding": "ceil", "score": "softmax_tokens"}
+TOP2 = {"type": "topk", "k": 2, "load_balancing_weight": 0.01}
+LIFECYCLE = {**TOP2, "lifecycle": {"min_tokens": 64, "check_interval": 3, "threshold_ratio": 1.0}}
+
+LAYERS = {
+    "nova_moe": [{"type": "dense", "attention": ATTN},
+                 {"type": "ffn_moe", "attention": ATTN,
+                  "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 48}, "router": EXPERT_CHOICE}}],
+    "top2": [{"type": "ffn_moe", "attention": ATTN,
+              "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 48}, "router": TOP2}}],
+    "msit": [{"type": "msit", "attention": ATTN,
+              "experts": {"d_thin": 48, "num_heads": 2, "windows": [8, 4, 2, 1]}}],
+    "ssm_moe": [{"type": "ssm_moe", "mixer": {"state_size": 4, "chunk_size": 8},
+                 "moe": {"num_experts": 4, "expert": {"type": "gelu", "hidden_size": 48}, "router": LIFECYCLE}}],
+}
+# every routed block type in one stack
+LAYERS["mixed"] = LAYERS["nova_moe"] + LAYERS["top2"] + LAYERS["msit"] + LAYERS["ssm_moe"]
+
+
+def recipe(layers: str, out: pathlib.Path, **train) -> dict:
+    return {
+        "model": {"flavour": "llama", "vocab_size": 512, "d_model": 32, "max_seq_len": 32,
+                  "layers": copy.deepcopy(LAYERS[layers])},
+        "data": {"source": "builtin", "tokenizer": {"kind": "bpe", "vocab_size": 512}, "seq_len": 32},
+        "train": {"output_dir": str(out), "max_steps": 10, "log_every": 1, "micro_batch_size": 4,
+                  "checkpoint": {"every_steps": None, "at_end": False},
+                  "optimizer": {"lr": 1.0e-2, "weight_decay": 0.0}, "schedule": {"warmup_steps": 2}, **train},
+    }
+
+
+def write_recipe(path: pathlib.Path, layers: str, out: pathlib.Path, **train) -> pathlib.Path:
+    path.write_text(yaml.safe_dump(recipe(layers, out, **train)))
+    return path
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(key, None)
+    return e
+
+
+def launch(nproc: int, script: str | pathlib.Path, *args: str, timeout: int = 600, check: bool = True):
+    """Run `script` on `nproc` CPU processes (torchrun, gloo); 1 process runs as a plain python process."""
+    if nproc == 1:
+        cmd = [sys.executable, str(script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(script), *args]
+    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(run_dir: pathlib.Path) -> list[dict]:
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def losses(run_dir: pathlib.Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in metrics(run_dir) if "loss" in m}
