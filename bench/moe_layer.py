@@ -1,0 +1,221 @@
+"""MoE layer, forward + backward on CPU: ours against an ideal dense bound and three other implementations.
+
+# N tokens, D model dim, F expert hidden dim, E experts, c expert-choice capacity factor
+
+All rows of one table share the input, the upstream gradient and the expert/router weights, and are timed in
+one process, interleaved round-robin, as CPU time of this process (best of --repeats after one warm-up), so that
+load from other processes on a shared machine distorts the rows as little and as evenly as possible. Rows:
+  expert choice (Nova-MoE routing: c=1.25, ceil, softmax over tokens, scope batch; D=512, F=2048, E=8)
+    ideal        one dense SwiGLU FFN of one expert's size on the c N tokens (E ceil(c N / E)) that the experts
+                 process: their matmul FLOPs with no routing, gather or scatter, and one expert's weights only
+  top-2 of E (Mixtral routing: renormalised, dropless; D=256, F=896, E=8 as configs/mixtral_tiny.yaml)
+    hf_eager     transformers' MixtralSparseMoeBlock, experts_implementation="eager" (the block's own loop)
+    hf_grouped   the same block with experts_implementation="grouped_mm" (what a Mixtral model selects)
+    deepspeed    deepspeed.moe.layer.MoE(k=2), defaults (capacity_factor 1.0: overflow dropped, padded
+                 capacity slots computed) but without its random 2nd-expert sampling and random token
+                 selection, so the routing is comparable
+    deepspeed_dropless  the same with drop_tokens=False (capacity = the largest expert load): ours' semantics
+    naive_loop   a Python loop over experts: torch.where per expert, indexed stacked weights, index_add
+Ratios: ours / ideal for expert choice (target <= 1.10); other / ours (speed-up) for top-2 (target >= 1.5).
+
+    python bench/moe_layer.py                        # defaults above, N = 4096 tokens, 1 thread
+    python bench/moe_layer.py --tokens 512 --repeats 3   # quick check
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moep_ds.layers.ffn import FFNConfig
+from moep_ds.moe.experts import expert_ffn
+from moep_ds.moe.layer import MoEConfig, MoELayer
+from moep_ds.routing.expert_choice import ExpertChoiceConfig
+from moep_ds.routing.topk import TopKConfig
+
+Step = Callable[[], None]
+
+
+def moe_layer(router, d_model: int, hidden: int, experts: int) -> MoELayer:
+    cfg = MoEConfig(num_experts=experts, expert=FFNConfig(type="swiglu", hidden_size=hidden), router=router)
+    return MoELayer(cfg, d_model=d_model)
+
+
+def fwd_bwd(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: torch.Tensor, params) -> Step:
+    """One training step's worth of MoE work: y = fn(x); backward of <y, g> into x and all parameters."""
+    params = list(params)
+
+    def step() -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        (fn(x) * g).sum().backward()
+
+    return step
+
+
+def time_rows(rows: dict[str, Step], repeats: int, clock: Callable[[], float]) -> dict[str, float]:
+    for step in rows.values():
+        step()  # warm-up (allocator, lazy init)
+    best = {name: float("inf") for name in rows}
+    for _ in range(repeats):
+        for name, step in rows.items():
+            start = clock()
+            step()
+            best[name] = min(best[name], clock() - start)
+    return best
+
+
+# --- expert choice vs the ideal dense bound ---------------------------------------------------------------
+
+def expert_choice_rows(args, x: torch.Tensor, g: torch.Tensor) -> dict[str, Step]:
+    router = ExpertChoiceConfig(capacity_factor=args.capacity_factor, rounding="ceil", score="softmax_tokens")
+    layer = moe_layer(router, x.shape[-1], args.ec_hidden, args.experts)
+    ex = layer.experts
+    # the E ceil(c N / E) ~ c N tokens expert choice processes; the first N are the layer's input, the rest repeat it
+    n_ideal = sum(layer.router(x).counts())
+    x_ideal = x[0].detach().repeat(2, 1)[:n_ideal].clone().requires_grad_()
+    g_ideal = g[0].repeat(2, 1)[:n_ideal]
+    w1, w2, w3 = (w[0].detach().clone().requires_grad_() for w in (ex.w1_EDF, ex.w2_EFD, ex.w3_EDF))
+
+    def ideal(x2):
+        return expert_ffn(x2, w1, w2, w3, None, None, None, "swiglu")
+
+    return {
+        "ours_expert_choice": fwd_bwd(lambda x_: layer(x_).y, x, g, layer.parameters()),
+        "ideal": fwd_bwd(ideal, x_ideal, g_ideal, (w1, w2, w3)),
+    }
+
+
+# --- top-2 against the libraries --------------------------------------------------------------------------
+
+def hf_block(layer: MoELayer, implementation: str) -> nn.Module:
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    ex = layer.experts
+    E, D, Fh = ex.w1_EDF.shape
+    cfg = MixtralConfig(hidden_size=D, intermediate_size=Fh, num_local_experts=E, num_experts_per_tok=2)
+    cfg._experts_implementation = implementation
+    block = MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():
+        block.gate.weight.copy_(layer.router.weight)
+        block.experts.gate_up_proj.copy_(torch.cat([ex.w1_EDF, ex.w3_EDF], dim=2).transpose(1, 2))
+        block.experts.down_proj.copy_(ex.w2_EFD.transpose(1, 2))
+    return block
+
+
+class SwiGLUExpert(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def deepspeed_block(layer: MoELayer, drop_tokens: bool) -> nn.Module:
+    from deepspeed.moe.layer import MoE
+
+    ex = layer.experts
+    E, D, Fh = ex.w1_EDF.shape
+    block = MoE(D, SwiGLUExpert(D, Fh), num_experts=E, k=2, use_rts=False, top2_2nd_expert_sampling=False,
+                drop_tokens=drop_tokens)
+    with torch.no_grad():
+        block.deepspeed_moe.gate.wg.weight.copy_(layer.router.weight)
+        for e, expert in enumerate(block.deepspeed_moe.experts.deepspeed_experts):
+            expert.w1.weight.copy_(ex.w1_EDF[e].t())
+            expert.w3.weight.copy_(ex.w3_EDF[e].t())
+            expert.w2.weight.copy_(ex.w2_EFD[e].t())
+    return block
+
+
+def naive_loop(layer: MoELayer) -> Callable[[torch.Tensor], torch.Tensor]:
+    ex = layer.experts
+
+    def forward(x_BTD: torch.Tensor) -> torch.Tensor:
+        x = x_BTD.reshape(-1, x_BTD.shape[-1])
+        probs = torch.softmax(x.float() @ layer.router.weight.t(), dim=-1)
+        top, experts = probs.topk(2, dim=-1)
+        top = top / top.sum(-1, keepdim=True)
+        y = torch.zeros_like(x)
+        for e in range(ex.num_local_experts):
+            tok, slot = torch.where(experts == e)
+            out = expert_ffn(x[tok], ex.w1_EDF[e], ex.w2_EFD[e], ex.w3_EDF[e], None, None, None, "swiglu")
+            y = y.index_add(0, tok, out * top[tok, slot, None])
+        return y.view_as(x_BTD)
+
+    return forward
+
+
+def top2_rows(args, x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, Step], dict[str, float]]:
+    router = TopKConfig(k=2, renormalize=True, load_balancing_weight=0.0)
+    layer = moe_layer(router, x.shape[-1], args.top2_hidden, args.experts)
+    blocks = {"hf_eager": hf_block(layer, "eager"), "hf_grouped": hf_block(layer, "grouped_mm")}
+    ds = deepspeed_block(layer, drop_tokens=True)
+    ds_dropless = deepspeed_block(layer, drop_tokens=False)
+    ours = lambda x_: layer(x_).y  # noqa: E731
+    fns = {
+        "ours_top2": (ours, layer.parameters()),
+        "hf_eager": (blocks["hf_eager"], blocks["hf_eager"].parameters()),
+        "hf_grouped": (blocks["hf_grouped"], blocks["hf_grouped"].parameters()),
+        "deepspeed": (lambda x_: ds(x_)[0], ds.parameters()),
+        "deepspeed_dropless": (lambda x_: ds_dropless(x_)[0], ds_dropless.parameters()),
+        "naive_loop": (naive_loop(layer), layer.parameters()),
+    }
+    with torch.no_grad():  # same weights, same routing: the outputs agree (deepspeed: up to its dropped tokens)
+        reference = ours(x)
+        diffs = {name: (fn(x) - reference).abs().max().item() for name, (fn, _) in fns.items()}
+    return {name: fwd_bwd(fn, x, g, params) for name, (fn, params) in fns.items()}, diffs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096)  # a micro-batch of 8 x 512
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--ec_d_model", type=int, default=512)
+    parser.add_argument("--ec_hidden", type=int, default=2048)
+    parser.add_argument("--capacity_factor", type=float, default=1.25)
+    parser.add_argument("--top2_d_model", type=int, default=256)
+    parser.add_argument("--top2_hidden", type=int, default=896)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    # One thread: CPU time of this process (robust to other processes); several: wall-clock time.
+    clock = time.process_time if args.threads == 1 else time.perf_counter
+    x = torch.randn(1, args.tokens, args.ec_d_model, requires_grad=True)
+    ec = time_rows(expert_choice_rows(args, x, torch.randn_like(x)), args.repeats, clock)
+    x = torch.randn(1, args.tokens, args.top2_d_model, requires_grad=True)
+    steps, diffs = top2_rows(args, x, torch.randn_like(x))
+    print_table(args, ec, time_rows(steps, args.repeats, clock), diffs)
+
+
+def print_table(args, ec: dict[str, float], top2: dict[str, float], diffs: dict[str, float]) -> None:
+    clock = "CPU time" if args.threads == 1 else "wall time"
+    print(f"MoE layer forward+backward, CPU, {args.threads} thread(s), {clock}, best of {args.repeats}; "
+          f"N={args.tokens} tokens, E={args.experts}; torch {torch.__version__}")
+    print(f"{'row':<46} {'ours ms':>8} {'other ms':>9} {'ratio':>6}  {'target':<12} max|y-ours|")
+    ratio = ec["ours_expert_choice"] / ec["ideal"]
+    verdict = "ok" if ratio <= 1.10 else "missed"
+    print(f"{f'expert choice (c={args.capacity_factor:g}) / ideal dense bound':<46} "
+          f"{ec['ours_expert_choice'] * 1e3:8.1f} {ec['ideal'] * 1e3:9.1f} {ratio:6.3f}  {'<= 1.10 ' + verdict:<12}")
+    for name in ("hf_eager", "hf_grouped", "deepspeed", "deepspeed_dropless", "naive_loop"):
+        speedup = top2[name] / top2["ours_top2"]
+        target = "" if name == "naive_loop" else f">= 1.5 {'ok' if speedup >= 1.5 else 'missed'}"
+        print(f"{f'top-2: {name} / ours (speed-up)':<46} {top2['ours_top2'] * 1e3:8.1f} {top2[name] * 1e3:9.1f} "
+              f"{speedup:6.3f}  {target:<12} {diffs[name]:.1e}")
+
+
+if __name__ == "__main__":
+    main()

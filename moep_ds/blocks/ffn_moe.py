@@ -1,0 +1,62 @@
+"""FFN-level MoE block (Nova-MoE; Switch / Mixtral style): the dense block with an MoE layer as its FFN.
+
+# B batch, T tokens, D model dim
+
+sequential:  h = x + Attn(N1(x));  out = h + MoE(N2(h))
+parallel:    out = x + Attn(N1(x)) + MoE(N2(x))          (GPT-NeoX / Pythia layout)
+
+Any registered router works (expert choice, top-k). The MoE layer's auxiliary losses (already weighted) and
+routing statistics are returned in the BlockOutput; the model sums the losses into `loss`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any
+
+import torch
+
+from moep_ds.blocks.base import Block, BlockOutput
+from moep_ds.blocks.dense import AttentionSublayer
+from moep_ds.layers.attention import KVCache
+from moep_ds.layers.norm import NormConfig, build_norm
+from moep_ds.moe.layer import MoEConfig, MoELayer
+from moep_ds.registry import ATTENTIONS, BLOCKS, NORMS
+from moep_ds.schema import OneOf, PositiveInt
+
+
+@dataclasses.dataclass(kw_only=True)
+class FFNMoEBlockConfig:
+    type: str = "ffn_moe"
+    repeat: PositiveInt = 1
+    attention: Annotated[Any, OneOf(ATTENTIONS, default="causal")]
+    moe: MoEConfig
+    norm: Annotated[Any, OneOf(NORMS, default="layernorm")] = dataclasses.field(default_factory=NormConfig)
+    parallel_residual: bool = False
+
+    def check_dims(self, path: str, d_model: int) -> None:
+        self.attention.check_dims(f"{path}.attention", d_model)
+
+
+@BLOCKS.register("ffn_moe", config=FFNMoEBlockConfig)
+class FFNMoEBlock(Block):
+    def __init__(self, cfg: FFNMoEBlockConfig, *, d_model: int, layer_idx: int):
+        super().__init__()
+        self.parallel_residual = cfg.parallel_residual
+        self.attention = AttentionSublayer(cfg.attention, cfg.norm, d_model)
+        self.ffn_norm = build_norm(cfg.norm, d_model)
+        self.moe = MoELayer(cfg.moe, d_model=d_model)
+
+    def forward(self, x_BTD: torch.Tensor, *, positions_BT: torch.Tensor, cache: Any = None) -> BlockOutput:
+        attn = self.attention(x_BTD, positions_BT, cache)
+        if self.parallel_residual:
+            moe = self.moe(self.ffn_norm(x_BTD))
+            return BlockOutput(x_BTD + attn + moe.y, moe.aux_losses, moe.stats)
+        h = x_BTD + attn
+        moe = self.moe(self.ffn_norm(h))
+        return BlockOutput(h + moe.y, moe.aux_losses, moe.stats)
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+
+__all__ = ["FFNMoEBlock", "FFNMoEBlockConfig"]

@@ -1,0 +1,130 @@
+"""Grouped FFN experts with stacked weights: GELU MLP, SwiGLU, GeGLU.
+
+# E experts (local to this rank), S tokens grouped by expert, C tokens per expert when all are equal,
+# D model dim, F expert hidden dim
+
+    gelu:   y = W2 gelu(W1 x + b1) + b2
+    swiglu: y = W2 (silu(W1 x) * W3 x)          geglu: the same with tanh-approximated GELU (Gemma)
+
+Each expert is initialised and computed exactly like the dense FFN of the same kind (moep_ds.layers.ffn).
+Weights are stacked (w1_EDF, w3_EDF, w2_EFD) and applied to one expert-sorted token buffer. On accelerators
+each stage runs as a grouped matmul over all experts (moe/grouped_mm.py: one batched matmul when every expert
+has the same load, as in expert choice; per-expert slices otherwise). On CPU the experts run one after
+another through their whole FFN with a hand-written backward (moe/expert_loop.py), which keeps each expert's
+intermediates in cache.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moep_ds.layers.ffn import GATED, FFNConfig, ffn_hidden_size
+from moep_ds.moe.activations import EXPERT_ACTIVATIONS
+from moep_ds.moe.expert_loop import expert_loop_ffn
+from moep_ds.moe.grouped_mm import grouped_mm
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    b3: torch.Tensor | None,
+    kind: str,
+) -> torch.Tensor:
+    """One expert: [C, D] tokens, its [D, F] / [F, D] weights (the definition; see grouped_expert_ffn)."""
+    h = EXPERT_ACTIVATIONS[kind](x @ w1 if b1 is None else x @ w1 + b1)
+    if w3 is not None:
+        h = h * (x @ w3 if b3 is None else x @ w3 + b3)
+    y = h @ w2
+    return y if b2 is None else y + b2
+
+
+def grouped_expert_ffn(
+    x_SD: torch.Tensor,
+    counts: list[int],
+    w1_EDF: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    w3_EDF: torch.Tensor | None,
+    b1_EF: torch.Tensor | None,
+    b2_ED: torch.Tensor | None,
+    b3_EF: torch.Tensor | None,
+    kind: str,
+) -> torch.Tensor:
+    """All experts at once on tokens grouped by expert: expert_ffn with grouped matmuls."""
+
+    def per_token(b_EX: torch.Tensor) -> torch.Tensor:  # [E, X] -> [S, X], each token its expert's bias
+        repeats = torch.tensor(counts, device=b_EX.device)
+        return b_EX.repeat_interleave(repeats, dim=0, output_size=x_SD.shape[0])
+
+    h_SF = grouped_mm(x_SD, w1_EDF, counts)
+    h_SF = EXPERT_ACTIVATIONS[kind](h_SF if b1_EF is None else h_SF + per_token(b1_EF))
+    if w3_EDF is not None:
+        up_SF = grouped_mm(x_SD, w3_EDF, counts)
+        h_SF = h_SF * (up_SF if b3_EF is None else up_SF + per_token(b3_EF))
+    y_SD = grouped_mm(h_SF, w2_EFD, counts)
+    return y_SD if b2_ED is None else y_SD + per_token(b2_ED)
+
+
+class GroupedExperts(nn.Module):
+    """E experts of one FFN kind; holds only expert parameters (the trainer shards and marks all of them).
+
+    `forward(x_SD, counts)` takes tokens grouped by expert, counts[e] tokens for local expert e.
+    """
+
+    def __init__(self, cfg: FFNConfig, *, d_model: int, num_experts: int):
+        super().__init__()
+        if cfg.type not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert type ({cfg.type!r}) must be one of {', '.join(EXPERT_ACTIVATIONS)}")
+        hidden = ffn_hidden_size(cfg, d_model)
+        self.kind = cfg.type
+        self.num_local_experts = num_experts
+        E, D, Fh = num_experts, d_model, hidden
+        self.w1_EDF = nn.Parameter(torch.empty(E, D, Fh))
+        self.w3_EDF = nn.Parameter(torch.empty(E, D, Fh)) if cfg.type in GATED else None
+        self.w2_EFD = nn.Parameter(torch.empty(E, Fh, D))
+        self.b1_EF = nn.Parameter(torch.empty(E, Fh)) if cfg.bias else None
+        self.b3_EF = nn.Parameter(torch.empty(E, Fh)) if cfg.bias and cfg.type in GATED else None
+        self.b2_ED = nn.Parameter(torch.empty(E, D)) if cfg.bias else None
+        if not self.w1_EDF.is_meta:
+            self.init_weights(std=0.02)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_scale: float = 1.0) -> None:
+        """Normal(0, std) like the model's linear layers; the output projection w2 gets std * out_scale."""
+        for name, p in self.named_parameters():
+            if name.startswith("b"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, std=std * out_scale if name.startswith("w2") else std)
+
+    def params_per_expert(self) -> int:
+        return sum(p[0].numel() for p in self.parameters())
+
+    def weights(self) -> tuple[torch.Tensor | None, ...]:
+        return self.w1_EDF, self.w2_EFD, self.w3_EDF, self.b1_EF, self.b2_ED, self.b3_EF
+
+    def forward(self, x_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if len(counts) != self.num_local_experts:
+            raise ValueError(f"got token counts for {len(counts)} experts, this module holds {self.num_local_experts}")
+        # CPU: expert by expert, each through its whole FFN (cache locality); accelerators: grouped matmuls
+        ffn = expert_loop_ffn if x_SD.device.type == "cpu" else grouped_expert_ffn
+        # The custom autograd functions run outside autocast: compute in the weights' dtype.
+        return ffn(x_SD.to(self.w1_EDF.dtype), counts, *self.weights(), self.kind).to(x_SD.dtype)
+
+    @torch.no_grad()
+    def keep_experts_(self, start: int, count: int) -> None:
+        """Keep experts [start, start + count) only (expert parallelism: this rank's shard)."""
+        if start < 0 or count <= 0 or start + count > self.num_local_experts:
+            raise ValueError(f"experts [{start}, {start + count}) are not within the {self.num_local_experts} held")
+        for name, p in list(self.named_parameters()):
+            setattr(self, name, nn.Parameter(p[start : start + count].clone(), requires_grad=p.requires_grad))
+        self.num_local_experts = count
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, num_local_experts={self.num_local_experts}, hidden={self.w1_EDF.shape[-1]}"
+
+
+__all__ = ["EXPERT_ACTIVATIONS", "GroupedExperts", "expert_ffn", "grouped_expert_ffn"]

@@ -1,0 +1,86 @@
+"""The routing plan: the one object a router hands to a dispatcher.
+
+# T tokens (all tokens of the micro-batch, flattened B*T), E experts, S assignments (token, expert) pairs
+
+A plan lists, expert by expert, the tokens each expert processes and the weight with which its output is
+added back to the token. Expert choice gives every expert the same count (so experts run as one batched
+matmul); top-k token choice gives uneven counts. Auxiliary losses are returned here, already weighted,
+never stored on the router.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingPlan:
+    """Per-expert token indices and combine weights, plus aux losses and statistics.
+
+    token_idx_S: [S] int64 indices into the flattened tokens, grouped by expert (expert 0's tokens first).
+    weight_S: [S] combine weights (fp32 or wider), differentiable w.r.t. the router.
+    counts_E: [E] int64 number of tokens per expert; sums to S.
+    num_tokens: T, the number of routed tokens.
+    aux_losses: name -> weighted scalar loss (summed into the model loss).
+    stats: name -> detached statistic (tokens_per_expert [E], dropped_fraction, router_entropy).
+    """
+
+    token_idx_S: torch.Tensor
+    weight_S: torch.Tensor
+    counts_E: torch.Tensor
+    num_tokens: int
+    aux_losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    stats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts_E.numel()
+
+    def counts(self) -> list[int]:
+        """Tokens per expert as Python ints (one device-to-host copy)."""
+        return self.counts_E.tolist()
+
+    def expert_idx_S(self) -> torch.Tensor:
+        """[S] expert of each assignment."""
+        experts = torch.arange(self.num_experts, device=self.counts_E.device)
+        return experts.repeat_interleave(self.counts_E, output_size=self.token_idx_S.numel())
+
+
+def exact_fraction(value: float) -> Fraction:
+    """The decimal a user wrote (1.1 -> 11/10), so that capacities are not off by one from float error."""
+    return Fraction(repr(float(value)))
+
+
+def round_capacity(exact: Fraction, rounding: str) -> int:
+    if rounding == "ceil":
+        return math.ceil(exact)
+    if rounding == "nearest":  # half up, not Python's round-half-even
+        return math.floor(exact + Fraction(1, 2))
+    raise ValueError(f"rounding ({rounding!r}) must be 'nearest' or 'ceil'")
+
+
+def routing_stats(
+    logits_TE: torch.Tensor, token_idx_S: torch.Tensor, counts_E: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Detached statistics of one plan.
+
+    tokens_per_expert [E]; dropped_fraction: share of tokens processed by no expert (they pass through on the
+    residual); router_entropy: mean over tokens of the entropy of the softmax over experts of the logits.
+    """
+    with torch.no_grad():
+        num_tokens = logits_TE.shape[0]
+        covered_T = torch.zeros(num_tokens, dtype=torch.bool, device=logits_TE.device)
+        covered_T[token_idx_S] = True
+        log_p_TE = torch.log_softmax(logits_TE.float(), dim=-1)
+        entropy_T = -(log_p_TE.exp() * log_p_TE).sum(-1)
+        return {
+            "tokens_per_expert": counts_E.float(),
+            "dropped_fraction": 1.0 - covered_T.float().mean(),
+            "router_entropy": entropy_T.mean(),
+        }
+
+
+__all__ = ["RoutingPlan", "exact_fraction", "round_capacity", "routing_stats"]

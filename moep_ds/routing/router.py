@@ -1,0 +1,52 @@
+"""What every router shares: a bias-free linear map to one logit per expert, computed in fp32.
+
+# B batch, T tokens, D model dim, E experts
+
+Routers are built as `ROUTERS.build(cfg, d_model=..., num_experts=...)` and called as `router(x_BTD)`,
+returning a RoutingPlan over the B*T flattened tokens (row-major: token b*T + t).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moep_ds.routing.plan import RoutingPlan
+
+
+def routing_dtype(x: torch.Tensor) -> torch.dtype:
+    """Router math runs in fp32 (or wider): bf16 logits flip top-k choices and overflow exp in the softmax."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
+    """[T, D] x [E, D] -> [T, E] logits in fp32 or wider."""
+    dtype = routing_dtype(x_TD)
+    return x_TD.to(dtype) @ weight_ED.to(dtype).t()
+
+
+class Router(nn.Module):
+    """Holds the router weight [E, D]; subclasses turn logits into a RoutingPlan."""
+
+    def __init__(self, *, d_model: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        self.init_weights(std=0.02)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_scale: float = 1.0) -> None:
+        """Normal(0, std), like every linear layer of the model (out_scale is for residual outputs; unused)."""
+        nn.init.normal_(self.weight, std=std)
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return router_logits(x_TD, self.weight)
+
+    def forward(self, x_BTD: torch.Tensor) -> RoutingPlan:
+        raise NotImplementedError
+
+    def active_experts_per_token(self) -> int:
+        """How many experts count as active per token in parameter/FLOP accounting."""
+        raise NotImplementedError
+
+
+__all__ = ["Router", "router_logits", "routing_dtype"]

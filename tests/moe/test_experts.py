@@ -1,0 +1,60 @@
+"""Both expert execution paths (CPU expert loop, accelerator grouped matmuls) equal the per-expert definition."""
+import pytest
+import torch
+
+from moep_ds.layers.ffn import FFNConfig
+from moep_ds.moe.expert_loop import expert_loop_ffn
+from moep_ds.moe.experts import GroupedExperts, expert_ffn, grouped_expert_ffn
+
+D, H, E = 6, 10, 4
+
+
+def experts_of(kind: str, bias: bool) -> GroupedExperts:
+    torch.manual_seed(0)
+    experts = GroupedExperts(FFNConfig(type=kind, hidden_size=H, bias=bias), d_model=D, num_experts=E).double()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(std=0.4)
+    return experts
+
+
+def per_expert(experts: GroupedExperts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    w1, w2, w3, b1, b2, b3 = experts.weights()
+    pick = lambda t, e: None if t is None else t[e]  # noqa: E731
+    return torch.cat([
+        expert_ffn(x_e, w1[e], w2[e], pick(w3, e), pick(b1, e), pick(b2, e), pick(b3, e), experts.kind)
+        for e, x_e in enumerate(x.split(counts))
+    ])
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [2, 2, 2, 2]], ids=["uneven_with_idle", "equal"])
+@pytest.mark.parametrize("kind, bias", [("swiglu", False), ("geglu", True), ("gelu", True), ("gelu", False)])
+@pytest.mark.parametrize("ffn", [expert_loop_ffn, grouped_expert_ffn], ids=["expert_loop", "grouped"])
+def test_expert_paths_match_per_expert_definition(ffn, kind, bias, counts):
+    experts = experts_of(kind, bias)
+    x = torch.randn(sum(counts), D, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(sum(counts), D, dtype=torch.float64)
+    params = [x, *experts.parameters()]
+    y = ffn(x, counts, *experts.weights(), experts.kind)
+    ref = per_expert(experts, x, counts)
+    torch.testing.assert_close(y, ref)
+    ours = torch.autograd.grad((y * g).sum(), params)
+    expected = torch.autograd.grad((ref * g).sum(), params, allow_unused=True)
+    for a, b, p in zip(ours, expected, params):
+        torch.testing.assert_close(a, torch.zeros_like(p) if b is None else b)
+    if counts[1] == 0:
+        assert all(grad[1].abs().sum() == 0 for grad in ours[1:])  # an idle expert gets zero gradients
+
+
+def test_expert_loop_gradcheck():
+    experts = experts_of("swiglu", True)
+    x = torch.randn(7, D, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: expert_loop_ffn(a[0], [4, 0, 2, 1], *a[1:], "swiglu"),
+                                    (x, *experts.weights()))
+
+
+def test_frozen_experts_only_input_gradient():
+    experts = experts_of("swiglu", False).requires_grad_(False)
+    x = torch.randn(5, D, dtype=torch.float64, requires_grad=True)
+    expert_loop_ffn(x, [1, 1, 1, 2], *experts.weights(), "swiglu").sum().backward()
+    assert x.grad is not None and all(p.grad is None for p in experts.parameters())
