@@ -1,0 +1,248 @@
+"""MoEP layer-level paths: a full-width layer, an MoE contraction to a narrow path width, parallel routed path
+blocks, an MoE expansion back, and a second full-width layer.
+
+# B batch, T tokens (B*T flattened where a plan indexes them), D full width d_L, P path width d_P,
+# E projection experts, N paths, K experts/paths per token, M tokens routed to one path
+
+    h1 = Layer_pre(x)                                   full-width dense block
+    z  = sum_{e in top-K(c)} c_e W^down_e LN(h1)        contraction: E linear experts D -> P, top-K gated
+    y  = z + sum_{j in top-K(p)} p_j (Path_j(z) - z)    N path blocks at P; path j sees only its tokens
+    h2 = h1 + sum_{e in top-K(u)} u_e W^up_e LN(y)      expansion: E linear experts P -> D, top-K gated
+    out = Layer_post(h2)                                full-width dense block
+
+A path is `path_depth` pre-norm blocks at width P whose attention runs over the tokens routed to that path
+only, causally over their ORIGINAL positions in the same sequence (routed attention with no window,
+moep_ds/layers/routed_attention.py). Gates are the top-K routers' softmax probabilities; tokens keep z
+(resp. h1) on the residual for the paths (resp. expansion) they skip.
+
+Each of the three routers returns the Switch / GShard load-balancing loss alpha * E * sum_i f_i P_i, which
+is minimised by uniform routing. (The public MoEP description states an entropy term whose sign, as
+written, rewards collapsing onto one path; the balancing loss here is the standard, correctly signed one.)
+Top-K token choice without a capacity (dropless) is causal and batch-invariant, at training and evaluation.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any
+
+import torch
+from torch import nn
+
+from moep_ds.blocks.base import Block, BlockOutput
+from moep_ds.blocks.dense import DenseBlock, DenseBlockConfig
+from moep_ds.blocks.msit import expert_slices
+from moep_ds.layers.attention import AttentionConfig, KVCache
+from moep_ds.layers.ffn import FFNConfig, build_ffn
+from moep_ds.layers.norm import NormConfig, build_norm
+from moep_ds.layers.routed_attention import RoutedKVCache, RoutedSelfAttention
+from moep_ds.registry import BLOCKS, NORMS, ROUTERS
+from moep_ds.routing.plan import RoutingPlan
+from moep_ds.routing.topk import TopKConfig
+from moep_ds.schema import OneOf, PositiveInt, fail
+
+
+@dataclasses.dataclass(kw_only=True)
+class PathsBlockConfig:
+    type: str = "paths"
+    repeat: PositiveInt = 1
+    # The two full-width layers (a model `flavour` fills these four like a dense block's).
+    attention: AttentionConfig
+    ffn: FFNConfig = dataclasses.field(default_factory=FFNConfig)
+    norm: Annotated[Any, OneOf(NORMS)] = dataclasses.field(default_factory=NormConfig)
+    parallel_residual: bool = False
+    # The paths.
+    d_path: PositiveInt
+    num_paths: PositiveInt = 4
+    path_depth: PositiveInt = 1
+    path_attention: AttentionConfig | None = None  # null: `attention` with its head dim kept (fewer heads)
+    path_ffn: FFNConfig | None = None  # null: `ffn` with its default hidden size at d_path
+    path_router: Annotated[Any, OneOf(ROUTERS)] = dataclasses.field(default_factory=lambda: TopKConfig(k=1))
+    # The contraction and expansion projections.
+    num_projection_experts: PositiveInt = 4
+    projection_router: Annotated[Any, OneOf(ROUTERS)] = dataclasses.field(default_factory=lambda: TopKConfig(k=1))
+
+    def check_dims(self, path: str, d_model: int) -> None:
+        self.attention.check_dims(f"{path}.attention", d_model)
+        self.resolved_path_attention(d_model, path).check_dims(f"{path}.path_attention", self.d_path)
+        for name, router, n in (("path_router", self.path_router, self.num_paths),
+                                ("projection_router", self.projection_router, self.num_projection_experts)):
+            if hasattr(router, "check_num_experts"):
+                router.check_num_experts(f"{path}.{name}", n)
+
+    def resolved_path_attention(self, d_model: int, path: str = "") -> AttentionConfig:
+        if self.path_attention is not None:
+            return self.path_attention
+        head_dim = self.attention.resolved_head_dim(d_model)
+        if self.d_path % head_dim:
+            problem = f"must be a multiple of the head dim ({head_dim}) when path_attention is not given"
+            fail(f"{path}.d_path", self.d_path, problem)
+        heads = self.d_path // head_dim
+        kv = max(1, heads * self.attention.kv_heads // self.attention.num_heads)
+        return dataclasses.replace(self.attention, num_heads=heads, num_kv_heads=kv, head_dim=None)
+
+    def resolved_path_ffn(self) -> FFNConfig:
+        return self.path_ffn or dataclasses.replace(self.ffn, hidden_size=None)
+
+
+class PathLayer(nn.Module):
+    """A pre-norm block at the path width whose attention sees only the path's tokens (sequential or
+    GPT-NeoX parallel residual, like the full-width layers)."""
+
+    def __init__(self, attention: AttentionConfig, ffn: FFNConfig, norm: NormConfig, d: int, parallel: bool):
+        super().__init__()
+        self.parallel_residual = parallel
+        self.attn_norm = build_norm(norm, d)
+        self.attn = RoutedSelfAttention(attention, d)
+        self.ffn_norm = build_norm(norm, d)
+        self.ffn = build_ffn(ffn, d)
+
+    def forward(self, x_MP: torch.Tensor, seq_M: torch.Tensor, pos_M: torch.Tensor) -> torch.Tensor:
+        return self.residual(x_MP, self.attn(self.attn_norm(x_MP), seq_M, pos_M))
+
+    def forward_cached(self, x_BTP, routed_BT, positions_BT, cache: RoutedKVCache) -> torch.Tensor:
+        return self.residual(x_BTP, self.attn.forward_cached(self.attn_norm(x_BTP), routed_BT, positions_BT, cache))
+
+    def residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        if self.parallel_residual:
+            return x + attn_out + self.ffn(self.ffn_norm(x))
+        h = x + attn_out
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class Path(nn.Module):
+    """`path_depth` PathLayers; runs on one path's tokens [M, P] (sorted by sequence, position)."""
+
+    def __init__(self, cfg: PathsBlockConfig, d_model: int):
+        super().__init__()
+        attention, ffn = cfg.resolved_path_attention(d_model), cfg.resolved_path_ffn()
+        self.layers = nn.ModuleList(
+            PathLayer(attention, ffn, cfg.norm, cfg.d_path, cfg.parallel_residual) for _ in range(cfg.path_depth)
+        )
+
+    def forward(self, z_MP: torch.Tensor, seq_M: torch.Tensor, pos_M: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            z_MP = layer(z_MP, seq_M, pos_M)
+        return z_MP
+
+    def forward_cached(self, z_BTP, routed_BT, positions_BT, caches: list[RoutedKVCache]) -> torch.Tensor:
+        for layer, cache in zip(self.layers, caches):
+            z_BTP = layer.forward_cached(z_BTP, routed_BT, positions_BT, cache)
+        return z_BTP
+
+
+class LinearExperts(nn.Module):
+    """E bias-free linear maps w_EOI (I -> O); each token's output is the gated sum over its experts."""
+
+    def __init__(self, num_experts: int, d_in: int, d_out: int, active_share: float, residual_output: bool):
+        super().__init__()
+        self.w_EOI = nn.Parameter(torch.empty(num_experts, d_out, d_in))
+        self.active_share = active_share
+        self.residual_output = residual_output
+        if not self.w_EOI.is_meta:
+            self.init_weights(std=0.02)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_scale: float = 1.0) -> None:
+        """Normal(0, std) like a linear layer; std * out_scale when the output is added to the residual stream."""
+        nn.init.normal_(self.w_EOI, std=std * out_scale if self.residual_output else std)
+
+    def forward(self, x_TI: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        out_TO = x_TI.new_zeros(x_TI.shape[0], self.w_EOI.shape[1])
+        for w_OI, idx_S, weight_S in zip(self.w_EOI, *expert_slices(plan)):
+            out_TO = out_TO.index_add(0, idx_S, (x_TI[idx_S] @ w_OI.t()) * weight_S[:, None].to(x_TI.dtype))
+        return out_TO
+
+    def num_active_params(self) -> int:
+        return round(self.active_share * self.w_EOI.numel())
+
+
+class ParallelPaths(nn.Module):
+    """y = z + sum over a token's top-K paths j of p_j (Path_j(z) - z)."""
+
+    def __init__(self, cfg: PathsBlockConfig, d_model: int):
+        super().__init__()
+        self.paths = nn.ModuleList(Path(cfg, d_model) for _ in range(cfg.num_paths))
+        self.active_share = getattr(cfg.path_router, "k", 1) / cfg.num_paths
+        for path in self.paths:
+            for layer in path.layers:
+                layer.attn.token_share = self.active_share
+
+    def forward(self, z_BTP: torch.Tensor, plan: RoutingPlan, positions_BT: torch.Tensor) -> torch.Tensor:
+        B, T, P = z_BTP.shape
+        z_TP, pos_T = z_BTP.reshape(B * T, P), positions_BT.reshape(B * T)
+        y_TP = z_TP
+        for path, idx_M, weight_M in zip(self.paths, *expert_slices(plan)):
+            idx_M, order = idx_M.sort()  # flat index b*T + t: sorted by (sequence, position)
+            z_MP = z_TP[idx_M]
+            delta_MP = path(z_MP, idx_M // T, pos_T[idx_M]) - z_MP
+            y_TP = y_TP.index_add(0, idx_M, delta_MP * weight_M[order, None].to(z_MP.dtype))
+        return y_TP.view(B, T, P)
+
+    def forward_cached(self, z_BTP, plan: RoutingPlan, positions_BT, caches: list[list[RoutedKVCache]]):
+        """Decoding: every new token runs through every path against its caches; unrouted ones get 0."""
+        B, T, _ = z_BTP.shape
+        y_BTP = z_BTP
+        for path, path_caches, idx_M, weight_M in zip(self.paths, caches, *expert_slices(plan)):
+            weight_BT = z_BTP.new_zeros(B * T).index_put((idx_M,), weight_M.to(z_BTP.dtype)).view(B, T)
+            routed_BT = torch.zeros(B * T, dtype=torch.bool, device=z_BTP.device).index_fill(0, idx_M, True).view(B, T)
+            delta_BTP = path.forward_cached(z_BTP, routed_BT, positions_BT, path_caches) - z_BTP
+            y_BTP = y_BTP + torch.where(routed_BT[..., None], delta_BTP * weight_BT[..., None], 0.0)
+        return y_BTP
+
+    def num_active_params(self) -> int:
+        return round(self.active_share * sum(p.numel() for p in self.paths.parameters()))
+
+
+@dataclasses.dataclass
+class PathsCache:
+    pre: KVCache
+    paths: list[list[RoutedKVCache]]  # [path][layer]
+    post: KVCache
+
+
+@BLOCKS.register("paths", config=PathsBlockConfig)
+class PathsBlock(Block):
+    def __init__(self, cfg: PathsBlockConfig, *, d_model: int, layer_idx: int):
+        super().__init__()
+        full = DenseBlockConfig(
+            attention=cfg.attention, ffn=cfg.ffn, norm=cfg.norm, parallel_residual=cfg.parallel_residual
+        )
+        E, share = cfg.num_projection_experts, getattr(cfg.projection_router, "k", 1) / cfg.num_projection_experts
+        self.pre = DenseBlock(full, d_model=d_model, layer_idx=layer_idx)
+        self.contract_norm = build_norm(cfg.norm, d_model)
+        self.contract_router = ROUTERS.build(cfg.projection_router, d_model=d_model, num_experts=E)
+        self.contract = LinearExperts(E, d_model, cfg.d_path, share, residual_output=False)
+        self.path_norm = build_norm(cfg.norm, cfg.d_path)
+        self.path_router = ROUTERS.build(cfg.path_router, d_model=cfg.d_path, num_experts=cfg.num_paths)
+        self.paths = ParallelPaths(cfg, d_model)
+        self.expand_norm = build_norm(cfg.norm, cfg.d_path)
+        self.expand_router = ROUTERS.build(cfg.projection_router, d_model=cfg.d_path, num_experts=E)
+        self.expand = LinearExperts(E, cfg.d_path, d_model, share, residual_output=True)
+        self.post = DenseBlock(full, d_model=d_model, layer_idx=layer_idx)
+
+    def forward(self, x_BTD: torch.Tensor, *, positions_BT: torch.Tensor, cache: Any = None) -> BlockOutput:
+        B, T, D = x_BTD.shape
+        h1_BTD = self.pre(x_BTD, positions_BT=positions_BT, cache=None if cache is None else cache.pre).x
+        c_BTD = self.contract_norm(h1_BTD)
+        contract_plan = self.contract_router(c_BTD)
+        z_BTP = self.contract(c_BTD.reshape(B * T, D), contract_plan).view(B, T, -1)
+        path_plan = self.path_router(self.path_norm(z_BTP))
+        if cache is None:
+            y_BTP = self.paths(z_BTP, path_plan, positions_BT)
+        else:
+            y_BTP = self.paths.forward_cached(z_BTP, path_plan, positions_BT, cache.paths)
+        u_BTP = self.expand_norm(y_BTP)
+        expand_plan = self.expand_router(u_BTP)
+        h2_BTD = h1_BTD + self.expand(u_BTP.reshape(B * T, -1), expand_plan).view(B, T, D)
+        out = self.post(h2_BTD, positions_BT=positions_BT, cache=None if cache is None else cache.post)
+        plans = {"contraction": contract_plan, "paths": path_plan, "expansion": expand_plan}
+        aux = {f"{name}.{k}": v for name, plan in plans.items() for k, v in plan.aux_losses.items()}
+        stats = {f"{name}.{k}": v for name, plan in plans.items() for k, v in plan.stats.items()}
+        return BlockOutput(out.x, aux, stats)
+
+    def new_cache(self) -> PathsCache:
+        paths = [[layer.attn.new_cache() for layer in path.layers] for path in self.paths.paths]
+        return PathsCache(KVCache(), paths, KVCache())
+
+
+__all__ = ["PathsBlockConfig", "PathsBlock", "PathLayer", "Path", "ParallelPaths", "LinearExperts", "PathsCache"]

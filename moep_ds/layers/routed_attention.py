@@ -1,0 +1,236 @@
+"""Causal attention over a routed subset of tokens, at the tokens' positions in their original sequences.
+
+# N routed tokens (one expert's, sorted by (sequence, position)), H heads, Dh head dim, D model dim,
+# W window, C query chunk, L keys per chunk (C + W - 1 rounded up to a multiple of 8),
+# S sequences present, P longest per-sequence run
+
+An expert (MSIT branch, MoEP path) sees only the tokens routed to it. Routed token t of sequence b attends
+to routed tokens s of the same sequence with pos(s) <= pos(t) and, with a window w, pos(t) - w < pos(s);
+tokens of different sequences never see each other, and RoPE rotates by the original positions.
+
+Windowed, O(N x (W + C)) instead of O(T^2): positions strictly increase within a sequence, so in the sorted
+list at most w entries (the query included) can lie inside a query's window, namely the entries j-w+1..j.
+Queries are cut into chunks of C consecutive entries; a chunk's keys are its own entries plus (at least) the
+w-1 before it, and a [C, L] mask (same sequence, causal, window by original position) keeps the qualifying ones.
+
+Unbounded (MoEP paths): each sequence's run of routed tokens is padded to the longest run P and attended
+with a causal mask over original positions: O(S x P^2), P <= T (about T x k/E for top-k of E paths).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from moep_ds.layers.attention import AttentionConfig, CausalSelfAttention
+from moep_ds.layers.rope import apply_rope, rope_cos_sin
+
+# Smallest query chunk: for tiny windows a chunk of W queries would make many tiny matmuls; 64 rows keep
+# the batched matmul efficient while the key overhead (C + W - 1 per query) stays a small constant.
+MIN_CHUNK = 32
+# Keys per chunk are rounded up to a multiple of 8 (extra earlier keys are masked) so that the mask's rows are
+# aligned for the fused GPU attention kernels.
+KEY_ALIGN = 8
+
+
+def routed_attention(
+    q_NHd: torch.Tensor,
+    k_NHd: torch.Tensor,
+    v_NHd: torch.Tensor,
+    seq_N: torch.Tensor,
+    pos_N: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention among routed tokens sorted by (sequence, position); window None = unbounded.
+
+    Args:
+        q_NHd, k_NHd, v_NHd: queries/keys/values of the routed tokens (RoPE already applied).
+        seq_N: sequence id of each token (non-negative int), non-decreasing.
+        pos_N: original position of each token, strictly increasing within a sequence.
+        window: w (the query included) or None.
+    Returns:
+        o_NHd: softmax(q k^T / sqrt(Dh) + mask) v.
+    """
+    if q_NHd.shape[0] == 0:
+        return q_NHd.clone()
+    if window is None:
+        return routed_causal_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N)
+    return routed_window_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, window)
+
+
+def routed_window_attention(
+    q_NHd: torch.Tensor,
+    k_NHd: torch.Tensor,
+    v_NHd: torch.Tensor,
+    seq_N: torch.Tensor,
+    pos_N: torch.Tensor,
+    window: int,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Sliding-window routed attention in O(N x (W + C)); see the module docstring. Shapes as `routed_attention`."""
+    N, H, Dh = q_NHd.shape
+    C = chunk or max(window, MIN_CHUNK)
+    front = -(-(window - 1) // KEY_ALIGN) * KEY_ALIGN  # >= W-1 earlier keys per chunk; L = C + front
+    back = -N % C
+    # Chunk c's keys: the `front` entries before it and its own C. Entries before the first token carry
+    # sequence id -1 (never visible to a real query); padding after the last one carries -2 and sees itself
+    # (pos 0 - 0 < w), so no mask row is empty.
+    k_cLHd, v_cLHd = (chunks_with_history(x, C, front, back, 0.0, 0.0) for x in (k_NHd, v_NHd))
+    seq_cL = chunks_with_history(seq_N, C, front, back, -1, -2)
+    pos_cL = chunks_with_history(pos_N, C, front, back, 0, 0)
+    seq_cC, pos_cC = seq_cL[:, front:], pos_cL[:, front:]  # the chunk's own entries are its last C keys
+    q_cCHd = pad_rows(q_NHd, back, 0.0).view(-1, C, H, Dh)
+
+    delta_cCL = pos_cC[:, :, None] - pos_cL[:, None, :]
+    mask_cCL = (seq_cC[:, :, None] == seq_cL[:, None, :]) & (delta_cCL >= 0) & (delta_cCL < window)
+    o_cHCd = F.scaled_dot_product_attention(
+        q_cCHd.transpose(1, 2), k_cLHd.transpose(1, 2), v_cLHd.transpose(1, 2), attn_mask=mask_cCL[:, None]
+    )
+    return o_cHCd.transpose(1, 2).reshape(-1, H, Dh)[:N]
+
+
+def chunks_with_history(x_N: torch.Tensor, C: int, front: int, back: int, fill_front, fill_back) -> torch.Tensor:
+    """[N, ...] -> [N/C, front + C, ...]: chunk c's C entries preceded by the `front` entries before it.
+
+    Built from shifted views of the chunked tensor and one concatenation (whose backward is slicing), so
+    forward and backward stay O(N x (front + C)).
+    """
+    rest = x_N.shape[1:]
+    own = pad_rows(x_N, back, fill_back).view(-1, C, *rest)
+    num_chunks, num_prev = own.shape[0], -(-front // C)
+    if num_prev == 0:
+        return own
+    history = torch.cat([own.new_full((num_prev, C, *rest), fill_front), own])
+    shifted = [history[num_prev - s : num_prev - s + num_chunks] for s in range(num_prev, 0, -1)]
+    shifted[0] = shifted[0][:, num_prev * C - front :]
+    return torch.cat([*shifted, own], 1)
+
+
+def pad_rows(x_N: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """x with n rows of `fill` appended (no copy when n is 0)."""
+    return torch.cat([x_N, x_N.new_full((n, *x_N.shape[1:]), fill)]) if n else x_N
+
+
+def routed_causal_attention(
+    q_NHd: torch.Tensor,
+    k_NHd: torch.Tensor,
+    v_NHd: torch.Tensor,
+    seq_N: torch.Tensor,
+    pos_N: torch.Tensor,
+) -> torch.Tensor:
+    """Unbounded routed attention: each sequence's run padded to P, causal by original position.
+
+    Needs each sequence's tokens to be contiguous (any order inside a run); shapes as `routed_attention`.
+    """
+    N, H, Dh = q_NHd.shape
+    _, run_S = torch.unique_consecutive(seq_N, return_counts=True)
+    S, P = run_S.numel(), int(run_S.max())  # one host sync: the padded length
+    run_N = torch.repeat_interleave(torch.arange(S, device=seq_N.device), run_S)
+    start_S = torch.cumsum(run_S, 0) - run_S
+    slot_N = torch.arange(N, device=seq_N.device) - start_S[run_N]
+
+    def to_runs(x_NHd: torch.Tensor) -> torch.Tensor:
+        out = x_NHd.new_zeros(S, P, H, Dh)
+        return out.index_put((run_N, slot_N), x_NHd).transpose(1, 2)  # [S, H, P, Dh]
+
+    valid_SP = torch.arange(P, device=seq_N.device) < run_S[:, None]
+    pos_SP = pos_N.new_zeros(S, P).index_put((run_N, slot_N), pos_N)
+    # Padding rows attend to themselves only, so no mask row is empty; their outputs are dropped.
+    mask_SPP = valid_SP[:, None, :] & (pos_SP[:, None, :] <= pos_SP[:, :, None])
+    mask_SPP |= ~valid_SP[:, :, None] & torch.eye(P, dtype=torch.bool, device=seq_N.device)
+    o_SHPd = F.scaled_dot_product_attention(to_runs(q_NHd), to_runs(k_NHd), to_runs(v_NHd), attn_mask=mask_SPP[:, None])
+    return o_SHPd.transpose(1, 2)[run_N, slot_N]
+
+
+@dataclasses.dataclass
+class RoutedKVCache:
+    """Decoding cache of one routed attention: keys/values of recent tokens, each flagged routed or not.
+
+    Unrouted tokens are kept (masked) so that every row of the batch grows in step; with a window only the
+    last `window` entries are kept, since positions increase by at least one per token.
+    """
+
+    window: int | None = None
+    k_BSGd: torch.Tensor | None = None
+    v_BSGd: torch.Tensor | None = None
+    pos_BS: torch.Tensor | None = None
+    routed_BS: torch.Tensor | None = None
+
+    def append(self, k_BTGd, v_BTGd, pos_BT, routed_BT) -> tuple[torch.Tensor, ...]:
+        new = (k_BTGd, v_BTGd, pos_BT, routed_BT)
+        if self.k_BSGd is None:
+            merged = new
+        else:
+            old = (self.k_BSGd, self.v_BSGd, self.pos_BS, self.routed_BS)
+            merged = tuple(torch.cat([a, b], dim=1) for a, b in zip(old, new))
+        keep = slice(-self.window, None) if self.window is not None else slice(None)
+        self.k_BSGd, self.v_BSGd, self.pos_BS, self.routed_BS = (t[:, keep] for t in merged)
+        return merged
+
+
+class RoutedSelfAttention(CausalSelfAttention):
+    """The projections of `CausalSelfAttention`, applied to one expert's routed tokens only.
+
+    forward(x_ND, seq_N, pos_N) -> [N, D]: tokens sorted by (sequence, position), O(N x window).
+    forward_cached(x_BTD, routed_BT, positions_BT, cache) -> [B, T, D]: decoding with a RoutedKVCache; every
+    new token is projected and routed queries attend to the cached routed keys (rows of unrouted queries are
+    finite but meaningless: the caller gives them weight zero).
+    """
+
+    def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., D], pos [...] -> q [..., H, Dh], k and v [..., G, Dh], RoPE at `pos`."""
+        H, G, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.w_qkv(x).split([H * Dh, G * Dh, G * Dh], -1)
+        q, k, v = q.unflatten(-1, (H, Dh)), k.unflatten(-1, (G, Dh)), v.unflatten(-1, (G, Dh))
+        if self.rot_dim:
+            cos, sin = rope_cos_sin(pos, self.rot_dim, self.cfg.rope.base)
+            cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def expand_kv(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Repeat G key/value heads to H (grouped-query attention) along `dim`."""
+        if self.num_kv_heads == self.num_heads:
+            return x
+        return x.repeat_interleave(self.num_heads // self.num_kv_heads, dim)
+
+    def forward(self, x_ND: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
+        q_NHd, k_NGd, v_NGd = self.project(x_ND, pos_N)
+        k_NHd, v_NHd = self.expand_kv(k_NGd, 1), self.expand_kv(v_NGd, 1)
+        o_NHd = routed_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, self.cfg.window)
+        return self.w_o(o_NHd.flatten(-2))
+
+    def forward_cached(
+        self, x_BTD: torch.Tensor, routed_BT: torch.Tensor, positions_BT: torch.Tensor, cache: RoutedKVCache
+    ) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BTHd, k_BTGd, v_BTGd = self.project(x_BTD, positions_BT)
+        k_BSGd, v_BSGd, pos_BS, routed_BS = cache.append(k_BTGd, v_BTGd, positions_BT, routed_BT)
+        S = k_BSGd.shape[1]
+        delta_BTS = positions_BT[:, :, None] - pos_BS[:, None, :]
+        mask_BTS = routed_BS[:, None, :] & (delta_BTS >= 0)
+        if self.cfg.window is not None:
+            mask_BTS &= delta_BTS < self.cfg.window
+        # Each query also sees its own key, so the rows of unrouted queries are not empty (no NaN).
+        mask_BTS |= torch.arange(S, device=x_BTD.device) == torch.arange(S - T, S, device=x_BTD.device)[:, None]
+        o_BHTd = F.scaled_dot_product_attention(
+            q_BTHd.transpose(1, 2), self.expand_kv(k_BSGd, 2).transpose(1, 2),
+            self.expand_kv(v_BSGd, 2).transpose(1, 2), attn_mask=mask_BTS[:, None],
+        )
+        return self.w_o(o_BHTd.transpose(1, 2).flatten(-2))
+
+    def new_cache(self) -> RoutedKVCache:
+        return RoutedKVCache(window=self.cfg.window)
+
+    # Expected share of the model's tokens routed here (set by the owning block; capacity / num_experts).
+    token_share: float = 1.0
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Per model token: a share s of tokens is routed here, each seeing about s of its causal context."""
+        return self.token_share**2 * super().attention_flops_per_token(seq_len)
+
+
+__all__ = [
+    "routed_attention", "routed_window_attention", "routed_causal_attention", "RoutedKVCache", "RoutedSelfAttention",
+]

@@ -1,0 +1,193 @@
+"""MoEP layer-level paths: the block's equations against a naive loop reference, balancing loss, gradients,
+causality / batch invariance / caching of the recipes, and their parameter budgets.
+
+# B batch, T tokens, D full width, P path width, E projection experts, N paths
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import pytest
+import torch
+
+from moep_ds import build_model, load_config
+from moep_ds.blocks.paths import PathsBlock, PathsBlockConfig
+from moep_ds.layers.attention import AttentionConfig
+from moep_ds.layers.rope import RopeConfig, apply_rope, rope_cos_sin
+from moep_ds.models.accounting import meta_param_report
+from moep_ds.routing.topk import TopKConfig
+from moep_ds.schema import ConfigError
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+TINY = [  # the recipes' structure at toy width
+    "model.vocab_size=64", "model.d_model=32", "model.max_seq_len=32", "model.layers[0].attention.num_heads=4",
+    "model.layers[0].d_path=16", "model.layers[0].path_depth=2", "model.layers[0].path_ffn.hidden_size=24",
+]
+MOEP_RECIPES = ["moep_gpt2", "moep_llama", "moep_gemma", "pythia_1b_moep"]
+ALPHA = 0.01
+
+
+def tiny_block(k=2, parallel=False) -> PathsBlock:
+    cfg = PathsBlockConfig(
+        attention=AttentionConfig(num_heads=3, rope=RopeConfig()),
+        parallel_residual=parallel,
+        d_path=16,
+        num_paths=3,
+        path_depth=2,
+        num_projection_experts=3,
+        path_router=TopKConfig(k=k, load_balancing_weight=ALPHA),
+        projection_router=TopKConfig(k=k, load_balancing_weight=ALPHA),
+    )
+    torch.manual_seed(0)
+    block = PathsBlock(cfg, d_model=24, layer_idx=0).double()
+    with torch.no_grad():  # distinct gate probabilities, so top-k has no near-ties
+        for router in (block.contract_router, block.path_router, block.expand_router):
+            router.weight.normal_(std=1.0)
+    return block
+
+
+def naive_topk(p_TE: torch.Tensor, k: int) -> list[dict[int, torch.Tensor]]:
+    return [{int(e): p[e] for e in p.topk(k).indices} for p in p_TE]
+
+
+def naive_path_layer(layer, z: dict[int, torch.Tensor], pos_T: torch.Tensor, T: int) -> dict[int, torch.Tensor]:
+    """One path layer over the path's tokens {flat index: vector}, attention by explicit loops."""
+    attn = layer.attn
+    H, Dh = attn.num_heads, attn.head_dim
+    a, out = {}, {}
+    for t, z_t in z.items():
+        q, kk, v = (u.view(H, Dh) for u in (layer.attn_norm(z_t) @ attn.w_qkv.weight.T).split(H * Dh))
+        cos, sin = rope_cos_sin(pos_T[t], attn.rot_dim, 10000.0)
+        a[t] = (apply_rope(q, cos, sin), apply_rope(kk, cos, sin), v)
+    for t in z:
+        keys = [s for s in z if s // T == t // T and pos_T[s] <= pos_T[t]]
+        scores = torch.stack([(a[t][0] * a[s][1]).sum(-1) for s in keys], -1) / Dh**0.5
+        att = torch.einsum("hs,shd->hd", scores.softmax(-1), torch.stack([a[s][2] for s in keys]))
+        attn_out = att.reshape(-1) @ attn.w_o.weight.T
+        out[t] = layer.residual(z[t], attn_out)
+    return out
+
+
+def naive_paths(block: PathsBlock, x_BTD: torch.Tensor, pos_BT: torch.Tensor, k: int) -> torch.Tensor:
+    B, T, D = x_BTD.shape
+    pos_T = pos_BT.reshape(-1)
+    h1 = block.pre(x_BTD, positions_BT=pos_BT).x.reshape(B * T, D)  # the dense block is tested on its own
+    c = block.contract_norm(h1)
+    gates = naive_topk(torch.softmax(c @ block.contract_router.weight.T, -1), k)
+    z = torch.stack([sum(g * (block.contract.w_EOI[e] @ c[t]) for e, g in gates[t].items()) for t in range(B * T)])
+    gates = naive_topk(torch.softmax(block.path_norm(z) @ block.path_router.weight.T, -1), k)
+    y = z.clone()
+    for j, path in enumerate(block.paths.paths):
+        members = {t: z[t] for t in range(B * T) if j in gates[t]}
+        for layer in path.layers:
+            members = naive_path_layer(layer, members, pos_T, T)
+        for t, out_t in members.items():
+            y[t] = y[t] + gates[t][j] * (out_t - z[t])
+    u = block.expand_norm(y)
+    gates = naive_topk(torch.softmax(u @ block.expand_router.weight.T, -1), k)
+    e = torch.stack([sum(g * (block.expand.w_EOI[i] @ u[t]) for i, g in gates[t].items()) for t in range(B * T)])
+    return block.post((h1 + e).view(B, T, D), positions_BT=pos_BT).x
+
+
+@pytest.mark.parametrize("k,parallel", [(2, False), (1, True)])
+def test_block_matches_naive_equations(k, parallel):
+    block = tiny_block(k=k, parallel=parallel)
+    B, T = 2, 9
+    x_BTD = torch.randn(B, T, 24, dtype=torch.float64)
+    pos_BT = torch.arange(T).expand(B, T) + torch.tensor([[0], [13]])
+    out = block(x_BTD, positions_BT=pos_BT)
+    torch.testing.assert_close(out.x, naive_paths(block, x_BTD, pos_BT, k))
+    assert set(out.aux_losses) == {f"{n}.load_balancing_loss" for n in ("contraction", "paths", "expansion")}
+
+
+def test_balancing_loss_is_minimal_at_uniform_routing():
+    """alpha * E * sum_i f_i P_i: exactly alpha for uniform gates, above it for any skewed ones (identical tokens,
+    so f is the top-k indicator of P), and alpha * E / k when every token picks the same k experts."""
+    block = tiny_block(k=2)
+    routers = [(block.contract_router, 24), (block.path_router, 16), (block.expand_router, 16)]
+    for router, d in routers:
+        with torch.no_grad():
+            router.weight.zero_()
+        uniform = router(torch.randn(2, 8, d, dtype=torch.float64)).aux_losses["load_balancing_loss"]
+        torch.testing.assert_close(uniform, torch.tensor(ALPHA, dtype=torch.float64))
+        g = torch.Generator().manual_seed(d)
+        for scale in (0.01, 0.3, 1.0, 5.0):
+            with torch.no_grad():
+                router.weight.copy_(torch.randn(router.weight.shape, generator=g, dtype=torch.float64) * scale)
+            same = torch.randn(d, generator=g, dtype=torch.float64).expand(2, 8, d)
+            skewed = router(same).aux_losses["load_balancing_loss"]
+            assert skewed > uniform
+        with torch.no_grad():
+            router.weight.zero_()
+            router.weight[:2] = same[0, 0] * 100.0  # every token's top-2 are experts 0 and 1
+        collapsed = router(same).aux_losses["load_balancing_loss"]
+        torch.testing.assert_close(collapsed, torch.tensor(ALPHA * 3 / 2, dtype=torch.float64))
+
+
+def test_paths_do_not_depend_on_the_plan_order_within_an_expert():
+    """A plan may list an expert's tokens in any order (e.g. by probability under a capacity)."""
+    block = tiny_block(k=2)
+    z_BTP = torch.randn(2, 40, 16, dtype=torch.float64)
+    pos_BT = torch.arange(40).expand(2, 40)
+    plan = block.path_router(block.path_norm(z_BTP))
+    perms = [torch.randperm(n, generator=torch.Generator().manual_seed(n)) for n in plan.counts()]
+    idx = [i[p] for i, p in zip(plan.token_idx_S.split(plan.counts()), perms)]
+    weights = [w[p] for w, p in zip(plan.weight_S.split(plan.counts()), perms)]
+    reordered = dataclasses.replace(plan, token_idx_S=torch.cat(idx), weight_S=torch.cat(weights))
+    torch.testing.assert_close(block.paths(z_BTP, reordered, pos_BT), block.paths(z_BTP, plan, pos_BT))
+
+
+def test_every_path_and_projection_expert_gets_gradients():
+    block = tiny_block(k=2)
+    x_BTD = torch.randn(3, 20, 24, dtype=torch.float64)
+    out = block(x_BTD, positions_BT=torch.arange(20).expand(3, 20))
+    (out.x.square().mean() + sum(out.aux_losses.values())).backward()
+    for name, p in block.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    for w in (block.contract.w_EOI, block.expand.w_EOI):  # every projection expert, not just the tensor
+        assert (w.grad.flatten(1).abs().sum(1) > 0).all()
+
+
+def tiny_recipe_model(name: str):
+    cfg = load_config(CONFIGS / f"{name}.yaml", overrides=TINY)
+    torch.manual_seed(0)
+    return build_model(cfg.model).double().eval()
+
+
+@pytest.mark.parametrize("name", MOEP_RECIPES)
+def test_recipe_eval_is_causal_batch_invariant_and_caches(name):
+    model = tiny_recipe_model(name)
+    ids = torch.randint(0, 64, (3, 18))
+    full = model(ids).logits
+    torch.testing.assert_close(model(ids[2:3]).logits[0], full[2])  # batch-invariant
+    changed = ids.clone()
+    changed[:, 10:] = torch.randint(0, 64, (3, 8))
+    torch.testing.assert_close(model(changed).logits[:, :10], full[:, :10])  # causal
+    cache = model.new_cache()
+    steps = [model(ids[:, :5], cache=cache).logits]
+    steps += [model(ids[:, t : t + 1], cache=cache).logits for t in range(5, 18)]
+    torch.testing.assert_close(torch.cat(steps, 1), full)  # decoding with caches = full recompute
+
+
+@pytest.mark.parametrize(
+    "recipe,baseline",
+    [
+        ("moep_gpt2", "gpt2_small"),
+        ("moep_llama", "llama_small"),
+        ("moep_gemma", "gemma_small"),
+        ("pythia_1b_moep", "pythia_1b_dense"),
+        ("pythia_1b_ffn_moe", "pythia_1b_dense"),
+    ],
+)
+def test_recipes_match_their_baseline_budget(recipe, baseline):
+    ours = meta_param_report(load_config(CONFIGS / f"{recipe}.yaml").model).params_total
+    base = meta_param_report(load_config(CONFIGS / f"{baseline}.yaml").model).params_total
+    assert abs(ours / base - 1) <= 0.02, (ours, base)
+
+
+def test_config_errors_name_the_path():
+    with pytest.raises(ConfigError, match=r"layers\[0\].d_path \(100\) must be a multiple of the head dim \(64\)"):
+        load_config(CONFIGS / "moep_llama.yaml", overrides=["model.layers[0].d_path=100"])
+    with pytest.raises(ConfigError, match=r"model.layers\[0\].path_router.k \(5\) must be <= num_experts \(4\)"):
+        load_config(CONFIGS / "moep_llama.yaml", overrides=["model.layers[0].path_router.k=5"])
