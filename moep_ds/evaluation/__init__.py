@@ -1,1 +1,10 @@
-"""Evaluation: lm-eval LM wrapper, Hugging Face export, reports."""
+"""Evaluation: lm-eval LM wrapper, Hugging Face export, generation, reports.
+
+    model_dir.py   the model directory layout (save_model_dir / load_model_dir), run -> newest checkpoint
+    harness.py     lm-eval model `moep_ds` (loglikelihood, loglikelihood_rolling, generate_until)
+    tasks.py       eval/tasks/ YAML templates rendered against a data directory
+    run_eval.py    `moep-eval`: simple_evaluate + results.json / results.md
+    generate.py    generate() with the decoding cache, `moep-generate`
+    export.py      `moep-export` (consolidated / Hugging Face), vendor.py copies the model code for the latter
+    report.py      results tables and the run comparison behind eval/compare.py
+"""

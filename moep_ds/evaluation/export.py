@@ -1,0 +1,152 @@
+"""`moep-export`: a checkpoint (or run) as a consolidated fp32 model directory, or as a Hugging Face directory.
+
+    moep-export runs/x --out exports/x            model.safetensors + config.yaml + tokenizer + meta.json
+    moep-export runs/x --out exports/x_hf --hf    loads with AutoModelForCausalLM.from_pretrained(
+                                                  DIR, trust_remote_code=True); lm-eval --model hf reads it
+
+The Hugging Face directory holds config.json (with `auto_map` and the recipe's `model` section),
+model.safetensors (keys `model.<moep_ds key>`), modeling_moep.py / configuration_moep.py, flat copies of the
+moep_ds model code they import (moep_ds/evaluation/vendor.py), the tokenizer files and meta.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moep_ds.cli import run_guarded
+from moep_ds.errors import UserError
+from moep_ds.evaluation.model_dir import consolidated_state_dict, save_model_dir
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "hf_template"
+HF_FILES = ("configuration_moep.py", "modeling_moep.py")
+
+
+def hf_config(cfg: Any, eot_id: int | None) -> dict[str, Any]:
+    from moep_ds.schema import to_dict
+
+    model = cfg.model
+    out = {
+        "architectures": ["MoepForCausalLM"],
+        "model_type": "moep",
+        "auto_map": {
+            "AutoConfig": "configuration_moep.MoepConfig",
+            "AutoModelForCausalLM": "modeling_moep.MoepForCausalLM",
+        },
+        "moep_model": to_dict(model),
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.d_model,
+        "num_hidden_layers": len(model.expanded_layers()),
+        "max_position_embeddings": model.max_seq_len,
+        "tie_word_embeddings": model.tie_embeddings,
+        "dtype": "float32",
+    }
+    if eot_id is not None:
+        out.update(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id)
+    return out
+
+
+def write_hf_dir(model: torch.nn.Module, cfg: Any, tmp: Path, tokenizer_dir: Path | None, eot_id: int | None,
+                 meta: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    from moep_ds.evaluation.vendor import vendor_model_code
+
+    state = {f"model.{k}": v for k, v in consolidated_state_dict(model, cfg.model.tie_embeddings).items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, eot_id), indent=2) + "\n", encoding="utf-8")
+    if eot_id is not None:
+        generation = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": eot_id}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for name in HF_FILES:
+        shutil.copyfile(TEMPLATE_DIR / name, tmp / name)
+    vendor_model_code(tmp)
+    if tokenizer_dir is not None:
+        from moep_ds.data.tokenizer import copy_tokenizer
+
+        copy_tokenizer(tokenizer_dir, tmp)
+
+
+def export_hf(
+    model: torch.nn.Module,
+    cfg: Any,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    meta: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a Hugging Face directory for `model` (a CausalLM built from `cfg.model`); atomic (temporary
+    sibling, then rename)."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
+    eot_id = None
+    if tokenizer_dir is not None:
+        from moep_ds.data.tokenizer import load_tokenizer
+
+        eot_id = load_tokenizer(tokenizer_dir).eot_id
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        write_hf_dir(model, cfg, tmp, Path(tokenizer_dir) if tokenizer_dir else None, eot_id, meta or {})
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ---- moep-export -------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moep-export", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="model directory, or run directory (newest complete checkpoint)")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--hf", action="store_true", help="write a Hugging Face (trust_remote_code) directory")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="recipe overrides stored with the export, e.g. model.layers[1].router.eval_mode=threshold")
+    return p
+
+
+def _main(args: argparse.Namespace) -> int:
+    from moep_ds.evaluation.model_dir import load_model_dir
+
+    model, cfg, tokenizer, meta = load_model_dir(args.checkpoint, args.set)
+    source = Path(meta.pop("model_dir"))
+    tokenizer_dir = source if tokenizer is not None else None
+    meta = {**meta, "exported_from": str(source.resolve())}
+    if args.hf:
+        out = export_hf(model, cfg, args.out, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=args.force)
+    else:
+        out = Path(args.out)
+        if out.exists() and any(out.iterdir()) and not args.force:
+            raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
+        save_model_dir(model, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta)
+    log.info("wrote %s", out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return run_guarded(_main, parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

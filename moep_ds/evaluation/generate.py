@@ -1,0 +1,200 @@
+"""Autoregressive generation with the per-layer decoding cache, and the `moep-generate` command.
+
+# B batch, T prompt tokens, V vocabulary
+
+Every block type decodes through `model.new_cache()`: attention keeps keys/values, MSIT experts keep the
+keys/values of the tokens they selected, SSM blocks carry their recurrent state (step mode). Routing at
+decoding time is the routers' eval mode: expert-choice routers must use `eval_mode: threshold` (a token's
+experts then depend on that token alone); top-k expert choice over a growing sequence is not causal.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from moep_ds.cli import run_guarded
+from moep_ds.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def filter_top_k(logits_BV: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits of each row, -inf elsewhere (ties at the k-th value are kept)."""
+    if k >= logits_BV.shape[-1]:
+        return logits_BV
+    kth_B1 = logits_BV.topk(k, dim=-1).values[:, -1:]
+    return logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+
+
+def filter_top_p(logits_BV: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter (Holtzman et al. 2020): keep the smallest set of most likely tokens whose probability
+    mass reaches p; the most likely token always stays."""
+    sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+    cum_BV = sorted_BV.softmax(-1).cumsum(-1)
+    drop_sorted_BV = (cum_BV - sorted_BV.softmax(-1)) >= p  # mass before this token already reaches p
+    drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
+    return logits_BV.masked_fill(drop_BV, float("-inf"))
+
+
+def sample_next(
+    logits_BV: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids [B]: argmax at temperature 0, else a draw from softmax(logits / temperature) after the
+    top-k and top-p filters."""
+    logits_BV = logits_BV.float()
+    if temperature <= 0.0:
+        return logits_BV.argmax(-1)
+    logits_BV = logits_BV / temperature
+    if top_k is not None:
+        logits_BV = filter_top_k(logits_BV, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits_BV = filter_top_p(logits_BV, top_p)
+    return torch.multinomial(logits_BV.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Routers switch to their eval mode (thresholds) for decoding; the previous mode comes back after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def decode_steps(
+    model: nn.Module,
+    input_ids_BT: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Iterator[torch.Tensor]:
+    """Yield the next token of every row [B], one step at a time, until the sequence fills max_seq_len.
+
+    With `use_cache` each step feeds only the newest token (the blocks' decoding caches hold the rest);
+    without it each step recomputes the whole sequence (the reference the cache is tested against).
+    Call it inside `torch.no_grad()` and `eval_mode(model)`.
+    """
+    seq_BT = input_ids_BT
+    cache = model.new_cache() if use_cache else None
+    logits_BV = model(seq_BT, cache=cache).logits[:, -1]
+    for _ in range(model.cfg.max_seq_len - input_ids_BT.shape[1]):
+        next_B = sample_next(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        yield next_B
+        seq_BT = torch.cat([seq_BT, next_B[:, None]], dim=1)
+        if seq_BT.shape[1] < model.cfg.max_seq_len:
+            logits_BV = model(next_B[:, None] if use_cache else seq_BT, cache=cache).logits[:, -1]
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    input_ids_BT: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    eos_id: int | None = None,
+    **sampling,
+) -> torch.Tensor:
+    """Extend each prompt row by up to `max_new_tokens` tokens; returns [B, T + n] (n <= max_new_tokens).
+
+    `sampling`: temperature (0 = greedy), top_k, top_p, generator, use_cache (see `decode_steps`).
+    Rows that produced `eos_id` keep emitting it until every row has; then generation stops.
+    """
+    B, T = input_ids_BT.shape
+    max_len = model.cfg.max_seq_len
+    if T + max_new_tokens > max_len:
+        raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len ({max_len})")
+    new = []
+    done_B = torch.zeros(B, dtype=torch.bool, device=input_ids_BT.device)
+    with eval_mode(model):
+        for next_B in decode_steps(model, input_ids_BT, **sampling):
+            if eos_id is not None:
+                next_B = next_B.masked_fill(done_B, eos_id)
+                done_B |= next_B == eos_id
+            new.append(next_B)
+            if len(new) == max_new_tokens or bool(done_B.all()):
+                break
+    return torch.cat([input_ids_BT, torch.stack(new, dim=1)], dim=1)
+
+
+# ---- moep-generate -----------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moep-generate", description="Sample text from a moep_ds checkpoint.")
+    p.add_argument("checkpoint", help="model directory, or run directory (newest complete checkpoint)")
+    p.add_argument("--prompt", default="", help="text to continue (the prompt starts a new document)")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=None)
+    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--no_cache", action="store_true", help="recompute the whole sequence at every step")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="recipe overrides, e.g. model.layers[1].router.eval_mode=threshold")
+    return p
+
+
+def check_sampling_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max_new_tokens ({args.max_new_tokens}) must be >= 1")
+    if args.temperature < 0:
+        raise UserError(f"--temperature ({args.temperature}) must be >= 0")
+    if args.top_k is not None and args.top_k < 1:
+        raise UserError(f"--top_k ({args.top_k}) must be >= 1")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise UserError(f"--top_p ({args.top_p}) must be in (0, 1]")
+
+
+def _main(args: argparse.Namespace) -> int:
+    from moep_ds.evaluation.model_dir import load_model_dir
+
+    check_sampling_args(args)
+    model, cfg, tokenizer, _ = load_model_dir(args.checkpoint, args.set)
+    if tokenizer is None:
+        raise UserError(f"{args.checkpoint} has no tokenizer.json; moep-generate needs one to read the prompt")
+    max_len = cfg.model.max_seq_len
+    if args.max_new_tokens >= max_len:
+        raise UserError(f"--max_new_tokens ({args.max_new_tokens}) must be < max_seq_len ({max_len})")
+    ids = [tokenizer.eot_id] + tokenizer.encode(args.prompt)
+    keep = max_len - args.max_new_tokens
+    if len(ids) > keep:
+        log.warning("prompt of %d tokens cut to its last %d to fit max_seq_len %d", len(ids), keep, max_len)
+        ids = ids[-keep:]
+    model.to(args.device)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    prompt_BT = torch.tensor([ids] * args.num_samples, device=args.device)
+    out_BT = generate(model, prompt_BT, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, generator=generator, eos_id=tokenizer.eot_id, use_cache=not args.no_cache)
+    for row in out_BT.tolist():
+        new = row[len(ids):]
+        if tokenizer.eot_id in new:
+            new = new[: new.index(tokenizer.eot_id)]
+        print(args.prompt + tokenizer.decode(new))  # the generated text is this command's product
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return run_guarded(_main, parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""lm-evaluation-harness model `moep_ds`: scores and generates with a moep_ds model directory or run.
+
+# B batch, T tokens, V vocabulary
+
+    lm = MoepLM(pretrained="runs/x")                                  # newest complete checkpoint of a run
+    simple_evaluate(model=lm, tasks=[...], task_manager=...)
+    python -m moep_ds.evaluation.lm_eval_cli --model moep_ds --model_args pretrained=DIR --batch_size 16 ...
+
+Requests are tokenized as lm-eval's TemplateLM does (an empty context is the end-of-text token), sorted by
+length (longest first) and batched with right padding: causal blocks never look at the padding, so a score
+does not depend on the batch it was computed in, as long as routing is causal at evaluation (expert choice
+with `eval_mode: threshold`). The routers' eval modes are reported in `get_model_info()` (lm-eval copies
+them into the results' `config`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lm_eval.models  # noqa: F401 - registers lm-eval's own models first (its registry loads them only if empty)
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import model_registry
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from moep_ds.errors import UserError
+from moep_ds.evaluation.generate import decode_steps, eval_mode
+from moep_ds.evaluation.model_dir import load_model_dir, routing_eval_modes, summarize_routing_modes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_GEN_TOKS = 256
+
+Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (strings, context ids, continuation ids)
+
+
+def batch_by_length(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices sorted longest first (ties by index, so the order is deterministic), cut into batches."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def right_pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def continuation_logprobs(
+    logits_BTV: torch.Tensor, rows: list[list[int]], continuations: list[list[int]]
+) -> list[tuple[float, bool]]:
+    """Sum of log p(continuation token) and whether every continuation token is the argmax, per row.
+
+    Row b's input is `rows[b]` (its last len(continuations[b]) positions predict the continuation)."""
+    logp_BTV = F.log_softmax(logits_BTV.float(), dim=-1)
+    out = []
+    for b, (row, cont) in enumerate(zip(rows, continuations)):
+        n, end = len(cont), len(row)
+        logp_NV = logp_BTV[b, end - n:end]
+        cont_N = torch.tensor(cont, device=logp_NV.device)
+        greedy = bool((logp_NV.argmax(-1) == cont_N).all())
+        out.append((float(logp_NV.gather(-1, cont_N[:, None]).sum()), greedy))
+    return out
+
+
+def pick_device(device: str | None) -> torch.device:
+    """The requested device; lm-eval's CLI asks for cuda by default, which falls back to cpu without a GPU."""
+    if device and device.startswith("cuda") and not torch.cuda.is_available():
+        log.warning("device %s requested but CUDA is not available: evaluating on cpu", device)
+        return torch.device("cpu")
+    return torch.device(device or "cpu")
+
+
+class MoepLM(TemplateLM):
+    """lm-eval `LM` over a moep_ds CausalLM (loaded from `pretrained`, or given as `model` + `tokenizer`)."""
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+        overrides: list[str] | str | None = None,
+        batch_size: int | str | None = 16,
+        device: str | None = None,
+        max_length: int | None = None,
+        dtype: str = "float32",
+        **unused: Any,
+    ):
+        super().__init__()
+        if unused:
+            log.warning("moep_ds model ignores arguments %s", sorted(unused))
+        self.meta: dict[str, Any] = {}
+        if model is None:
+            if pretrained is None:
+                raise UserError("moep_ds model needs pretrained=<model or run directory>")
+            if isinstance(overrides, str):
+                overrides = overrides.split(";")  # model_args are comma-separated; overrides use ';'
+            model, _, tokenizer, self.meta = load_model_dir(pretrained, overrides)
+        if tokenizer is None:
+            raise UserError(f"{pretrained or 'the model'} has no tokenizer (tokenizer.json); lm-eval needs one")
+        self._device = pick_device(device)
+        self.model = model.to(self._device, getattr(torch, dtype)).eval()
+        self.tokenizer = tokenizer
+        if not str(batch_size or "").isdigit():
+            log.warning("batch_size %r is not a number: using 16 (scores do not depend on it)", batch_size)
+        self.batch_size = int(batch_size) if str(batch_size or "").isdigit() else 16
+        self._max_length = min(max_length or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        self.routing_eval_mode = routing_eval_modes(self.model)
+
+    # ---- what lm-eval asks of a TemplateLM
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eot_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.meta.get("model_dir", "moep_ds")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        return self.tokenizer.encode(string)
+
+    def tok_decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {
+            "moep_model_dir": self.meta.get("model_dir"),
+            "moep_step": self.meta.get("step"),
+            "routing_eval_mode": summarize_routing_modes(self.routing_eval_mode),
+            "routing_eval_modes": self.routing_eval_mode,
+        }
+
+    # ---- scoring
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False, **kwargs: Any):
+        """Each request's (context + continuation) is cut to its last max_length + 1 tokens (left truncation,
+        as lm-eval's HF model does); the input is all but the last of those."""
+        inputs = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in requests]
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        for batch in tqdm(batch_by_length([len(x) for x in inputs], self.batch_size), disable=disable_tqdm,
+                          desc="moep_ds loglikelihood"):
+            rows = [inputs[i] for i in batch]
+            logits_BTV = self.model(right_pad(rows, self.eot_token_id).to(self.device)).logits
+            for i, answer in zip(batch, continuation_logprobs(logits_BTV, rows, [requests[i][2] for i in batch])):
+                results[i] = answer
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Whole-document log-likelihood in disjoint windows of max_length tokens (lm-eval's rolling scheme)."""
+        windows, owner = [], []
+        for n, (text,) in enumerate(req.args for req in requests):
+            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, ctx, cont))
+                owner.append(n)
+        totals = [0.0] * len(requests)
+        for n, (logp, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
+            totals[n] += logp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # ---- generation
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="moep_ds generate"):
+            context, gen_kwargs = req.args
+            text = self.generate_one(context, dict(gen_kwargs or {}))
+            self.cache_hook.add_partial("generate_until", req.args, text)
+            out.append(text)
+        return out
+
+    def generate_one(self, context: str, gen_kwargs: dict[str, Any]) -> str:
+        """Decode (greedy unless do_sample) until a stop string, end of text or max_gen_toks new tokens."""
+        until = gen_kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = min(int(gen_kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS)), self.max_length - 1)
+        sample = bool(gen_kwargs.pop("do_sample", False)) and float(gen_kwargs.get("temperature", 1.0)) > 0
+        ids = (self.tok_encode(context) or [self.prefix_token_id])[-(self.max_length - max_new):]
+        # a token-choice or top-k router is not causal over a growing sequence: recompute instead of caching
+        use_cache = "topk" not in self.routing_eval_mode.values()
+        steps = decode_steps(self.model, torch.tensor([ids], device=self.device), use_cache=use_cache,
+                             temperature=float(gen_kwargs.get("temperature", 1.0)) if sample else 0.0,
+                             top_k=gen_kwargs.get("top_k"), top_p=gen_kwargs.get("top_p"))
+        new: list[int] = []
+        with eval_mode(self.model):
+            for next_B in steps:
+                token = int(next_B[0])
+                if token == self.eot_token_id:
+                    break
+                new.append(token)
+                text = self.tok_decode(new)
+                cut = [text.index(s) for s in until if s in text]
+                if cut:
+                    return text[:min(cut)]
+                if len(new) >= max_new:
+                    break
+        return self.tok_decode(new)
+
+
+def register() -> None:
+    """Make `moep_ds` a name lm-eval's `--model` and `simple_evaluate(model=...)` know."""
+    if "moep_ds" not in model_registry:
+        model_registry.register("moep_ds")(MoepLM)
+
+
+register()

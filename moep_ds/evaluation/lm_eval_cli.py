@@ -1,0 +1,16 @@
+"""lm-eval's own command line with the `moep_ds` model registered (lm-eval has no plugin lookup for --model).
+
+    python -m moep_ds.evaluation.lm_eval_cli --model moep_ds --model_args pretrained=runs/x --batch_size 16 \
+        --tasks blimp_filtered --include_path "$(moep-eval --render_tasks /tmp/moep_tasks)"
+"""
+import moep_ds.evaluation.harness  # noqa: F401 - registers the model under the name moep_ds
+
+
+def main() -> None:
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

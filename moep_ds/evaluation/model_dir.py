@@ -1,0 +1,230 @@
+"""Model directories: the weights + recipe + tokenizer layout that checkpoints, exports and evaluation share.
+(`load_model_dir` also reads the Hugging Face directories that `moep-export --hf` writes.)
+
+    DIR/model.safetensors   consolidated fp32 state dict, keys = CausalLM.state_dict() keys
+                            (`head.weight` omitted when the embeddings are tied)
+    DIR/config.yaml         the full recipe (`dump_config(cfg)`)
+    DIR/tokenizer.json      (+ tokenizer_config.json, special_tokens_map.json) when the run had a tokenizer
+    DIR/meta.json           {"step": int, "tokens": int, ...}
+    DIR/extra_state.pt      non-tensor module state (the expert lifecycle's event log), when there is any
+
+A run directory (`train.output_dir`) holds `checkpoints/<tag>/` in this layout; a checkpoint counts once it
+contains the empty file `COMPLETE`. `load_model_dir(run_dir)` takes the complete one with the highest step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moep_ds.errors import UserError
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.yaml"
+META_FILE = "meta.json"
+EXTRA_FILE = "extra_state.pt"  # non-tensor module state, as the trainer's checkpoints keep it
+COMPLETE_MARKER = "COMPLETE"
+TIED_HEAD_KEY = "head.weight"
+
+
+def consolidated_state_dict(
+    model: torch.nn.Module, tie_embeddings: bool, params: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """fp32 CPU copies of every tensor of the state dict; the tied head (a second name for the embedding) is
+    left out, since safetensors stores no aliases. Non-tensor entries (`extra_state`) are in `extra_state`.
+    `params` (full fp32 parameters gathered from ZeRO partitions by the trainer) replace the module's copies."""
+    state = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous().clone()
+             for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and k not in (params or {})}
+    state.update({k: v.contiguous() for k, v in (params or {}).items()})
+    if tie_embeddings:
+        state.pop(TIED_HEAD_KEY, None)
+    return state
+
+
+def extra_state(model: torch.nn.Module) -> dict[str, Any]:
+    """Non-tensor module state (e.g. the expert lifecycle's event log), saved beside the weights."""
+    return {k: v for k, v in model.state_dict().items() if not isinstance(v, torch.Tensor)}
+
+
+def save_model_dir(
+    model: torch.nn.Module,
+    cfg: Any,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    meta: dict[str, Any] | None = None,
+    params: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write `model` (a CausalLM), its recipe `cfg` (root Config), the tokenizer files and `meta` to `out_dir`.
+
+    A new `out_dir` appears all at once (written to a temporary sibling, then renamed). Into an existing
+    directory (e.g. a checkpoint that also holds optimizer shards) each file is replaced atomically and other
+    files are left alone; completeness of a checkpoint is its `COMPLETE` marker, written by the trainer.
+    """
+    from safetensors.torch import save_file
+
+    from moep_ds.config import dump_config
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the renamed directory should read like any other
+    try:
+        save_file(consolidated_state_dict(model, cfg.model.tie_embeddings, params), str(tmp / WEIGHTS_FILE),
+                  metadata={"format": "pt"})
+        if extra := extra_state(model):
+            torch.save(extra, tmp / EXTRA_FILE)
+        (tmp / CONFIG_FILE).write_text(dump_config(cfg), encoding="utf-8")
+        (tmp / META_FILE).write_text(json.dumps(meta or {}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if tokenizer_dir is not None:
+            from moep_ds.data.tokenizer import copy_tokenizer
+
+            copy_tokenizer(tokenizer_dir, tmp)
+        if out.exists():
+            for f in tmp.iterdir():
+                os.replace(f, out / f.name)
+            tmp.rmdir()
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_meta(model_dir: Path) -> dict[str, Any]:
+    f = model_dir / META_FILE
+    if not f.is_file():
+        return {}
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{f} is not valid JSON: {err}") from None
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoint directories under `run_dir/checkpoints` (or `run_dir` itself if it is that folder)."""
+    roots = [run_dir / "checkpoints", run_dir]
+    found = []
+    for root in roots:
+        if root.is_dir():
+            found += [d for d in root.iterdir()
+                      if d.is_dir() and (d / COMPLETE_MARKER).is_file() and (d / WEIGHTS_FILE).is_file()]
+        if found:
+            break
+    return found
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """A model directory itself, or the newest complete checkpoint (highest meta.json step) of a run directory."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"checkpoint {str(p)!r} does not exist")
+    if not p.is_dir():
+        raise UserError(f"checkpoint {str(p)!r} is not a directory (expected a model or run directory)")
+    if (p / WEIGHTS_FILE).is_file():
+        if not (p / CONFIG_FILE).is_file() and hf_export_recipe(p) is None:
+            raise UserError(f"model directory {str(p)!r} has {WEIGHTS_FILE} but no {CONFIG_FILE}")
+        return p
+    candidates = complete_checkpoints(p)
+    if not candidates:
+        raise UserError(
+            f"{str(p)!r} is neither a model directory (no {WEIGHTS_FILE}) nor a run directory with a complete "
+            f"checkpoint (checkpoints/<tag>/ holding {WEIGHTS_FILE} and {COMPLETE_MARKER})"
+        )
+    newest = max(candidates, key=lambda d: (int(read_meta(d).get("step", -1)), d.name))
+    log.info("using checkpoint %s (step %s) of run %s", newest.name, read_meta(newest).get("step"), p)
+    return newest
+
+
+def load_state_dict_into(model: torch.nn.Module, state: dict[str, torch.Tensor], tied: bool, source: Path) -> None:
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shape mismatches
+        detail = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+        raise UserError(f"{source} does not match the model built from its config.yaml: {detail}") from None
+    # extra state (event logs) is history, not needed to run the model
+    missing = [k for k in missing if not (tied and k == TIED_HEAD_KEY) and not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise UserError(
+            f"{source} does not match the model built from its config.yaml: missing {missing[:5]} "
+            f"({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)})"
+        )
+
+
+def hf_export_recipe(model_dir: Path) -> dict[str, Any] | None:
+    """The recipe of a `moep-export --hf` directory (its config.json keeps the model section), else None."""
+    f = model_dir / "config.json"
+    if (model_dir / CONFIG_FILE).is_file() or not f.is_file():
+        return None
+    try:
+        hf = json.loads(f.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+    return {"model": hf["moep_model"]} if isinstance(hf, dict) and "moep_model" in hf else None
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> tuple[Path, Any]:
+    """(resolved model directory, its recipe with `overrides` applied), without building the model.
+
+    A Hugging Face export directory works too: its recipe is the model section kept in config.json."""
+    from moep_ds.config import config_from_dict, read_yaml
+
+    model_dir = resolve_model_dir(path)
+    raw = hf_export_recipe(model_dir) or read_yaml(model_dir / CONFIG_FILE)
+    return model_dir, config_from_dict(raw, overrides)
+
+
+def load_model_dir(path: str | os.PathLike, overrides: list[str] | None = None) -> tuple[Any, Any, Any, dict]:
+    """Load a model or run directory: (model in eval mode, root Config, tokenizer or None, meta dict).
+
+    `overrides` (`a.b=v` strings) apply to the stored recipe, e.g. a router's eval_mode. meta gets
+    "model_dir", the directory actually loaded.
+    """
+    from safetensors.torch import load_file
+
+    from moep_ds.models.causal_lm import build_model
+
+    model_dir, cfg = load_recipe(path, overrides)
+    model = build_model(cfg.model)
+    state: dict[str, Any] = load_file(str(model_dir / WEIGHTS_FILE))
+    if (model_dir / EXTRA_FILE).is_file():
+        state.update(torch.load(model_dir / EXTRA_FILE, weights_only=True))
+    if hf_export_recipe(model_dir) is not None:  # keys are model.<moep_ds key> there
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+    load_state_dict_into(model, state, cfg.model.tie_embeddings, model_dir / WEIGHTS_FILE)
+    model.eval()
+    tokenizer = None
+    if (model_dir / "tokenizer.json").is_file():
+        from moep_ds.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir)
+    meta = {**read_meta(model_dir), "model_dir": str(model_dir)}
+    return model, cfg, tokenizer, meta
+
+
+def routing_eval_modes(model: torch.nn.Module) -> dict[str, str]:
+    """{module name: eval_mode} of every router that has one (expert choice: threshold | topk).
+
+    Recorded with every evaluation result: expert-choice numbers depend on it.
+    """
+    modes = {}
+    for name, module in model.named_modules():
+        mode = getattr(getattr(module, "cfg", None), "eval_mode", None)
+        if isinstance(mode, str):
+            modes[name] = mode
+    return modes
+
+
+def summarize_routing_modes(modes: dict[str, str]) -> str:
+    """One word for tables: 'threshold', 'topk', 'mixed' or 'none' (no expert-choice router)."""
+    kinds = sorted(set(modes.values()))
+    return kinds[0] if len(kinds) == 1 else ("none" if not kinds else "mixed")

@@ -1,0 +1,189 @@
+"""Evaluation records and reports: one run's results JSON + markdown table, and the comparison of runs.
+
+A record (what `moep-eval` writes as results.json):
+    {"name", "moep": {model dir, step, tokens, params, FLOPs, routing eval mode, tasks, data dir, ...},
+     "scores": {task: {metric: value}}, "lm_eval": lm-eval's results/groups/versions/n-shot/config}
+`eval/compare.py` reads records and eval/reference/pythia-1b.json (same `scores` layout) and writes a
+markdown report and a PNG bar chart.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# the score a table shows for a task, in this order of preference
+PRIMARY_METRICS = ("acc", "perplexity", "acc_norm", "word_perplexity")
+LOWER_IS_BETTER = {"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"}
+
+
+def flat_scores(lm_eval_results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """lm-eval's {"results": {task: {"acc,none": x, "acc_stderr,none": y, ...}}, "groups": ...} as
+    {task: {"acc": x, "acc_stderr": y}} (filter suffixes dropped, non-numbers skipped)."""
+    out: dict[str, dict[str, float]] = {}
+    for section in ("results", "groups"):
+        for task, metrics in (lm_eval_results.get(section) or {}).items():
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("sample_len",):
+                    out.setdefault(task, {})[key.split(",")[0]] = float(value)
+    return out
+
+
+def primary_metric(metrics: dict[str, float]) -> str | None:
+    return next((m for m in PRIMARY_METRICS if m in metrics), None)
+
+
+def fmt(value: float | None, metric: str = "acc") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.2f}" if metric in LOWER_IS_BETTER else f"{100 * value:.2f}"
+
+
+def fmt_count(value: float | None) -> str:
+    if value is None:
+        return "–"
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+def fmt_flops(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2e}"
+
+
+def results_markdown(record: dict[str, Any]) -> str:
+    """One run's scores as a markdown table (accuracies in %, perplexities as they are)."""
+    moep = record.get("moep", {})
+    lines = [
+        f"# {record.get('name', 'evaluation')}",
+        "",
+        f"- checkpoint: `{moep.get('model_dir')}` (step {moep.get('step')}, {fmt_count(moep.get('tokens'))} tokens)",
+        f"- parameters: {fmt_count(moep.get('params_total'))} total, {fmt_count(moep.get('params_active'))} active; "
+        f"training FLOPs {fmt_flops(train_flops(record))}",
+        f"- routing eval mode: {moep.get('routing_eval_mode')}",
+        f"- batch size {moep.get('batch_size')}, limit {moep.get('limit')}, data `{moep.get('data_dir')}`",
+        "",
+        "| task | metric | value | stderr |",
+        "|---|---|---:|---:|",
+    ]
+    for task, metrics in sorted(record["scores"].items()):
+        for metric, value in metrics.items():
+            if metric.endswith("_stderr"):
+                continue
+            err = metrics.get(f"{metric}_stderr")
+            stderr = fmt(err, metric) if err is not None else "–"
+            lines.append(f"| {task} | {metric} | {fmt(value, metric)} | {stderr} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- comparison of runs ------------------------------------------------------------------------------
+
+
+def load_records(paths: list[str | Path]) -> list[dict[str, Any]]:
+    records = []
+    for p in paths:
+        record = json.loads(Path(p).read_text(encoding="utf-8"))
+        record.setdefault("name", Path(p).parent.name)
+        records.append(record)
+    return records
+
+
+def load_reference(path: str | Path) -> list[dict[str, Any]]:
+    """Reference models in the record layout: {"name", "moep": {params..., tokens, train_flops}, "scores"}."""
+    models = json.loads(Path(path).read_text(encoding="utf-8"))["models"]
+    keys = ("params_total", "params_active", "tokens", "train_flops")
+    return [{"name": m["name"], "moep": {k: m.get(k) for k in keys}, "scores": m["scores"], "reference": True}
+            for m in models]
+
+
+def train_flops(record: dict[str, Any]) -> float | None:
+    moep = record.get("moep", {})
+    if moep.get("train_flops") is not None:
+        return moep["train_flops"]
+    if moep.get("flops_per_token") and moep.get("tokens"):
+        return moep["flops_per_token"] * moep["tokens"]
+    return None
+
+
+def score_columns(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(task, metric) columns: the tasks each run asked for (groups, not their 67 sub-tasks), or every task
+    it scored; references only fill in the columns."""
+    runs = [r for r in records if not r.get("reference")] or records
+    cols = []
+    for r in runs:
+        for task in r.get("moep", {}).get("tasks") or r["scores"]:
+            metrics = r["scores"].get(task, {})
+            metric = primary_metric(metrics)
+            if metric and (task, metric) not in cols:
+                cols.append((task, metric))
+            if task == "lambada_openai" and "perplexity" in metrics and (task, "perplexity") not in cols:
+                cols.append((task, "perplexity"))
+    return sorted(cols)
+
+
+def score(record: dict[str, Any], task: str, metric: str) -> float | None:
+    return record["scores"].get(task, {}).get(metric)
+
+
+def comparison_markdown(records: list[dict[str, Any]], baseline: str | None = None) -> str:
+    """Runs and references side by side, then each run against `baseline` (default: the first run)."""
+    cols = score_columns(records)
+    head = ["model", "params total", "params active", "tokens", "train FLOPs", "routing"]
+    head += [f"{t} {m}" + (" ↓" if m in LOWER_IS_BETTER else "") for t, m in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for r in records:
+        moep = r.get("moep", {})
+        cells = [r["name"] + (" (published)" if r.get("reference") else ""), fmt_count(moep.get("params_total")),
+                 fmt_count(moep.get("params_active")), fmt_count(moep.get("tokens")), fmt_flops(train_flops(r)),
+                 str(moep.get("routing_eval_mode", "–") if not r.get("reference") else "–")]
+        cells += [fmt(score(r, t, m), m) for t, m in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    out = ["# Evaluation report", "", "Accuracies in %, perplexity as lm-eval reports it (↓ lower is better).", "",
+           *lines]
+    runs = [r for r in records if not r.get("reference")]
+    base = next((r for r in runs if r["name"] == baseline), runs[0] if runs else None)
+    if base is not None and len(runs) > 1:
+        out += ["", f"## Against {base['name']}", "", "Differences in points (run minus baseline).", "",
+                "| model | params total ratio | active ratio | " + " | ".join(f"{t} {m}" for t, m in cols) + " |",
+                "|---|---:|---:|" + "---:|" * len(cols)]
+        for r in runs:
+            if r is base:
+                continue
+            cells = [r["name"], ratio(r, base, "params_total"), ratio(r, base, "params_active")]
+            for t, m in cols:
+                a, b = score(r, t, m), score(base, t, m)
+                scale = 1 if m in LOWER_IS_BETTER else 100
+                cells.append("–" if a is None or b is None else f"{scale * (a - b):+.2f}")
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def ratio(r: dict[str, Any], base: dict[str, Any], key: str) -> str:
+    a, b = r.get("moep", {}).get(key), base.get("moep", {}).get(key)
+    return f"{a / b:.3f}" if a and b else "–"
+
+
+def comparison_chart(records: list[dict[str, Any]], path: str | Path) -> Path:
+    """Grouped bars: one group per (task, accuracy-like metric), one bar per model (references hatched)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = [(t, m) for t, m in score_columns(records) if m not in LOWER_IS_BETTER]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cols) + 2), 4.0))
+    width = 0.8 / max(len(records), 1)
+    for i, r in enumerate(records):
+        values = [100 * v if (v := score(r, t, m)) is not None else float("nan") for t, m in cols]
+        xs = [j + i * width for j in range(len(cols))]
+        ax.bar(xs, values, width, label=r["name"], hatch="//" if r.get("reference") else None)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cols))])
+    ax.set_xticklabels([t for t, _ in cols], rotation=30, ha="right")
+    ax.set_ylabel("accuracy (%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

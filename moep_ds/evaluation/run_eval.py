@@ -1,0 +1,169 @@
+"""`moep-eval`: lm-eval's `simple_evaluate` on a moep_ds checkpoint with the local task YAMLs.
+
+    moep-eval runs/x                                  tasks from the recipe's eval.tasks (default: BLiMP
+                                                      filtered + supplement), results in runs/x/eval/
+    moep-eval runs/x --tasks piqa arc_easy --limit 100 --batch_size 32
+    moep-eval runs/x --set model.layers[1].moe.router.eval_mode=topk     evaluate with the training rule
+    moep-eval --list_tasks                            the local task names
+    moep-eval --render_tasks DIR                      rendered YAMLs for `lm_eval --include_path DIR`
+    moep-eval runs/x --hub --tasks piqa               lm-eval's built-in tasks (downloads the datasets)
+
+Writes results.json (scores, lm-eval's results, parameters, tokens, FLOPs, routing eval mode) and
+results.md (a table), and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from moep_ds.cli import run_guarded
+from moep_ds.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TASKS = ["blimp_filtered", "blimp_supplement"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moep-eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("checkpoint", nargs="?", help="model directory, or run directory (newest complete checkpoint)")
+    p.add_argument("--tasks", nargs="+", help="task or group names, space or comma separated")
+    p.add_argument("--data_dir", help="data directory (default: eval.data_dir, $MOEP_DATA_DIR, ../shared/data)")
+    p.add_argument("--batch_size", type=int, help="default: the recipe's eval.batch_size")
+    p.add_argument("--limit", type=float, help="examples per task (a fraction if < 1); for quick checks only")
+    p.add_argument("--num_fewshot", type=int)
+    p.add_argument("--bootstrap_iters", type=int, default=1000, help="for stderrs of non-mean metrics (0: none)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--output", help="directory for results.json / results.md (default: CHECKPOINT/eval)")
+    p.add_argument("--name", help="run name in reports (default: the checkpoint directory's name)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides before building")
+    p.add_argument("--hub", action="store_true", help="use lm-eval's built-in tasks and hub datasets")
+    p.add_argument("--list_tasks", action="store_true", help="print the local task names and exit")
+    p.add_argument("--render_tasks", metavar="DIR", help="render the task YAMLs into DIR and exit")
+    return p
+
+
+def split_tasks(values: list[str]) -> list[str]:
+    return [t for v in values for t in v.split(",") if t]
+
+
+def list_tasks(data_dir: str | None) -> int:
+    from moep_ds.evaluation.tasks import DEFAULT_DATA_DIR, render_tasks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rendered = render_tasks(data_dir or os.environ.get("MOEP_DATA_DIR") or DEFAULT_DATA_DIR, tmp)
+        for name in rendered.top_level:
+            subtasks = rendered.specs[name].subtasks
+            print(f"{name}  ({len(subtasks)} sub-tasks)" if subtasks else name)
+    return 0
+
+
+def task_manager(args: argparse.Namespace, cfg: Any, tasks: list[str], tmp: str) -> tuple[Any, list[str], str | None]:
+    """lm-eval TaskManager and task names: local rendered YAMLs (checked against the data) or the hub's."""
+    from lm_eval.tasks import TaskManager
+
+    from moep_ds.evaluation.tasks import HUB_TASKS, render_tasks, resolve_data_dir
+
+    if args.hub:
+        manager = TaskManager()
+        names = [HUB_TASKS.get(t, t) for t in tasks]
+        unknown = [n for n in names if n not in manager.all_tasks]
+        if unknown:
+            raise UserError(f"unknown lm-eval task(s) {unknown}; `lm-eval ls tasks` lists them")
+        return manager, names, None
+    data_dir = resolve_data_dir(args.data_dir or cfg.eval.data_dir)
+    rendered = render_tasks(data_dir, tmp)
+    rendered.resolve(tasks)
+    return TaskManager(include_defaults=False, include_path=str(rendered.path)), tasks, str(data_dir)
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the tasks and data, load the model, run simple_evaluate; returns the results record."""
+    from lm_eval import simple_evaluate
+
+    from moep_ds.evaluation.harness import MoepLM
+    from moep_ds.evaluation.model_dir import load_model_dir, load_recipe
+
+    _, cfg = load_recipe(args.checkpoint, args.set)
+    tasks = split_tasks(args.tasks) if args.tasks else (cfg.eval.tasks or DEFAULT_TASKS)
+    batch_size = args.batch_size or cfg.eval.batch_size
+    with tempfile.TemporaryDirectory(prefix="moep_eval_tasks_") as tmp:
+        manager, names, data_dir = task_manager(args, cfg, tasks, tmp)
+        model, cfg, tokenizer, meta = load_model_dir(args.checkpoint, args.set)
+        lm = MoepLM(model=model, tokenizer=tokenizer, batch_size=batch_size, device=args.device)
+        lm.meta = meta
+        results = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=args.limit,
+                                  num_fewshot=args.num_fewshot, bootstrap_iters=args.bootstrap_iters,
+                                  log_samples=False)
+    settings = {"tasks": names, "data_dir": data_dir, "batch_size": batch_size, "limit": args.limit,
+                "num_fewshot": args.num_fewshot, "hub": args.hub, "overrides": args.set}
+    return build_record(results, lm, cfg, meta, name=args.name or run_name(args.checkpoint), settings=settings)
+
+
+def run_name(checkpoint: str) -> str:
+    p = Path(checkpoint).resolve()
+    return p.parent.parent.name if p.parent.name == "checkpoints" else p.name
+
+
+def build_record(results: dict[str, Any], lm: Any, cfg: Any, meta: dict[str, Any], *, name: str,
+                 settings: dict[str, Any]) -> dict[str, Any]:
+    from moep_ds.evaluation.model_dir import summarize_routing_modes
+    from moep_ds.evaluation.report import flat_scores
+    from moep_ds.models.accounting import count_params
+
+    params = count_params(lm.model).as_dict()
+    tokens = meta.get("tokens")
+    moep = {
+        "model_dir": meta.get("model_dir"), "step": meta.get("step"), "tokens": tokens, **params,
+        "train_flops": params["flops_per_token"] * tokens if tokens else None,
+        "routing_eval_mode": summarize_routing_modes(lm.routing_eval_mode),
+        "routing_eval_modes": lm.routing_eval_mode, **settings,
+    }
+    keep = ("results", "groups", "group_subtasks", "versions", "n-shot", "higher_is_better", "n-samples", "config")
+    return {"name": name, "moep": moep, "scores": flat_scores(results),
+            "lm_eval": {k: results[k] for k in keep if k in results}}
+
+
+def write_record(record: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    from lm_eval.utils import handle_non_serializable
+
+    from moep_ds.evaluation.report import results_markdown
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "results.json", out_dir / "results.md"
+    json_path.write_text(json.dumps(record, indent=2, default=handle_non_serializable) + "\n", encoding="utf-8")
+    md_path.write_text(results_markdown(record), encoding="utf-8")
+    return json_path, md_path
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.list_tasks:
+        return list_tasks(args.data_dir)
+    if args.render_tasks:
+        from moep_ds.evaluation.tasks import render_tasks, resolve_data_dir
+
+        print(render_tasks(resolve_data_dir(args.data_dir), args.render_tasks).path)
+        return 0
+    if not args.checkpoint:
+        raise UserError("moep-eval needs a checkpoint: a model directory or a run directory")
+    record = evaluate(args)
+    json_path, md_path = write_record(record, Path(args.output or Path(args.checkpoint) / "eval"))
+    print(md_path.read_text(encoding="utf-8"))  # the table is this command's product
+    log.info("wrote %s and %s", json_path, md_path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return run_guarded(_main, parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Tiny models of every block type for the evaluation tests (export, generation, harness).
+
+Adding a block type is one line in TINY_LAYERS; `test_every_block_type_is_covered` fails until it is added.
+"""
+from __future__ import annotations
+
+import torch
+
+from moep_ds.config import config_from_dict
+from moep_ds.models.causal_lm import CausalLM, build_model
+
+ATTN = {"num_heads": 2, "num_kv_heads": 1}
+EC_ROUTER = {"type": "expert_choice", "capacity_factor": 1.25, "rounding": "ceil", "score": "softmax_tokens",
+             "eval_mode": "threshold"}
+
+# name -> (model-level settings, layers); dims are filled in by tiny_config
+TINY_LAYERS: dict[str, tuple[dict, list]] = {
+    "dense_gpt2": ({"flavour": "gpt2"}, [{"type": "dense", "repeat": 2, "attention": {"num_heads": 2}}]),
+    "dense_llama_window": ({"flavour": "llama"}, [{"type": "dense", "repeat": 2, "attention": {**ATTN, "window": 5}}]),
+    "dense_pythia": ({"flavour": "pythia"}, [{"type": "dense", "repeat": 2, "attention": {"num_heads": 2}}]),
+    "ffn_moe_nova": ({"flavour": "llama"}, [
+        {"type": "dense", "attention": ATTN},
+        {"type": "ffn_moe", "attention": ATTN,
+         "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 32}, "router": EC_ROUTER}},
+    ]),
+    "ffn_moe_topk": ({"flavour": "llama"}, [
+        {"type": "ffn_moe", "repeat": 2, "attention": ATTN,
+         "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 32}, "router": {"type": "topk", "k": 2}}},
+    ]),
+    "msit": ({"final_norm": {"type": "layernorm"}}, [
+        {"type": "msit", "repeat": 2, "attention": {"num_heads": 2, "rope": {}}, "norm": {"type": "layernorm"},
+         "router": {"type": "expert_choice", "capacity_factor": 2.0, "eval_mode": "threshold"},
+         "experts": {"d_thin": 16, "num_heads": 2, "windows": [6, 3, 2, 1]}},
+    ]),
+    "paths": ({"flavour": "llama"}, [{"type": "paths", "repeat": 2, "attention": ATTN, "d_path": 16, "num_paths": 2,
+                                      "num_projection_experts": 2}]),
+    "ssm_moe": ({"final_norm": {"type": "layernorm"}}, [
+        {"type": "ssm_moe", "repeat": 2, "mixer": {"type": "ssm", "state_size": 4, "chunk_size": 4},
+         "moe": {"num_experts": 4, "expert": {"type": "gelu", "hidden_size": 32}, "router": {"type": "topk", "k": 2}}},
+    ]),
+    "ssm_moe_lifecycle": ({"final_norm": {"type": "layernorm"}}, [
+        {"type": "ssm_moe", "mixer": {"type": "ssm", "state_size": 4, "chunk_size": 8},
+         "moe": {"num_experts": 4, "expert": {"type": "gelu", "hidden_size": 32},
+                 "router": {"type": "topk", "k": 2, "lifecycle": {"min_tokens": 8, "check_interval": 1}}}},
+    ]),
+}
+BLOCK_TYPES_COVERED = {layer["type"] for _, layers in TINY_LAYERS.values() for layer in layers}
+
+
+def tiny_raw(name: str, vocab_size: int = 61, max_seq_len: int = 48, **model) -> dict:
+    settings, layers = TINY_LAYERS[name]
+    return {"model": {"vocab_size": vocab_size, "d_model": 32, "max_seq_len": max_seq_len, "init_std": 0.2,
+                      **settings, "layers": layers, **model},
+            "train": {"max_steps": 1}}
+
+
+def tiny_config(name: str, **model):
+    return config_from_dict(tiny_raw(name, **model))
+
+
+def tiny_model(name: str, seed: int = 0, **model) -> tuple[CausalLM, object]:
+    """A randomly initialised model in eval mode whose routers have seen one training batch, so that
+    expert-choice thresholds select some tokens and not others."""
+    cfg = tiny_config(name, **model)
+    torch.manual_seed(seed)
+    model_ = build_model(cfg.model)
+    model_.train()
+    with torch.no_grad():
+        model_(torch.randint(0, cfg.model.vocab_size, (4, 24)))
+    return model_.eval(), cfg

@@ -1,0 +1,135 @@
+"""moep-export: consolidated model directories and Hugging Face (trust_remote_code) directories whose logits
+equal moep_ds's for every block type."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moep_ds.evaluation.export import export_hf, main as export_main
+from moep_ds.evaluation.generate import generate
+from moep_ds.evaluation.model_dir import load_model_dir, save_model_dir
+
+from eval_models import TINY_LAYERS, tiny_model
+
+
+def load_hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_LAYERS))
+def test_hf_export_logits_equal_moep_logits(name, tmp_path):
+    model, cfg = tiny_model(name)
+    hf = load_hf(export_hf(model, cfg, tmp_path / name))
+    assert not hf.training
+    x = torch.randint(0, cfg.model.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x).logits, rtol=0, atol=1e-5)
+    state = dict(hf.model.state_dict())
+    for key, value in model.state_dict().items():  # buffers too (expert-choice thresholds)
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+
+
+def test_hf_export_ties_embeddings_and_runs_padded_rows_alone(tmp_path):
+    model, cfg = tiny_model("dense_llama_window")
+    assert cfg.model.tie_embeddings
+    hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
+    assert hf.model.head.weight is hf.model.embed.weight
+    x = torch.randint(0, cfg.model.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), x], dim=1).repeat(2, 1)
+    padded[1] = torch.cat([x[0], torch.zeros(3, dtype=torch.long)])
+    mask = torch.ones_like(padded)
+    mask[0, :3] = 0  # left padding
+    mask[1, 9:] = 0  # right padding
+    with torch.no_grad():
+        ours = model(x).logits[0]
+        out = hf(padded, attention_mask=mask).logits
+    torch.testing.assert_close(out[0, 3:], ours, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[1, :9], ours, rtol=0, atol=1e-5)
+
+
+def test_hf_generate_matches_moep_generate(tmp_path):
+    model, cfg = tiny_model("msit")
+    hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
+    prompt = torch.randint(0, cfg.model.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(theirs, generate(model, prompt, 12))
+
+
+@pytest.mark.slow
+def test_hf_export_loads_without_moep_ds_installed(tmp_path):
+    model, cfg = tiny_model("ffn_moe_nova")
+    out = export_hf(model, cfg, tmp_path / "hf")
+    x = torch.randint(0, cfg.model.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.save({"x": x, "logits": model(x).logits}, tmp_path / "expected.pt")
+    script = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "moep_ds" or name.startswith("moep_ds."):
+            raise ImportError("moep_ds must not be needed: " + name)
+sys.meta_path.insert(0, Block())
+import torch
+from transformers import AutoModelForCausalLM
+hf = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)
+ref = torch.load({str(tmp_path / "expected.pt")!r})
+torch.testing.assert_close(hf(ref["x"]).logits, ref["logits"], rtol=0, atol=1e-5)
+assert not any(m == "moep_ds" or m.startswith("moep_ds.") for m in sys.modules)
+print("ok")
+"""
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_moep_export_cli_writes_both_layouts(tmp_path):
+    model, cfg = tiny_model("ffn_moe_nova")
+    src = save_model_dir(model, cfg, tmp_path / "ckpt", meta={"step": 7, "tokens": 700})
+    assert export_main([str(src), "--out", str(tmp_path / "plain")]) == 0
+    again, cfg2, tokenizer, meta = load_model_dir(tmp_path / "plain")
+    assert tokenizer is None and meta["step"] == 7 and meta["exported_from"] == str(src.resolve())
+    x = torch.randint(0, cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits, model(x).logits, rtol=0, atol=0)
+    override = "model.layers[1].moe.router.eval_mode=topk"
+    assert export_main([str(src), "--out", str(tmp_path / "hf"), "--hf", "--set", override]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_moep.MoepForCausalLM"
+    assert config["moep_model"]["layers"][1]["moe"]["router"]["eval_mode"] == "topk"
+    assert (tmp_path / "hf" / "modeling_moep.py").is_file() and (tmp_path / "hf" / "moep_ds_blocks_ffn_moe.py").is_file()
+
+
+def test_moep_export_errors_are_one_line(tmp_path, capsys):
+    assert export_main([str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: checkpoint '{tmp_path / 'nope'}' does not exist"
+    model, cfg = tiny_model("dense_gpt2")
+    src = save_model_dir(model, cfg, tmp_path / "ckpt")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "f").write_text("x")
+    assert export_main([str(src), "--out", str(tmp_path / "taken"), "--hf"]) == 2
+    assert "exists and is not empty (pass --force to replace it)" in capsys.readouterr().err
+
+
+def test_vendored_imports_are_flat_and_relative():
+    from moep_ds.evaluation.vendor import rewrite_imports
+
+    source = (
+        "from moep_ds.layers.norm import (\n    NormConfig,\n    build_norm as bn,\n)  # why\n"
+        "from moep_ds.routing import plan, Router\n"
+        "def f():\n    from moep_ds.training.state import x  # lazy: left alone\n    return x\n"
+    )
+    assert rewrite_imports(source, "m") == (
+        "from .moep_ds_layers_norm import NormConfig, build_norm as bn  # why\n"
+        "from .moep_ds_routing import Router\nfrom . import moep_ds_routing_plan as plan\n"
+        "def f():\n    from moep_ds.training.state import x  # lazy: left alone\n    return x\n"
+    )
+    with pytest.raises(ValueError, match="m line 1: model code imports moep_ds.training.state at module level"):
+        rewrite_imports("from moep_ds.training.state import x\n", "m")
+    with pytest.raises(ValueError, match="cannot be vendored"):
+        rewrite_imports("import moep_ds.layers.norm\n", "m")

@@ -1,0 +1,122 @@
+"""generate(): sampling filters against naive references, and cached decoding against full recomputation for
+every block type."""
+import pytest
+import torch
+
+from moep_ds.evaluation.generate import filter_top_k, filter_top_p, generate, sample_next
+from moep_ds.registry import BLOCKS
+
+from eval_models import BLOCK_TYPES_COVERED, TINY_LAYERS, tiny_model
+
+
+def test_every_block_type_is_covered():
+    import moep_ds.components  # noqa: F401
+
+    missing = set(BLOCKS.names()) - {"group"} - BLOCK_TYPES_COVERED
+    assert not missing, f"add a tiny config for block type(s) {sorted(missing)} to tests/evaluation/eval_models.py"
+
+
+def naive_top_k(row, k):
+    keep = sorted(range(len(row)), key=lambda i: -row[i])[:k]
+    kth = row[keep[-1]]
+    return [x if x >= kth else float("-inf") for x in row]
+
+
+def naive_top_p(row, p):
+    probs = torch.tensor(row).softmax(-1).tolist()
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    keep, mass = set(), 0.0
+    for i in order:
+        keep.add(i)
+        mass += probs[i]
+        if mass >= p:
+            break
+    return [x if i in keep else float("-inf") for i, x in enumerate(row)]
+
+
+def test_filters_match_naive_references():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 11, dtype=torch.float64)
+    for k in (1, 3, 11):
+        assert filter_top_k(logits, k).tolist() == [naive_top_k(r, k) for r in logits.tolist()]
+    for p in (0.05, 0.5, 0.9, 1.0):
+        assert filter_top_p(logits, p).tolist() == [naive_top_p(r, p) for r in logits.tolist()]
+
+
+def test_sampling_is_greedy_at_zero_temperature_and_seeded_otherwise():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    assert torch.equal(sample_next(logits, temperature=0.0), logits.argmax(-1))
+    draw = [sample_next(logits, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert torch.equal(draw[0], draw[1])
+    top5 = logits.topk(5, dim=-1).indices
+    many = torch.stack([sample_next(logits, temperature=2.0, top_k=5, generator=torch.Generator().manual_seed(s))
+                        for s in range(50)], dim=1)
+    assert all(set(many[b].tolist()) <= set(top5[b].tolist()) for b in range(4))
+    assert len(set(many[0].tolist())) > 1  # it does sample
+
+
+@pytest.mark.parametrize("name", sorted(TINY_LAYERS))
+def test_greedy_generation_with_cache_equals_full_recompute(name):
+    model, cfg = tiny_model(name)
+    prompt = torch.randint(0, cfg.model.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    n = cfg.model.max_seq_len - 6  # up to the context limit (sliding windows, MSIT windows all wrap)
+    cached = generate(model, prompt, n, use_cache=True)
+    full = generate(model, prompt, n, use_cache=False)
+    assert cached.shape == (2, cfg.model.max_seq_len)
+    assert torch.equal(cached, full)
+    # the cached step logits are the full forward's logits at every position, not just the same argmax
+    with torch.no_grad():
+        reference = model(cached).logits
+        cache = model.new_cache()
+        steps = [model(cached[:, :6], cache=cache).logits]
+        steps += [model(cached[:, t:t + 1], cache=cache).logits for t in range(6, cached.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_restores_training_mode_and_stops_at_eos():
+    model, cfg = tiny_model("dense_llama_window")
+    prompt = torch.randint(0, cfg.model.vocab_size, (1, 4), generator=torch.Generator().manual_seed(0))
+    free = generate(model, prompt, 10)
+    eos = int(free[0, 6])  # the third generated token
+    model.train()
+    stopped = generate(model, prompt, 10, eos_id=eos)
+    assert model.training
+    first = free[0, 4:].tolist().index(eos)
+    assert stopped[0, 4:].tolist() == free[0, 4:5 + first].tolist()
+
+
+def test_generation_refuses_to_run_past_max_seq_len():
+    model, cfg = tiny_model("dense_gpt2")  # learned positions: a hard limit
+    with pytest.raises(ValueError, match=r"prompt \(40 tokens\) \+ max_new_tokens \(9\) exceeds max_seq_len \(48\)"):
+        generate(model, torch.zeros(1, 40, dtype=torch.long), 9)
+
+
+def test_moep_generate_cli(tmp_path, capsys):
+    from moep_ds.data.builtin import generate_corpus
+    from moep_ds.data.config import TokenizerConfig
+    from moep_ds.data.tokenizer import train_tokenizer
+    from moep_ds.evaluation.generate import main as generate_main
+    from moep_ds.evaluation.model_dir import save_model_dir
+
+    tok = train_tokenizer(generate_corpus(20_000).split("\n\n"), TokenizerConfig(vocab_size=300), tmp_path / "tok")
+    model, cfg = tiny_model("ssm_moe", vocab_size=tok.vocab_size)
+    ckpt = save_model_dir(model, cfg, tmp_path / "m", tokenizer_dir=tmp_path / "tok")
+    args = [str(ckpt), "--prompt", "The cat", "--max_new_tokens", "12", "--seed", "3", "--num_samples", "2"]
+    assert generate_main(args) == 0
+    first = capsys.readouterr().out.splitlines()
+    assert generate_main(args) == 0
+    assert capsys.readouterr().out.splitlines() == first  # seeded
+    assert len(first) >= 2 and first[0].startswith("The cat")
+    assert generate_main(args + ["--temperature", "0"]) == 0
+    prompt = [tok.eot_id] + tok.encode("The cat")
+    greedy = generate(model, torch.tensor([prompt]), 12, eos_id=tok.eot_id)[0, len(prompt):].tolist()
+    greedy = greedy[: greedy.index(tok.eot_id)] if tok.eot_id in greedy else greedy
+    assert capsys.readouterr().out.split("\n")[0] == "The cat" + tok.decode(greedy)
+    for extra, message in [(["--top_p", "1.5"], "--top_p (1.5) must be in (0, 1]"),
+                           (["--max_new_tokens", "48"], "--max_new_tokens (48) must be < max_seq_len (48)")]:
+        assert generate_main([str(ckpt)] + extra) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"
+    bare = save_model_dir(model, cfg, tmp_path / "bare")
+    assert generate_main([str(bare)]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err

@@ -1,0 +1,224 @@
+"""The lm-eval model `moep_ds`: scoring against naive references, batch-size invariance for every block type,
+rolling log-likelihood, generate_until, and simple_evaluate on local BLiMP tasks (offline)."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lm_eval.api.instance import Instance
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from moep_ds.data.builtin import generate_corpus, minimal_pairs
+from moep_ds.data.config import TokenizerConfig
+from moep_ds.data.tokenizer import load_tokenizer, train_tokenizer
+from moep_ds.errors import UserError
+from moep_ds.evaluation.generate import generate
+from moep_ds.evaluation.harness import MoepLM, batch_by_length, continuation_logprobs, right_pad
+from moep_ds.evaluation.model_dir import save_model_dir
+
+from eval_models import TINY_LAYERS, tiny_model
+from eval_trained import train_tiny, write_blimp_dir
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    docs = generate_corpus(40_000, seed=0).split("\n\n")
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(docs, TokenizerConfig(kind="bpe", vocab_size=300), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return load_tokenizer(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trained")
+    return train_tiny(root / "model", steps=60, vocab=512), write_blimp_dir(root / "data")
+
+
+def naive_logprob(model, ids, n_cont):
+    """log p(last n_cont tokens | the ones before), from one unpadded forward."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logp = F.log_softmax(model(x[:, :-1]).logits.float(), -1)[0]
+    return float(logp[-n_cont:].gather(-1, x[0, -n_cont:, None]).sum())
+
+
+def pair_requests(n=12):
+    contexts = ["", "Anna is here."]
+    return [Instance("loglikelihood", {}, (ctx, " " + p[k]), i)
+            for i, p in enumerate(minimal_pairs(n, seed=3)) for k in ("sentence_good", "sentence_bad") for ctx in contexts]
+
+
+def test_batching_helpers():
+    assert batch_by_length([3, 5, 3, 9, 5], 2) == [[3, 1], [4, 0], [2]]
+    assert right_pad([[1, 2], [3]], 0).tolist() == [[1, 2], [3, 0]]
+    logits = torch.randn(2, 4, 7, dtype=torch.float64)
+    got = continuation_logprobs(logits, [[1, 2, 3, 4], [5, 6]], [[2, 3], [1]])
+    logp = F.log_softmax(logits, -1)
+    assert got[0][0] == pytest.approx(float(logp[0, 2, 2] + logp[0, 3, 3]))
+    assert got[1][0] == pytest.approx(float(logp[1, 1, 1]))
+    assert got[0][1] == (logits[0, 2].argmax() == 2 and logits[0, 3].argmax() == 3)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_LAYERS))
+def test_loglikelihoods_match_naive_and_do_not_depend_on_batch_size(name, tokenizer):
+    model, _ = tiny_model(name, vocab_size=tokenizer.vocab_size, max_seq_len=40)
+    requests = pair_requests()
+    one = MoepLM(model=model, tokenizer=tokenizer, batch_size=1).loglikelihood(requests, disable_tqdm=True)
+    sixteen = MoepLM(model=model, tokenizer=tokenizer, batch_size=16).loglikelihood(requests, disable_tqdm=True)
+    assert [g for _, g in one] == [g for _, g in sixteen]
+    # equal up to fp32 rounding: MoE experts see batches of other sizes, attention other padded lengths
+    torch.testing.assert_close(torch.tensor([s for s, _ in sixteen]), torch.tensor([s for s, _ in one]),
+                               rtol=1e-6, atol=1e-4)
+    for req, (score, _) in zip(requests, one):
+        ctx, cont = req.args
+        ctx_ids = tokenizer.encode(ctx) if ctx else [tokenizer.eot_id]
+        cont_ids = tokenizer.encode(ctx + cont)[len(ctx_ids):] if ctx else tokenizer.encode(cont)
+        assert score == pytest.approx(naive_logprob(model, (ctx_ids + cont_ids)[-41:], len(cont_ids)), abs=1e-4)
+
+
+def test_rolling_loglikelihood(tokenizer):
+    model, _ = tiny_model("dense_pythia", vocab_size=tokenizer.vocab_size, max_seq_len=16)
+    lm = MoepLM(model=model, tokenizer=tokenizer, batch_size=4)
+    short, long = "The dog sleeps.", generate_corpus(400, seed=5)
+    ids = tokenizer.encode(long)
+    assert len(ids) > 3 * 16
+    got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate([short, long])],
+                                   disable_tqdm=True)
+    short_ids = [tokenizer.eot_id] + tokenizer.encode(short)
+    assert got[0] == pytest.approx(naive_logprob(model, short_ids, len(short_ids) - 1), abs=1e-4)
+    windows = map(make_disjoint_window, get_rolling_token_windows(ids, tokenizer.eot_id, 16, 1))
+    expected = sum(naive_logprob(model, ctx + cont, len(cont)) for ctx, cont in windows)
+    assert got[1] == pytest.approx(expected, abs=1e-3)
+
+
+def test_generate_until_stops_at_the_stop_string(tokenizer):
+    model, cfg = tiny_model("msit", vocab_size=tokenizer.vocab_size, max_seq_len=40)
+    lm = MoepLM(model=model, tokenizer=tokenizer)
+    context = "The dog"
+    ids = tokenizer.encode(context)
+    greedy = generate(model, torch.tensor([ids]), 12)[0, len(ids):].tolist()
+    full = tokenizer.decode(greedy[: greedy.index(tokenizer.eot_id)] if tokenizer.eot_id in greedy else greedy)
+    stop = full[3:5]
+    out = lm.generate_until([Instance("generate_until", {}, (context, {"until": [stop], "max_gen_toks": 12}), 0)],
+                            disable_tqdm=True)
+    assert out == [full[: full.index(stop)]]
+    assert lm.generate_until([Instance("generate_until", {}, (context, {"until": [], "max_gen_toks": 12}), 0)],
+                             disable_tqdm=True) == [full]
+
+
+def test_model_dir_without_tokenizer_is_refused(tmp_path):
+    model, cfg = tiny_model("dense_gpt2")
+    out = save_model_dir(model, cfg, tmp_path / "m")
+    with pytest.raises(UserError, match="has no tokenizer"):
+        MoepLM(str(out))
+
+
+def naive_blimp_accuracy(model, tokenizer, jsonl):
+    pairs = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    def score(s):
+        ids = [tokenizer.eot_id] + tokenizer.encode(" " + s)
+        return naive_logprob(model, ids, len(ids) - 1)
+    return sum(score(p["sentence_good"]) > score(p["sentence_bad"]) for p in pairs) / len(pairs)
+
+
+@pytest.mark.slow
+def test_simple_evaluate_on_local_blimp_offline(trained, tmp_path):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from moep_ds.evaluation.tasks import render_tasks
+
+    model_dir, data_dir = trained
+    rendered = render_tasks(data_dir, tmp_path / "tasks")
+    lm = MoepLM(str(model_dir), batch_size=16)
+    results = simple_evaluate(model=lm, tasks=["blimp_filtered"], task_manager=TaskManager(
+        include_defaults=False, include_path=str(rendered.path)), bootstrap_iters=0, log_samples=False)
+    scores = results["results"]
+    subtasks = rendered.specs["blimp_filtered"].subtasks
+    assert len(subtasks) == 67 and all(s in scores for s in subtasks)
+    accs = {s: scores[s]["acc,none"] for s in subtasks}
+    assert scores["blimp_filtered"]["acc,none"] == pytest.approx(sum(accs.values()) / 67)
+    assert results["config"]["routing_eval_mode"] == "none" and results["config"]["moep_step"] == 60
+    for s in ("blimp_filtered_anaphor_gender_agreement", "blimp_filtered_determiner_noun_agreement_1"):
+        expected = naive_blimp_accuracy(lm.model, lm.tokenizer, data_dir / "babylm_eval" / "blimp_filtered" /
+                                        f"{s.removeprefix('blimp_filtered_')}.jsonl")
+        assert accs[s] == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_moep_eval_writes_results_with_routing_mode(tmp_path, tokenizer, tokenizer_dir, capsys):
+    from moep_ds.evaluation.run_eval import main as eval_main
+
+    model, cfg = tiny_model("ffn_moe_nova", vocab_size=tokenizer.vocab_size)
+    ckpt = save_model_dir(model, cfg, tmp_path / "run" / "checkpoints" / "step_5", tokenizer_dir=tokenizer_dir,
+                          meta={"step": 5, "tokens": 5000})
+    (ckpt / "COMPLETE").touch()
+    data_dir = write_blimp_dir(tmp_path / "data", pairs_per_file=2)
+    task = "blimp_filtered_anaphor_number_agreement"
+    assert eval_main([str(tmp_path / "run"), "--tasks", task, "--data_dir", str(data_dir), "--batch_size", "4"]) == 0
+    record = json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
+    assert record["name"] == "run" and record["moep"]["step"] == 5
+    assert record["moep"]["routing_eval_mode"] == "threshold"
+    assert record["moep"]["routing_eval_modes"] == {"blocks.1.moe.router": "threshold"}
+    assert record["moep"]["train_flops"] == record["moep"]["flops_per_token"] * 5000
+    assert 0.0 <= record["scores"][task]["acc"] <= 1.0
+    assert "routing eval mode: threshold" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_real_blimp_subset_from_shared_data(shared_data, tmp_path, tokenizer):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from moep_ds.evaluation.tasks import render_tasks
+
+    model, _ = tiny_model("msit", vocab_size=tokenizer.vocab_size, max_seq_len=64)
+    rendered = render_tasks(shared_data, tmp_path / "tasks")
+    tasks = ["blimp_filtered_anaphor_gender_agreement", "blimp_supplement_qa_congruence_easy"]
+    rendered.resolve(tasks)
+    results = simple_evaluate(model=MoepLM(model=model, tokenizer=tokenizer, batch_size=16), tasks=tasks, limit=20,
+                              task_manager=TaskManager(include_defaults=False, include_path=str(rendered.path)),
+                              bootstrap_iters=0, log_samples=False)
+    for task in tasks:
+        assert 0.0 <= results["results"][task]["acc,none"] <= 1.0
+        assert results["n-samples"][task]["effective"] == 20
+    assert results["config"]["routing_eval_mode"] == "threshold"
+
+
+@pytest.mark.slow
+def test_lm_eval_hf_model_on_the_export_scores_like_moep_ds(trained, tmp_path):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from moep_ds.evaluation.export import main as export_main
+    from moep_ds.evaluation.tasks import render_tasks
+
+    model_dir, data_dir = trained
+    assert export_main([str(model_dir), "--out", str(tmp_path / "hf"), "--hf"]) == 0
+    manager = TaskManager(include_defaults=False, include_path=str(render_tasks(data_dir, tmp_path / "tasks").path))
+    tasks = ["blimp_filtered_anaphor_gender_agreement", "blimp_filtered_transitive"]
+    hf = simple_evaluate(model="hf", model_args={"pretrained": str(tmp_path / "hf"), "trust_remote_code": True},
+                         tasks=tasks, task_manager=manager, batch_size=4, device="cpu", bootstrap_iters=0)
+    ours = simple_evaluate(model=MoepLM(str(model_dir)), tasks=tasks, task_manager=manager, bootstrap_iters=0)
+    for task in tasks:
+        theirs = [s["resps"] for s in sorted(hf["samples"][task], key=lambda s: s["doc_id"])]
+        mine = [s["resps"] for s in sorted(ours["samples"][task], key=lambda s: s["doc_id"])]
+        for a, b in zip(theirs, mine):
+            assert [r[0][0] for r in a] == pytest.approx([r[0][0] for r in b], abs=1e-4)
+        assert hf["results"][task]["acc,none"] == ours["results"][task]["acc,none"]
+
+
+def test_registered_for_lm_eval_beside_its_own_models(tmp_path, tokenizer_dir):
+    from lm_eval.api.registry import get_model
+
+    assert get_model("moep_ds") is MoepLM
+    assert get_model("hf").__name__ == "HFLM"  # registering ours first must not hide lm-eval's models
+    model, cfg = tiny_model("dense_gpt2", vocab_size=300)
+    out = save_model_dir(model, cfg, tmp_path / "m", tokenizer_dir=tokenizer_dir)
+    lm = get_model("moep_ds").create_from_arg_string(f"pretrained={out}", {"batch_size": 4, "device": "cuda"})
+    assert lm.batch_size == 4 and lm.device.type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,84 @@
+"""Results records, markdown tables, the comparison report and the published reference numbers."""
+import importlib.util
+import json
+
+import pytest
+
+from moep_ds.evaluation.report import (
+    comparison_markdown, flat_scores, load_records, load_reference, results_markdown,
+)
+
+from conftest import REPO
+
+REFERENCE = REPO / "eval" / "reference" / "pythia-1b.json"
+LM_EVAL_OUT = {
+    "results": {
+        "blimp_filtered": {"alias": "blimp_filtered", "acc,none": 0.6, "acc_stderr,none": "N/A", "sample_len": 9},
+        "blimp_filtered_x": {"acc,none": 0.5, "acc_stderr,none": 0.1},
+        "lambada_openai": {"perplexity,none": 40.5, "perplexity_stderr,none": 2.0, "acc,none": 0.25},
+        "piqa": {"acc,none": 0.61, "acc_norm,none": 0.6},
+    },
+    "groups": {"blimp_filtered": {"acc,none": 0.6}},
+}
+
+
+def record(name, scale, active):
+    scores = {t: {m: v * scale for m, v in ms.items()} for t, ms in flat_scores(LM_EVAL_OUT).items()}
+    return {"name": name, "scores": scores,
+            "moep": {"tasks": ["blimp_filtered", "lambada_openai", "piqa"], "params_total": 1000, "params_active": active,
+                     "tokens": 10_000, "flops_per_token": 6000.0, "routing_eval_mode": "threshold",
+                     "model_dir": "m", "step": 1}}
+
+
+def test_flat_scores_drop_filters_and_non_numbers():
+    scores = flat_scores(LM_EVAL_OUT)
+    assert scores["blimp_filtered"] == {"acc": 0.6}
+    assert scores["blimp_filtered_x"] == {"acc": 0.5, "acc_stderr": 0.1}
+    assert scores["lambada_openai"] == {"perplexity": 40.5, "perplexity_stderr": 2.0, "acc": 0.25}
+
+
+def test_results_markdown_lists_every_metric_with_the_routing_mode():
+    md = results_markdown(record("run", 1.0, 1000))
+    assert "routing eval mode: threshold" in md
+    assert "| lambada_openai | perplexity | 40.50 | 2.00 |" in md
+    assert "| piqa | acc_norm | 60.00 | – |" in md
+
+
+def test_comparison_puts_runs_beside_references_and_against_the_baseline(tmp_path):
+    runs = [record("dense", 1.0, 1000), record("moe", 1.1, 250)]
+    md = comparison_markdown(runs + load_reference(REFERENCE), baseline="dense")
+    header = md.splitlines()[4]
+    assert header.split(" | ")[6:] == ["blimp_filtered acc", "lambada_openai acc", "lambada_openai perplexity ↓",
+                                       "piqa acc |"]
+    assert "| dense | 1K | 1K | 10K | 6.00e+07 | threshold | 60.00 | 25.00 | 40.50 | 61.00 |" in md
+    assert "| Pythia-1B (published) | 1.01B | 1.01B | 300B | 1.88e+21 | – | – | 56.20 | 7.92 | 70.73 |" in md
+    assert "| BabyLM 2025 GPT-2 small (published) | 124M | 124M | – | – | – | 67.29 | – | – | – |" in md
+    assert "| moe | 1.000 | 0.250 | +6.00 | +2.50 | +4.05 | +6.10 |" in md
+
+
+def test_compare_script_writes_markdown_and_png(tmp_path, capsys):
+    paths = []
+    for r in (record("dense", 1.0, 1000), record("moe", 1.1, 250)):
+        (tmp_path / r["name"]).mkdir()
+        paths.append(tmp_path / r["name"] / "results.json")
+        paths[-1].write_text(json.dumps(r))
+    assert [r["name"] for r in load_records(paths)] == ["dense", "moe"]
+    spec = importlib.util.spec_from_file_location("compare", REPO / "eval" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    assert compare.main([*map(str, paths), "--out", str(tmp_path / "report")]) == 0
+    assert "## Against dense" in (tmp_path / "report" / "report.md").read_text()
+    assert (tmp_path / "report" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert compare.main([str(tmp_path / "none.json")]) == 2
+    assert capsys.readouterr().err.startswith("error: results file(s) not found")
+
+
+def test_reference_numbers_match_the_published_pythia_file(shared_data):
+    published = json.loads((shared_data / "reference" / "pythia" /
+                            "pythia-v1__pythia-1b-bf16__zero-shot__1b-bf16_step143000.json").read_text())["results"]
+    pythia = json.loads(REFERENCE.read_text())["models"][0]
+    assert pythia["source"]["path"].endswith("1b-bf16_step143000.json")
+    for task, metrics in pythia["scores"].items():
+        for metric, value in metrics.items():
+            source = published[task]["ppl" if metric == "perplexity" else metric]
+            assert value == pytest.approx(source, abs=6e-4), (task, metric)
