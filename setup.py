@@ -28,6 +28,8 @@ setup(
         "tqdm",
         "matplotlib",
         "safetensors",
+        "accelerate",  # lm-eval's `--model hf` imports it
+        "filelock",
         "numpy",
     ],
     extras_require={"test": ["pytest>=8", "pytest-timeout"]},
@@ -35,6 +37,11 @@ setup(
         "console_scripts": [
             "moep-pretrain = moep_ds.cli:pretrain_main",
             "moep-prepare = moep_ds.data.prepare:main",
+            "moep-eval = moep_ds.evaluation.run_eval:main",
+            "moep-export = moep_ds.evaluation.export:main",
+            "moep-generate = moep_ds.evaluation.generate:main",
+            "moep-analyze = moep_ds.training.analyze:main",
         ]
     },
+    package_data={"moep_ds.evaluation": ["hf_template/*.py"]},
 )

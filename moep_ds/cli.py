@@ -31,6 +31,12 @@ def run_guarded(fn, *args) -> int:
         return 2
 
 
+def run_command(body, args: argparse.Namespace) -> int:
+    """Entry point of a console script: INFO logging to stderr, then `body(args)` with one-line errors."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return run_guarded(body, args)
+
+
 def dry_run(cfg) -> int:
     from moep_ds.models.accounting import meta_param_report
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from moep_ds.cli import run_guarded
+from moep_ds.cli import run_command
 from moep_ds.errors import UserError
 from moep_ds.evaluation.model_dir import consolidated_state_dict, save_model_dir
 
@@ -144,8 +144,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return run_guarded(_main, parser().parse_args(argv))
+    return run_command(_main, parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from moep_ds.cli import run_guarded
+from moep_ds.cli import run_command
 from moep_ds.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -161,8 +161,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return run_guarded(_main, parser().parse_args(argv))
+    return run_command(_main, parser().parse_args(argv))
 
 
 if __name__ == "__main__":

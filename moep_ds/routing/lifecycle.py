@@ -322,9 +322,14 @@ def per_expert_parameters(experts: nn.Module, router: nn.Module, num_experts: in
     """Parameters whose leading axis is the expert: every stacked expert weight, and the router's rows."""
     params = list(experts.parameters())
     for p in params:
-        if p.shape[0] != num_experts:
-            raise ValueError(f"expert parameter of shape {tuple(p.shape)} is not stacked over {num_experts} experts")
-    return params + [p for p in router.parameters() if p.shape[:1] == (num_experts,)]
+        if full_shape(p)[0] != num_experts:
+            raise ValueError(f"expert parameter of shape {tuple(full_shape(p))} is not stacked over {num_experts} experts")
+    return params + [p for p in router.parameters() if full_shape(p)[:1] == (num_experts,)]
+
+
+def full_shape(p: nn.Parameter) -> torch.Size:
+    """The parameter's shape, also when ZeRO-3 holds only a partition of it (`ds_shape`)."""
+    return getattr(p, "ds_shape", p.shape)
 
 
 @torch.no_grad()

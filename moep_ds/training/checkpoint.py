@@ -27,16 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from moep_ds.config import dump_config
 from moep_ds.errors import UserError
+from moep_ds.evaluation.model_dir import COMPLETE_MARKER as COMPLETE
+from moep_ds.evaluation.model_dir import save_model_dir
 from moep_ds.training import state as st
 
 log = logging.getLogger(__name__)
-
-COMPLETE = "COMPLETE"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
 class CheckpointError(UserError):
@@ -123,7 +121,8 @@ def save_checkpoint(
     params, moments = collect_full_state(engine, model, ep_group)
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
-        write_model_files(model, cfg, params, tmp, tokenizer_dir, {"step": step, **(meta or {})})
+        save_model_dir(model, cfg, tmp, tokenizer_dir=tokenizer_dir, meta={"step": step, **(meta or {})},
+                       params=params)
         torch.save({"moments": moments, "step": st.optimizer_step_count(engine.optimizer)}, tmp / "optimizer.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
     dist.barrier()
@@ -137,29 +136,6 @@ def save_checkpoint(
         log.info("saved checkpoint %s", final)
     dist.barrier()
     return final
-
-
-def write_model_files(model, cfg, params: dict[str, torch.Tensor], out: pathlib.Path,
-                      tokenizer_dir: pathlib.Path | None, meta: dict) -> None:
-    tensors, extra = dict(params), {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if key in tensors or isinstance(value, torch.nn.Parameter):
-            continue
-        if isinstance(value, torch.Tensor):
-            tensors[key] = value.detach().float().cpu() if value.is_floating_point() else value.detach().cpu()
-        else:
-            extra[key] = value
-    if getattr(cfg.model, "tie_embeddings", False):
-        tensors.pop("head.weight", None)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    if extra:
-        torch.save(extra, out / "extra_state.pt")
-    (out / "config.yaml").write_text(dump_config(cfg))
-    if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (pathlib.Path(tokenizer_dir) / name).is_file():
-                shutil.copy2(pathlib.Path(tokenizer_dir) / name, out / name)
-    (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
 def load_model_state(model, ckpt: pathlib.Path, ep_group=None) -> None:
@@ -204,6 +180,14 @@ def load_engine_state(engine, model, ckpt: pathlib.Path, ep_group=None) -> dict[
     engine.skipped_steps = state.get("skipped_steps", 0)
     restore_rng(ckpt, dist.get_rank(), state)
     return state
+
+
+def check_same_tokenizer(state: dict[str, Any], meta: dict[str, Any], ckpt: pathlib.Path) -> None:
+    saved, current = state.get("tokenizer_sha256"), meta.get("tokenizer_sha256")
+    if saved and current and saved != current:
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} was trained with tokenizer sha256 {saved[:12]}..., but data.tokenizer of this "
+            f"run has {current[:12]}...; resume with the data the checkpoint was trained on")
 
 
 def restore_schedule(scheduler, last_epoch: int) -> None:

@@ -59,7 +59,3 @@ class TrainConfig:
     eval_every: PositiveInt | None = None
     eval_batches: PositiveInt = 8
     peak_tflops: PositiveFloat | None = None  # per device, for the MFU estimate; null: known GPUs only
-
-    def validate(self, path: str) -> None:
-        if self.max_steps is None and self.epochs is None:
-            fail(f"{path}.max_steps", None, "must be set when train.epochs is not")

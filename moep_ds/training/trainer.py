@@ -18,11 +18,13 @@ import torch.distributed as dist
 
 from moep_ds.config import Config
 from moep_ds.data.dataset import PackedDataset
+from moep_ds.errors import UserError
 from moep_ds.data.prepare import check_meta, prepare
 from moep_ds.data.sampler import BatchLoader
 from moep_ds.models.accounting import count_params
 from moep_ds.models.causal_lm import build_model
 from moep_ds.training import checkpoint as ckpt_io
+from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.distributed import init_distributed, setup_logging
 from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import check_parallel_layout, moe_layer_classes, setup_expert_parallel
@@ -61,6 +63,8 @@ def prepare_data(cfg: Config, rank: int) -> tuple[pathlib.Path, dict]:
 def total_steps(cfg: Config, num_windows: int, global_batch: int) -> int:
     if cfg.train.max_steps is not None:
         return cfg.train.max_steps
+    if cfg.train.epochs is None:
+        raise UserError("train.max_steps (None) must be set when train.epochs is not")
     return max(1, int(cfg.train.epochs * num_windows // global_batch))
 
 
@@ -95,6 +99,7 @@ class Trainer:
         self.tokens_per_step = ds["train_batch_size"] * cfg.data.seq_len
         if self.resume_from is not None:
             state = ckpt_io.load_engine_state(self.engine, self.model, self.resume_from, self.ep_group)
+            ckpt_io.check_same_tokenizer(state, self.meta, self.resume_from)
             self.loader.load_state_dict(state["data"])
             self.step = state["step"]
             log.info("resumed from %s at step %d", self.resume_from, self.step)
@@ -243,6 +248,9 @@ class Trainer:
                 log.warning("stopped at step %d on request; resume with --resume auto", self.step)
                 break
         self.monitor.close()
+        if self.rank == 0:
+            summary = analyze(self.run_dir)
+            log.info("expert utilisation (moep-analyze %s):\n%s", self.run_dir, markdown(summary))
         return 0
 
 
