@@ -15,7 +15,8 @@ def pretrain_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pre-train a moep_ds model under DeepSpeed.")
     p.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
     p.add_argument("--ds_config", help="DeepSpeed JSON config (ds_configs/*.json)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides, e.g. train.optimizer.lr=1e-3")
+    p.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                   help="recipe overrides, e.g. train.optimizer.lr=1e-3 (may be repeated)")
     p.add_argument("--dry_run", action="store_true", help="print the parameter/FLOP report as one JSON line and exit")
     p.add_argument("--resume", default=None, help="'auto' (latest complete checkpoint in output_dir) or a checkpoint dir")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher

@@ -48,6 +48,8 @@ class StopRequest:
     def handle(self, signum, frame) -> None:
         log.warning("received signal %d: checkpointing and stopping after this step", signum)
         self.requested = True
+        # A repeat must not kill the process while it checkpoints or shuts down.
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def prepare_data(cfg: Config, rank: int) -> tuple[pathlib.Path, dict]:

@@ -1,0 +1,112 @@
+# Shared by the moep_ds launchers (sourced, not run): pretrain.py's arguments from the environment, rendezvous
+# helpers, submission of a script to SLURM, and the preemption trap. Settings: launchers/README.md.
+# shellcheck shell=bash
+
+log() { printf '[launcher] %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 2; }
+
+# build_pretrain_args [ARG...]: set PRETRAIN_ARGS (pretrain.py's arguments, without the script) from CONFIG,
+# DS_CONFIG, RESUME, RUN_DIR and the launcher's own arguments, which are pretrain.py arguments. pretrain.py keeps
+# only the last `--set` list, so all overrides are merged into one: RUN_DIR's first, then the arguments' in order.
+build_pretrain_args() {
+    local arg in_set=0 has_config=0
+    local -a overrides=() rest=()
+    if [ -n "${RUN_DIR:-}" ]; then overrides+=("train.output_dir=$RUN_DIR"); fi
+    for arg in "$@"; do
+        case $arg in
+            --set) in_set=1 ;;
+            --set=*) in_set=0; overrides+=("${arg#--set=}") ;;
+            -*) in_set=0; rest+=("$arg") ;;
+            *) if [ "$in_set" = 1 ]; then overrides+=("$arg"); else rest+=("$arg"); fi ;;
+        esac
+        case $arg in --config | --config=*) has_config=1 ;; esac
+    done
+    if [ -z "${CONFIG:-}" ] && [ "$has_config" = 0 ]; then
+        die "no recipe: set CONFIG=configs/<name>.yaml or pass --config"
+    fi
+    PRETRAIN_ARGS=()
+    if [ -n "${CONFIG:-}" ]; then PRETRAIN_ARGS+=(--config "$CONFIG"); fi
+    if [ -n "${DS_CONFIG:-}" ]; then PRETRAIN_ARGS+=(--ds_config "$DS_CONFIG"); fi
+    if [ -n "${RESUME:-}" ]; then PRETRAIN_ARGS+=(--resume "$RESUME"); fi
+    PRETRAIN_ARGS+=("${rest[@]}")
+    if [ "${#overrides[@]}" -gt 0 ]; then PRETRAIN_ARGS+=(--set "${overrides[@]}"); fi
+}
+
+# DEEPSPEED_ARGS (e.g. "--launcher openmpi"), split on whitespace into DEEPSPEED_EXTRA.
+deepspeed_extra_args() {
+    # shellcheck disable=SC2034  # read by the scripts that source this file
+    read -r -a DEEPSPEED_EXTRA <<<"${DEEPSPEED_ARGS:-}"
+}
+
+free_port() {
+    "${PYTHON:-python3}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+}
+
+# submit_self SCRIPT [ARG...]: outside a SLURM job, submit SCRIPT with NODES and GPUS_PER_NODE as sbatch options
+# (its #SBATCH lines give the defaults; sbatch's own SBATCH_ACCOUNT, SBATCH_PARTITION, ... apply). The job gets
+# this environment (sbatch exports it) and finds the repository through MOEP_ROOT.
+submit_self() {
+    local -a opts=()
+    if [ -n "${NODES:-}" ]; then opts+=("--nodes=$NODES"); fi
+    if [ -n "${GPUS_PER_NODE:-}" ]; then opts+=("--gpus-per-node=$GPUS_PER_NODE" "--ntasks-per-node=$GPUS_PER_NODE"); fi
+    export MOEP_ROOT=$ROOT
+    log "not inside a SLURM job: submitting $1 with sbatch ${opts[*]}"
+    exec sbatch "${opts[@]}" "$@"
+}
+
+# slurm_layout NODES: HOSTS = the first NODES hosts of the job's allocation, and GPUS_PER_NODE (processes per
+# node) defaulting to the GPUs SLURM gave the job per node.
+slurm_layout() {
+    local listing
+    listing=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    mapfile -t HOSTS <<<"$listing"
+    if [ "${#HOSTS[@]}" -lt "$1" ]; then die "NODES ($1) exceeds the job's ${#HOSTS[@]} node(s) ($SLURM_JOB_NODELIST)"; fi
+    HOSTS=("${HOSTS[@]:0:$1}")
+    GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
+    if [ -z "$GPUS_PER_NODE" ]; then die "set GPUS_PER_NODE (the job has no SLURM_GPUS_ON_NODE: no --gpus-per-node?)"; fi
+}
+
+# stop_local_trainers: SIGUSR1 to this machine's trainers of this launch (the deepspeed launcher does not
+# forward SIGUSR1 to its children).
+stop_local_trainers() {
+    bash "$ROOT/launchers/signal_trainers.sh" USR1 "$MASTER_PORT"
+}
+
+# run_preemptible [--requeue] STOP_FN COMMAND...: run COMMAND and return its status. On SIGUSR1 (SLURM's warning
+# before the time limit, `--signal=B:USR1@90`) call STOP_FN, which asks the trainers to checkpoint and exit, wait
+# for them, then (--requeue) `scontrol requeue` the job, which resumes with --resume auto. On SIGTERM (scancel,
+# preemption) only STOP_FN: a cancelled job must stay cancelled.
+run_preemptible() {
+    REQUEUE=0 STOP_SENT=0
+    local requeue=0 status=0
+    if [ "$1" = --requeue ]; then requeue=1; shift; fi
+    STOP_FN=$1
+    shift
+    trap 'on_stop_signal USR1 || true' USR1  # a failing trap would end this shell (set -e)
+    trap 'on_stop_signal TERM || true' TERM
+    log "launch: $(printf '%q ' "$@")"
+    "$@" &
+    LAUNCH_PID=$!
+    wait "$LAUNCH_PID" || status=$?
+    while kill -0 "$LAUNCH_PID" 2>/dev/null; do  # a trapped signal interrupted `wait`: the launch is stopping
+        status=0
+        wait "$LAUNCH_PID" || status=$?
+    done
+    trap - USR1 TERM
+    if [ "$requeue" = 1 ] && [ "$REQUEUE" = 1 ]; then
+        log "launch exited with status $status after the stop request; requeueing job $SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+    return "$status"
+}
+
+on_stop_signal() {
+    if [ "$1" = USR1 ]; then REQUEUE=1; fi
+    if [ "$STOP_SENT" = 1 ]; then  # a repeat could kill a trainer that is already shutting down
+        log "received SIG$1: the trainers are already stopping"
+        return 0
+    fi
+    STOP_SENT=1
+    log "received SIG$1: asking the trainers to checkpoint and stop"
+    "$STOP_FN" || log "stop request failed with status $? (the launch continues)"
+}

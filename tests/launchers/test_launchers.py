@@ -1,0 +1,225 @@
+"""Launchers against a simulated 2-node x 4-GPU SLURM cluster (stub sbatch / srun / scontrol / deepspeed):
+exact hostfile and command lines, rank mapping of srun tasks, and the preemption trap with stand-in trainers."""
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher_cluster import FAKE_TRAINER, LAUNCHERS, REPO, wait_for
+
+SCRIPTS = sorted(LAUNCHERS.glob("*.sh")) + sorted(LAUNCHERS.glob("*.sbatch"))
+RECIPE = {"CONFIG": "configs/quickstart.yaml", "DS_CONFIG": "ds_configs/quickstart.json"}
+TWO_NODES = {"STUB_NODELIST": "gpu[01-02]", "NODES": "2", "GPUS_PER_NODE": "4", "MASTER_PORT": "29517", **RECIPE}
+OVERRIDES = ["--set", "train.max_steps=3", "train.log_every=1"]
+
+
+def expected_pretrain_args(run_dir) -> list[str]:
+    return ["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/quickstart.json", "--resume", "auto",
+            "--set", f"train.output_dir={run_dir}", "train.max_steps=3", "train.log_every=1"]
+
+
+def test_scripts_are_valid_bash():
+    assert {p.name for p in SCRIPTS} >= {"local.sh", "slurm_single_node.sbatch", "slurm_multi_node.sbatch"}
+    for script in SCRIPTS:
+        proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert proc.returncode == 0, (script, proc.stderr)
+
+
+def test_scripts_pass_shellcheck():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (.ci/run installs the Debian package)")
+    proc = subprocess.run(["shellcheck", "-x", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_multi_node_deepspeed_submits_writes_hostfile_and_launches(cluster):
+    run_dir = cluster.tmp / "run"
+    proc = cluster.run("slurm_multi_node.sbatch", *OVERRIDES, RUN_DIR=str(run_dir), **TWO_NODES)
+    assert proc.returncode == 0, proc.stderr
+    script = str(LAUNCHERS / "slurm_multi_node.sbatch")
+    assert cluster.argv("sbatch") == [["--nodes=2", "--gpus-per-node=4", "--ntasks-per-node=4", script, *OVERRIDES]]
+    assert cluster.argv("scontrol") == [["show", "hostnames", "gpu[01-02]"]]
+    hostfile = cluster.tmp / "moep_ds-4242.hostfile"
+    assert hostfile.read_text() == "gpu01 slots=4\ngpu02 slots=4\n"
+    [launch] = cluster.calls("deepspeed")
+    assert launch["argv"] == ["--hostfile", str(hostfile), "--master_addr", "gpu01", "--master_port", "29517",
+                              "pretrain.py", *expected_pretrain_args(run_dir)]
+    assert launch["cwd"] == str(REPO)
+    assert launch["env"]["MASTER_ADDR"] == "gpu01" and launch["env"]["MASTER_PORT"] == "29517"
+    assert launch["env"]["SLURM_JOB_ID"] == "4242" and launch["env"]["MOEP_ROOT"] == str(REPO)
+    assert cluster.argv("srun") == []
+
+
+def test_multi_node_srun_mode_launches_one_task_per_gpu(cluster):
+    run_dir = cluster.tmp / "run"
+    proc = cluster.run("slurm_multi_node.sbatch", *OVERRIDES, RUN_DIR=str(run_dir), LAUNCHER="srun", **TWO_NODES)
+    assert proc.returncode == 0, proc.stderr
+    [launch] = cluster.calls("srun")
+    assert launch["argv"] == ["--nodes=2", "--ntasks-per-node=4", "--kill-on-bad-exit=1",
+                              "bash", str(LAUNCHERS / "srun_task.sh"), *expected_pretrain_args(run_dir)]
+    assert launch["env"]["MASTER_ADDR"] == "gpu01" and launch["env"]["MASTER_PORT"] == "29517"
+    assert launch["env"]["MOEP_ROOT"] == str(REPO)
+    assert cluster.argv("deepspeed") == []
+
+
+def test_sbatch_options_come_from_the_script_unless_set(cluster):
+    """Submitted with plain `sbatch`: the #SBATCH defaults and SLURM's GPU count give the layout."""
+    env = {**RECIPE, "STUB_NODELIST": "node[7-8]", "MASTER_PORT": "29517", "MOEP_ROOT": str(REPO)}
+    proc = subprocess.run(["sbatch", str(LAUNCHERS / "slurm_multi_node.sbatch")], env={**cluster.env, **env},
+                          cwd=cluster.tmp, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (cluster.tmp / "moep_ds-4242.hostfile").read_text() == "node7 slots=8\nnode8 slots=8\n"
+    assert cluster.argv("deepspeed")[0][:6] == ["--hostfile", str(cluster.tmp / "moep_ds-4242.hostfile"),
+                                                "--master_addr", "node7", "--master_port", "29517"]
+
+
+def test_single_node_launch(cluster):
+    env = {**RECIPE, "STUB_NODELIST": "gpu05", "GPUS_PER_NODE": "4", "MASTER_PORT": "29517", "RESUME": ""}
+    proc = cluster.run("slurm_single_node.sbatch", "--set", "train.max_steps=3", **env)
+    assert proc.returncode == 0, proc.stderr
+    assert cluster.argv("sbatch") == [["--gpus-per-node=4", "--ntasks-per-node=4",
+                                       str(LAUNCHERS / "slurm_single_node.sbatch"), "--set", "train.max_steps=3"]]
+    assert cluster.argv("deepspeed") == [["--num_gpus", "4", "--master_port", "29517", "pretrain.py",
+                                          "--config", "configs/quickstart.yaml", "--ds_config",
+                                          "ds_configs/quickstart.json", "--set", "train.max_steps=3"]]
+
+
+def test_local_launch_merges_every_override_into_one_set_list(cluster):
+    run_dir = cluster.tmp / "run"
+    proc = cluster.run("local.sh", "--set", "train.max_steps=3", "--resume", "auto", "--set=train.log_every=1",
+                       NPROC="2", MASTER_PORT="29517", RUN_DIR=str(run_dir), DEEPSPEED_ARGS="--bind_cores_to_rank",
+                       **RECIPE)
+    assert proc.returncode == 0, proc.stderr
+    assert cluster.argv("deepspeed") == [["--num_gpus", "2", "--master_port", "29517", "--bind_cores_to_rank",
+                                          "pretrain.py", "--config", "configs/quickstart.yaml", "--ds_config",
+                                          "ds_configs/quickstart.json", "--resume", "auto", "--set",
+                                          f"train.output_dir={run_dir}", "train.max_steps=3", "train.log_every=1"]]
+    assert cluster.argv("sbatch") == cluster.argv("srun") == cluster.argv("scontrol") == []
+
+
+def test_a_free_port_is_chosen_when_none_is_set(cluster):
+    proc = cluster.run("local.sh", **RECIPE)
+    assert proc.returncode == 0, proc.stderr
+    argv = cluster.argv("deepspeed")[0]
+    port = int(argv[argv.index("--master_port") + 1])
+    with socket.socket() as s:
+        s.bind(("", port))  # still free
+
+
+def test_srun_task_takes_its_rank_from_slurm(cluster):
+    root = cluster.tmp / "root"
+    root.mkdir()
+    (root / "pretrain.py").write_text(
+        "import json, os, sys\n"
+        "keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')\n"
+        "print(json.dumps({'argv': sys.argv, **{k: os.environ[k] for k in keys}}))\n")
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "MASTER_ADDR": "gpu01",
+           "MASTER_PORT": "29517", "MOEP_ROOT": str(root)}
+    proc = cluster.run("srun_task.sh", "--config", "c.yaml", "--set", "a=1", **env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"argv": [str(root / "pretrain.py"), "--config", "c.yaml", "--set", "a=1"],
+                                       "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                       "MASTER_ADDR": "gpu01", "MASTER_PORT": "29517"}
+
+
+@pytest.mark.parametrize("script,env,message", [
+    ("slurm_multi_node.sbatch", {}, "no recipe: set CONFIG=configs/<name>.yaml or pass --config"),
+    ("slurm_multi_node.sbatch", {**RECIPE, "LAUNCHER": "mpirun"}, "LAUNCHER (mpirun) must be deepspeed or srun"),
+    ("slurm_single_node.sbatch", {**RECIPE, "NODES": "2"}, "NODES (2) must be 1 here"),
+    ("local.sh", {}, "no recipe"),
+])
+def test_bad_settings_fail_before_submitting(cluster, script, env, message):
+    proc = cluster.run(script, STUB_NODELIST="gpu01", **env)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert cluster.calls() == []
+
+
+def test_more_nodes_than_allocated_is_an_error(cluster):
+    env = {**RECIPE, "STUB_NODELIST": "gpu[01-02]", "GPUS_PER_NODE": "4", "MOEP_ROOT": str(REPO),
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_NUM_NODES": "2", "NODES": "3"}
+    proc = cluster.run("slurm_multi_node.sbatch", **env)
+    assert proc.returncode == 2
+    assert "NODES (3) exceeds the job's 2 node(s) (gpu[01-02])" in proc.stderr
+    assert cluster.argv("deepspeed") == []
+
+
+# Preemption with stand-in trainers: the stub deepspeed starts two copies of fake_trainer/pretrain.py (which
+# record SIGUSR1 and exit 0) and a decoy with another MASTER_PORT; the stub deepspeed itself names pretrain.py
+# on its command line and would die of SIGUSR1 (the real launcher does not forward it).
+
+def start_with_fake_trainers(cluster, script, **env):
+    out = cluster.tmp / "trainers"
+    out.mkdir()
+    env = {**RECIPE, "STUB_FAKE_TRAINER": str(FAKE_TRAINER), "FAKE_TRAINER_DIR": str(out), "MASTER_PORT": "29517",
+           **env}
+    proc = cluster.start(script, **env)
+    wait_for(lambda: {p.name for p in out.iterdir()} >= {"started-0", "started-1", "started-9"}, proc, 60,
+             "the fake trainers started")
+    return proc, out
+
+
+def finish(cluster, proc) -> str:
+    assert proc.wait(timeout=60) == 0, (cluster.tmp / "launch.log").read_text()
+    return (cluster.tmp / "launch.log").read_text()
+
+
+@pytest.mark.slow
+def test_usr1_in_deepspeed_mode_stops_the_trainers_on_every_node_then_requeues(cluster):
+    proc, out = start_with_fake_trainers(cluster, "slurm_multi_node.sbatch", STUB_NODELIST="gpu[01-02]",
+                                         NODES="2", GPUS_PER_NODE="4", STUB_SRUN_SPAWN="1")
+    proc.send_signal(signal.SIGUSR1)
+    log = finish(cluster, proc)
+    assert sorted(p.name for p in out.glob("stopped-*")) == ["stopped-0", "stopped-1"], log  # not the decoy
+    assert cluster.argv("srun") == [["--overlap", "--nodes=2", "--ntasks-per-node=1", "bash",
+                                     str(LAUNCHERS / "signal_trainers.sh"), "USR1", "29517"]]
+    assert cluster.argv("scontrol") == [["show", "hostnames", "gpu[01-02]"], ["requeue", "4242"]]
+    assert "received SIGUSR1" in log and "requeueing job 4242" in log
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_trainers_without_requeueing(cluster):
+    proc, out = start_with_fake_trainers(cluster, "slurm_single_node.sbatch", STUB_NODELIST="gpu01",
+                                         GPUS_PER_NODE="2")
+    proc.send_signal(signal.SIGTERM)
+    log = finish(cluster, proc)
+    assert sorted(p.name for p in out.glob("stopped-*")) == ["stopped-0", "stopped-1"], log
+    assert ["requeue", "4242"] not in cluster.argv("scontrol")
+    assert cluster.argv("srun") == []  # one node: signalled from the batch shell itself
+
+
+@pytest.mark.slow
+def test_usr1_to_local_launch_stops_the_trainers(cluster):
+    proc, out = start_with_fake_trainers(cluster, "local.sh", NPROC="2", FAKE_TRAINER_STOP_S="2")
+    proc.send_signal(signal.SIGUSR1)
+    launch_log = cluster.tmp / "launch.log"
+    wait_for(lambda: "trainer process(es)" in launch_log.read_text(), proc, 30, "the stop request")
+    proc.send_signal(signal.SIGTERM)  # while the trainers save: not forwarded again
+    log = finish(cluster, proc)
+    assert sorted(p.name for p in out.glob("stopped-*")) == ["stopped-0", "stopped-1"]
+    assert log.count("asking the trainers to checkpoint and stop") == 1
+    assert "received SIGTERM: the trainers are already stopping" in log
+    assert cluster.argv("scontrol") == []
+
+
+@pytest.mark.slow
+def test_signal_trainers_picks_the_children_of_the_real_deepspeed_launcher(cluster):
+    """The real launcher's two processes name pretrain.py and carry MASTER_PORT too; they must be left alone."""
+    out = cluster.tmp / "trainers"
+    out.mkdir()
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    proc = cluster.spawn([str(deepspeed), "--num_gpus", "2", "--master_port", "29517", str(FAKE_TRAINER)],
+                         FAKE_TRAINER_DIR=str(out), MASTER_PORT="29517")
+    wait_for(lambda: {p.name for p in out.iterdir()} >= {"started-0", "started-1"}, proc, 120,
+             "the fake trainers started")
+    stop = subprocess.run(["bash", str(LAUNCHERS / "signal_trainers.sh"), "USR1", "29517"], env=cluster.env,
+                          capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0
+    assert "SIGUSR1 to 2 trainer process(es) of port 29517" in stop.stderr
+    assert proc.wait(timeout=60) == 0, (cluster.tmp / "launch.log").read_text()
+    assert sorted(p.name for p in out.glob("stopped-*")) == ["stopped-0", "stopped-1"]
