@@ -1,0 +1,55 @@
+"""bench/train_throughput.py: the optimizer-state measurement, the shrunk recipes, and a toy end-to-end run."""
+import pytest
+import torch
+
+from benchlib import REPO, load, run, table_rows
+
+tt = load("train_throughput")
+
+
+def test_state_bytes_counts_adam_moments_and_step():
+    layer = torch.nn.Linear(3, 5)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    assert tt.state_bytes(optimizer) == 0
+    layer(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    params = sum(p.numel() for p in layer.parameters())
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in optimizer.state.values())
+    assert tt.state_bytes(optimizer) == 2 * params * 4 + steps
+
+
+@pytest.mark.parametrize("model", list(tt.RECIPES))
+def test_shrunk_recipes_keep_their_block_types(model):
+    from moep_ds.config import load_config
+    from moep_ds.models.accounting import meta_param_report
+
+    full = load_config(REPO / tt.RECIPES[model])
+    toy = load_config(REPO / tt.RECIPES[model], tt.recipe_overrides(model, "toy", REPO / "runs" / "x", 4))
+    assert {type(b) for b in toy.model.expanded_layers()} == {type(b) for b in full.model.expanded_layers()}
+    assert toy.data.source == "builtin" and toy.train.max_steps == 4 and toy.train.global_batch_size is None
+    assert meta_param_report(toy.model).params_total < meta_param_report(full.model).params_total / 10
+
+
+def test_targets_report_met_and_missed():
+    Row = tt.Row
+    results = {Row("dense", "plain", 1): {"tokens_per_s": 100.0},
+               Row("dense", "zero2", 1): {"tokens_per_s": 85.0},
+               Row("dense", "zero0", 2): {"optimizer_state": 1000},
+               Row("dense", "zero2", 2): {"optimizer_state": 500}}
+    lines = tt.targets(["dense"], results)
+    assert "= 0.85" in lines[0] and "MISSED" in lines[0]
+    assert "= 0.50" in lines[1] and "met" in lines[1]
+
+
+@pytest.mark.slow
+def test_toy_run_prints_the_table_and_zero2_halves_optimizer_state():
+    proc = run("train_throughput.py", "--models", "dense", "--stages", "2", "--nprocs", "2",
+               "--size", "toy", "--steps", "4", "--warmup", "1")
+    rows = {row[1]: row for row in table_rows(proc.stdout)}
+    assert set(rows) == {"plain", "zero2 x2"}
+    for row in rows.values():
+        assert float(row[2]) > 0 and float(row[3]) > 0 and float(row[5]) > 0
+    assert rows["plain"][4] == "1.00x"
+    assert float(rows["zero2 x2"][3]) == pytest.approx(float(rows["zero2 x2"][2]) / 2, abs=1)
+    # the plain loop holds all Adam state, as ZeRO-0 does; ZeRO-2 on 2 ranks holds half per rank (plus padding)
+    assert float(rows["zero2 x2"][6]) <= 0.55 * float(rows["plain"][6])
