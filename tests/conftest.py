@@ -1,6 +1,5 @@
 """Shared test setup: offline hubs, one thread per process, paths to the repository and the shared data."""
 import os
-import pathlib
 
 import pytest
 
@@ -12,13 +11,11 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "configs"
-SHARED_DATA = pathlib.Path(os.environ.get("MOEP_DATA_DIR", REPO.parent / "shared" / "data"))
+from repo_paths import SHARED_DATA  # noqa: E402
 
 
 @pytest.fixture
-def shared_data() -> pathlib.Path:
+def shared_data():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA} (set MOEP_DATA_DIR to run this case)")
     return SHARED_DATA

@@ -10,7 +10,7 @@ from moep_ds.cli import pretrain_main
 from moep_ds.config import config_from_dict, load_config
 from moep_ds.schema import ConfigError
 
-from conftest import CONFIGS, REPO
+from repo_paths import CONFIGS, REPO
 
 BASE = {
     "model": {

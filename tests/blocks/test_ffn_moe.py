@@ -11,7 +11,7 @@ from moep_ds.models.accounting import meta_param_report
 from moep_ds.routing.expert_choice import ExpertChoiceRouter
 from moep_ds.schema import ConfigError
 
-from conftest import CONFIGS
+from repo_paths import CONFIGS
 
 MOE_LAYERS = [1, 3, 5, 7]  # Nova's layers 2, 4, 6, 8
 SHRINK = [  # nova_moe's architecture at toy width

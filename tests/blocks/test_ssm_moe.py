@@ -12,7 +12,7 @@ from moep_ds.registry import BLOCKS
 from moep_ds.routing.lifecycle import ExpertLifecycle
 from moep_ds.routing.topk import load_balancing_loss
 from moep_ds.schema import parse_registered
-from tests.conftest import CONFIGS
+from repo_paths import CONFIGS
 
 # B batch, T tokens, D model dim, E experts
 

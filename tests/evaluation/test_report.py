@@ -8,7 +8,7 @@ from moep_ds.evaluation.report import (
     comparison_markdown, flat_scores, load_records, load_reference, results_markdown,
 )
 
-from conftest import REPO
+from repo_paths import REPO
 
 REFERENCE = REPO / "eval" / "reference" / "pythia-1b.json"
 LM_EVAL_OUT = {

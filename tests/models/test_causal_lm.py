@@ -10,7 +10,7 @@ from moep_ds import build_model, load_config
 from moep_ds.config import config_from_dict
 from moep_ds.models.accounting import count_params, meta_param_report
 
-from conftest import CONFIGS, REPO
+from repo_paths import CONFIGS, REPO
 
 RECIPES = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
 FLAVOURS = ["gpt2", "llama", "gemma", "pythia"]
