@@ -268,7 +268,8 @@ def train_and_evaluate(name: str, cfg, args: argparse.Namespace, prepared: pathl
     result = {"params_total": trainer.report.params_total, "params_non_embedding": trainer.report.params_non_embedding,
               "params_active": trainer.report.params_active, "steps": trainer.step,
               "tokens": trainer.step * trainer.tokens_per_step, "train_s": train_s,
-              "val_loss": validation_loss(model, prepared / "val.bin", seq, args.val_windows, cfg.train.micro_batch_size),
+              "val_loss": validation_loss(model, prepared / "val.bin", seq, args.val_windows,
+                                          cfg.train.micro_batch_size),
               "blimp": blimp_accuracy(model, load_tokenizer(prepared), pairs, seq) if pairs else None}
     metrics = read_metrics(pathlib.Path(cfg.train.output_dir))
     rates = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]

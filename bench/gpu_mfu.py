@@ -159,7 +159,8 @@ def row(name: str, r: dict, nominal: float | None, dry_run: bool) -> str:
             f">= {100 * target:.0f}%: {verdict} |")
 
 
-def header(device: torch.device, peak: float, peak_n: int, nominal: float | None, args: argparse.Namespace) -> list[str]:
+def header(device: torch.device, peak: float, peak_n: int, nominal: float | None,
+           args: argparse.Namespace) -> list[str]:
     import deepspeed
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU dry run ({os.cpu_count()} CPUs)"

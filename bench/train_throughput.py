@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                 if row not in results or result["tokens_per_s"] > results[row]["tokens_per_s"]:
                     results[row] = result
     print(f"# train_throughput: size {args.size} {SIZES[args.size]}, {args.steps} steps (median after "
-          f"{args.warmup}, best of {args.repeats}), {args.precision}, {args.threads} thread(s) per process, {os.cpu_count()} CPUs")
+          f"{args.warmup}, best of {args.repeats}), {args.precision}, {args.threads} thread(s) per process, "
+          f"{os.cpu_count()} CPUs")
     print("\n".join(table(rows, results)))
     print("\n".join(targets(args.models, results)))
     return 0
