@@ -4,7 +4,13 @@ Source specs (one string or a list, read in the given order; files of a glob or 
   path, glob or folder   local .txt/.text/.md (text), .json/.jsonl (json lines), .parquet files
   builtin[:MB]           the embedded grammar corpus (moep_ds/data/builtin.py), generated into the cache
   shared:NAME            $MOEP_DATA_DIR/NAME, default <repo>/../shared/data/NAME (e.g. shared:corpus)
-  hf:NAME[:CONFIG]       a Hugging Face hub dataset, train split (needs network)
+  hf:NAME[:CONFIG]       a Hugging Face hub dataset, train split (network, or the Hugging Face cache offline)
+  megatron:PREFIX        a pre-tokenised Megatron / GPT-NeoX indexed dataset PREFIX.bin + PREFIX.idx (PREFIX may
+                         itself start with shared:), read by memory map; needs data.tokenizer.path (its tokenizer)
+                         and is the only source of its run
+
+`order: sequential` reads samples in file order (a Megatron source: one stored sequence per sample, as
+Pythia's batches); `shuffled` (default) permutes them per epoch with `seed`.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from typing import Annotated, Literal
 
 from moep_ds.schema import Between, Ge, PositiveInt, fail
 
+MEGATRON = "megatron:"
 TokenizerKind = Literal["bpe", "sentencepiece_unigram", "sentencepiece_bpe"]
 
 # byte-level BPE starts from 256 byte symbols plus the end-of-text and mask tokens; sentencepiece with
@@ -25,7 +32,9 @@ MIN_VOCAB = {"bpe": 258, "sentencepiece_unigram": 300, "sentencepiece_bpe": 300}
 class TokenizerConfig:
     kind: TokenizerKind = "bpe"
     vocab_size: Annotated[int, Ge(2)] = 16384
-    # an existing tokenizer directory (or its tokenizer.json) to reuse instead of training one
+    # an existing tokenizer to reuse unchanged instead of training one (no mask token is added): a directory,
+    # its tokenizer.json, or hf:REPO_ID (the hub repository's tokenizer.json, e.g. hf:EleutherAI/pythia-1b);
+    # the model's vocab_size may then be larger than the tokenizer's (padded, as Pythia pads 50,277 to 50,304)
     path: str | None = None
 
     def validate(self, path: str) -> None:
@@ -45,11 +54,28 @@ class DataConfig:
     num_proc: PositiveInt = 1
     text_field: str = "text"  # column read from json/parquet/hub sources
     sample_by: Literal["line", "paragraph", "document"] = "paragraph"  # what one text-file document is
+    order: Literal["shuffled", "sequential"] = "shuffled"
+    # validation data of a megatron: source, as a second megatron:PREFIX; without it the last
+    # ceil(val_fraction x sequences) sequences of `source` are held out (and not trained on)
+    val_source: str | None = None
 
     def validate(self, path: str) -> None:
         sources = [self.source] if isinstance(self.source, str) else self.source
         if not sources or any(not s.strip() for s in sources):
             fail(f"{path}.source", self.source, "must name at least one non-empty source")
+        megatron = [s for s in sources if s.startswith(MEGATRON)]
+        if megatron and len(sources) > 1:
+            fail(f"{path}.source", self.source, f"a {MEGATRON}PREFIX source must be the only source")
+        if megatron and self.tokenizer.path is None:
+            fail(f"{path}.tokenizer.path", None, f"must name the tokenizer a {MEGATRON} source was tokenised with")
+        if self.val_source is not None and not (megatron and self.val_source.startswith(MEGATRON)):
+            fail(f"{path}.val_source", self.val_source, f"needs a {MEGATRON}PREFIX here and in {path}.source")
+
+    @property
+    def megatron_prefix(self) -> str | None:
+        """PREFIX of a megatron:PREFIX source, else None."""
+        source = self.sources[0]
+        return source[len(MEGATRON):] if source.startswith(MEGATRON) else None
 
     @property
     def sources(self) -> list[str]:

@@ -69,3 +69,16 @@ class PackedDataset(torch.utils.data.Dataset):
             raise IndexError(f"window indices {idx_B.min()}..{idx_B.max()} out of range for {len(self)} windows")
         offsets_BT = idx_B[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         return torch.from_numpy(self.tokens[offsets_BT].astype(np.int64))
+
+
+def open_split(prepared_dir: str | os.PathLike, split: str, seq_len: int) -> torch.utils.data.Dataset:
+    """The `split` ("train" or "val") of a prepared folder: packed windows of train.bin / val.bin, or, for a
+    megatron: source, the stored sequences of the range its meta.json fixes."""
+    from moep_ds.data.megatron import SequenceDataset
+
+    meta = json.loads((Path(prepared_dir) / "meta.json").read_text())
+    if "megatron" in meta:
+        part = meta["megatron"][split]
+        return SequenceDataset(part["prefix"], seq_len, start=part["start"], stop=part["stop"],
+                               vocab_size=meta["vocab_size"])
+    return PackedDataset(Path(prepared_dir) / f"{split}.bin", seq_len)

@@ -26,14 +26,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from moep_ds.data.builtin import default_cache_dir
-from moep_ds.data.config import DataConfig
+from moep_ds.data.config import MEGATRON, DataConfig
 from moep_ds.data.errors import DataError
-from moep_ds.data.sources import Part, load_documents, resolve_sources, scan_sources
+from moep_ds.data.sources import Part, load_documents, megatron_prefix, resolve_sources, scan_sources
 from moep_ds.data.tokenizer import (TOKENIZER_FILE, TextTokenizer, copy_tokenizer, load_tokenizer, save_tokenizer,
                                     tokenizer_file, tokenizer_sha256, train_tokenizer)
 
@@ -49,6 +49,8 @@ def prepare(cfg: DataConfig, *, force: bool = False) -> Path:
     val.bin, meta.json and the tokenizer files."""
     from filelock import FileLock
 
+    if cfg.megatron_prefix is not None:
+        return prepare_megatron(cfg, force=force)
     parts = resolve_sources(cfg.sources)
     if cfg.tokenizer.path is not None:
         check_reusable_tokenizer(cfg)
@@ -61,7 +63,7 @@ def prepare(cfg: DataConfig, *, force: bool = False) -> Path:
             check_windows(meta, cfg)
             logger.info("reusing prepared data in %s", out)
             return out
-        build_atomically(cfg, parts, scans, settings, out)
+        build_atomically(out, lambda work: build(cfg, parts, scans, settings, work))
     return out
 
 
@@ -72,9 +74,13 @@ def check_meta(prepared_dir: str | os.PathLike, *, vocab_size: int) -> dict[str,
     meta = read_meta(Path(prepared_dir))
     if meta is None:
         raise DataError(f"no complete {META} in {prepared_dir}; run moep-prepare first")
-    if meta["vocab_size"] != vocab_size:
+    # a reused tokenizer may be padded by the model (Pythia: 50,277 ids, 50,304 rows); a trained one is built at
+    # the model's size (its last id is the mask token MoEP-MSIT uses), so any difference there is a mistake
+    padded = meta.get("tokenizer_reused_from") is not None and meta["vocab_size"] < vocab_size
+    if meta["vocab_size"] != vocab_size and not padded:
         raise DataError(f"{meta_path} vocab_size ({meta['vocab_size']}) differs from the model's vocab_size "
-                        f"({vocab_size})")
+                        f"({vocab_size})" + (" (a reused tokenizer may only be smaller)"
+                                             if meta.get("tokenizer_reused_from") is not None else ""))
     if not tokenizer_file(prepared_dir).is_file():
         raise DataError(f"no {TOKENIZER_FILE} in {prepared_dir}")
     sha = tokenizer_sha256(prepared_dir)
@@ -169,17 +175,71 @@ def reusable_meta(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     return meta
 
 
+# ---- a pre-tokenised Megatron source ---------------------------------------------------------------------
+
+
+def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
+    """A folder with the reused tokenizer and a meta.json that fixes the train and validation sequence ranges
+    of a megatron:PREFIX source; the tokens stay where they are (nothing is re-tokenised or copied)."""
+    from filelock import FileLock
+
+    from moep_ds.data.megatron import IndexedDataset, held_out
+
+    train = IndexedDataset(megatron_prefix(cfg.megatron_prefix, "data.source"))
+    tok = check_reusable_tokenizer(cfg)
+    if cfg.val_source is not None:
+        val = IndexedDataset(megatron_prefix(cfg.val_source[len(MEGATRON):], "data.val_source"))
+        ranges = {"train": (train, 0, len(train)), "val": (val, 0, len(val))}
+    else:
+        stop = len(train) - held_out(len(train), cfg.val_fraction)
+        ranges = {"train": (train, 0, stop), "val": (train, stop, len(train))}
+    layout = {split: {"prefix": data.prefix, "start": start, "stop": stop, "dtype_code": data.dtype_code,
+                      "idx_bytes": data.idx_path.stat().st_size} for split, (data, start, stop) in ranges.items()}
+    settings = {"format": FORMAT_VERSION, "megatron": layout, "tokenizer_sha256": tokenizer_sha256(cfg.tokenizer.path)}
+    if cfg.prepared_dir:
+        out = Path(cfg.prepared_dir).expanduser()
+    else:
+        slug = re.sub(r"[^A-Za-z0-9]+", "_", cfg.megatron_prefix).strip("_")[-40:]
+        out = default_cache_dir() / "prepared" / f"megatron_{slug}-{sha256_json(settings)[:12]}"
+    with FileLock(str(lock_path(out))):
+        meta = None if force else read_meta(out)
+        if meta is not None and meta.get("settings_sha256") == sha256_json(settings) and \
+                tokenizer_file(out).is_file() and tokenizer_sha256(out) == meta["tokenizer_sha256"]:
+            logger.info("reusing %s for %s", out, cfg.sources[0])
+            return out
+
+        def write(work: Path) -> None:
+            obtain_tokenizer(cfg, None, None, work)
+            tokens = {split: int(data.sizes_S[start:stop].sum(dtype=np.int64))
+                      for split, (data, start, stop) in ranges.items()}
+            meta = {"format": FORMAT_VERSION, "vocab_size": tok.vocab_size, "dtype": train.dtype.name,
+                    "eot_id": tok.eot_id, "mask_id": tok.mask_id, "tokenizer_kind": "reused",
+                    "tokenizer_reused_from": cfg.tokenizer.path, "tokenizer_sha256": tokenizer_sha256(work),
+                    "train_tokens": tokens["train"], "val_tokens": tokens["val"],
+                    "train_sequences": layout["train"]["stop"] - layout["train"]["start"],
+                    "val_sequences": layout["val"]["stop"] - layout["val"]["start"],
+                    "source": cfg.sources, "val_source": cfg.val_source, "megatron": layout,
+                    "settings_sha256": sha256_json(settings)}
+            (work / META).write_text(json.dumps(meta, indent=1) + "\n")
+
+        build_atomically(out, write)
+    logger.info("%s: %d train / %d validation sequences (%s)", cfg.sources[0], layout["train"]["stop"] -
+                layout["train"]["start"], layout["val"]["stop"] - layout["val"]["start"], out)
+    return out
+
+
 # ---- building ------------------------------------------------------------------------------------------
 
 
-def build_atomically(cfg: DataConfig, parts: list[Part], scans: list[dict[str, Any]], settings: dict[str, Any],
-                     out: Path) -> None:
+def build_atomically(out: Path, build_into: Callable[[Path], Any]) -> None:
+    """`build_into(work)` fills a fresh folder beside `out`, which then replaces `out`; nothing is left behind
+    on failure."""
     created = [p for p in out.parents if not p.exists()]  # deepest first; removed again on failure
     out.parent.mkdir(parents=True, exist_ok=True)
     work = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     work.mkdir()  # not mkdtemp: the folder is renamed into place and keeps the usual permissions
     try:
-        build(cfg, parts, scans, settings, work)
+        build_into(work)
         publish(work, out)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

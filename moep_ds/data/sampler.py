@@ -3,7 +3,8 @@
 # W windows in the dataset, G global batch (windows per optimizer step over all ranks), B micro-batch,
 # A gradient-accumulation steps, P data-parallel size (G = B * A * P)
 
-Each epoch permutes the W windows with a generator seeded by (seed, epoch). Global batch g is
+Each epoch permutes the W windows with a generator seeded by (seed, epoch), or keeps them in file order
+(`shuffle=False`, data.order: sequential: Pythia's order for its pre-shuffled files). Global batch g is
 perm[g*G : (g+1)*G]; rank r takes the contiguous slice [r*G/P, (r+1)*G/P) of it and consumes it in A
 micro-batches of B, in order. The windows of a step therefore depend only on (seed, G, step), not on
 how G is factored into B, A and P: one process with A=2 sees what two processes with A=1 see together,
@@ -26,7 +27,7 @@ def epoch_permutation(num_items: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def rank_epoch_indices(num_items: int, *, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                       epoch: int, drop_last: bool = True) -> np.ndarray:
+                       epoch: int, drop_last: bool = True, shuffle: bool = True) -> np.ndarray:
     """Rank `dp_rank`'s items of `epoch`, in consumption order.
 
     Full global batches split into equal contiguous slices. Without drop_last the final partial global
@@ -36,7 +37,7 @@ def rank_epoch_indices(num_items: int, *, global_batch_size: int, dp_rank: int, 
     if global_batch_size % dp_size or not 0 <= dp_rank < dp_size:
         raise ValueError(f"global_batch_size {global_batch_size} must split over dp_size {dp_size} "
                          f"(dp_rank {dp_rank})")
-    perm = epoch_permutation(num_items, seed, epoch)
+    perm = epoch_permutation(num_items, seed, epoch) if shuffle else np.arange(num_items)
     num_full = num_items // global_batch_size
     per_rank = global_batch_size // dp_size
     full_GP = perm[:num_full * global_batch_size].reshape(num_full, dp_size, per_rank)
@@ -56,13 +57,13 @@ class BatchLoader:
     """
 
     def __init__(self, dataset: PackedDataset, *, micro_batch_size: int, grad_accum: int, dp_rank: int,
-                 dp_size: int, seed: int):
+                 dp_size: int, seed: int, shuffle: bool = True):
         if min(micro_batch_size, grad_accum, dp_size) < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"need micro_batch_size, grad_accum, dp_size >= 1 and 0 <= dp_rank < dp_size, got "
                              f"{micro_batch_size}, {grad_accum}, {dp_size}, dp_rank {dp_rank}")
         self.dataset = dataset
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.global_batch_size = micro_batch_size * grad_accum * dp_size
         self.batches_per_epoch = len(dataset) // self.global_batch_size
         if self.batches_per_epoch == 0:
@@ -76,7 +77,7 @@ class BatchLoader:
         if self._indices_epoch != self.epoch:
             self._indices = rank_epoch_indices(len(self.dataset), global_batch_size=self.global_batch_size,
                                                dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed,
-                                               epoch=self.epoch)
+                                               epoch=self.epoch, shuffle=self.shuffle)
             self._indices_epoch = self.epoch
         return self._indices
 

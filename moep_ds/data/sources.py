@@ -27,6 +27,8 @@ BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".j
 DEFAULT_BUILTIN_MB = 4.0
 _SURROGATE = re.compile("[\udc80-\udcff]")  # invalid UTF-8 bytes as decoded by 'surrogateescape'
 _CHUNK = 4 << 20
+# how a recipe whose own corpus is absent (offline, not downloaded) can still run
+FALLBACK = "to train on the local corpus instead: --set data.source=shared:corpus"
 
 
 def shared_data_dir() -> Path:
@@ -79,7 +81,8 @@ def expand_spec(spec: str) -> list[Path]:
     if spec.startswith("shared:"):
         path = shared_data_dir() / spec[len("shared:"):]
         if not path.exists():
-            raise DataError(f"shared data {spec!r} not found at {path} (set MOEP_DATA_DIR to the folder holding it)")
+            raise DataError(f"shared data {spec!r} not found at {path} (set MOEP_DATA_DIR to the folder holding it; "
+                            f"README 'Data' says where to download it); {FALLBACK}")
         return expand_path(path)
     if any(ch in spec for ch in "*?["):
         matches = [Path(p) for p in sorted(glob.glob(os.path.expanduser(spec), recursive=True)) if Path(p).is_file()]
@@ -90,6 +93,17 @@ def expand_spec(spec: str) -> list[Path]:
     if not path.exists():
         raise DataError(f"source path not found: {spec}")
     return expand_path(path)
+
+
+def megatron_prefix(prefix: str, field: str) -> Path:
+    """The absolute PREFIX of a megatron:PREFIX spec (shared:NAME/x resolves under the shared data folder), after
+    checking that PREFIX.bin and PREFIX.idx exist; else one line saying where they are expected."""
+    path = shared_data_dir() / prefix[len("shared:"):] if prefix.startswith("shared:") else Path(prefix).expanduser()
+    missing = [p for p in (Path(f"{path}.bin"), Path(f"{path}.idx")) if not p.is_file()]
+    if missing:
+        raise DataError(f"{field}: Megatron data {missing[0]} not found (expected {path}.bin + {path}.idx; README "
+                        f"'Pythia's data' says how to download it); {FALLBACK}")
+    return path.resolve()
 
 
 def expand_path(path: Path) -> list[Path]:
@@ -146,6 +160,9 @@ def load_documents(parts: list[Part], cfg: DataConfig, cache_dir: Path):
         except DataError:
             raise
         except Exception as err:  # datasets/pyarrow raise many types; report the root cause in one line
+            if part.hub:
+                raise DataError(f"cannot load {part.describe()} from the hub or, offline, from the Hugging Face cache "
+                                f"({root_cause(err)}); {FALLBACK}") from err
             raise DataError(f"cannot read {part.describe()}: {root_cause(err)}") from err
         field_name = "text" if part.builder == "text" else cfg.text_field
         if field_name not in ds.column_names:

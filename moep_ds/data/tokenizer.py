@@ -33,6 +33,7 @@ EOT = "<|endoftext|>"
 MASK = "<|mask|>"
 UNK = "<unk>"
 TOKENIZER_FILE = "tokenizer.json"
+HUB = "hf:"  # data.tokenizer.path hf:REPO_ID: the tokenizer.json of a Hugging Face hub repository
 # what an export copies so that PreTrainedTokenizerFast.from_pretrained(dir) works
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 LONG_TEXT = 1 << 14
@@ -218,13 +219,36 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike) -> None:
 
 
 def tokenizer_file(path: str | os.PathLike) -> Path:
-    """`path` itself if it is a file, else `path/tokenizer.json`."""
+    """`path` itself if it is a file, else `path/tokenizer.json`; hf:REPO_ID is that hub repository's file."""
+    if str(path).startswith(HUB):
+        return hub_tokenizer_file(str(path)[len(HUB):])
     p = Path(path)
     return p if p.is_file() else p / TOKENIZER_FILE
 
 
+def hub_tokenizer_file(repo_id: str) -> Path:
+    """tokenizer.json of a hub repository (downloaded once, then read from the Hugging Face cache), with the
+    transformers side files beside it when the repository has them."""
+    from huggingface_hub import constants, hf_hub_download
+
+    try:
+        file = Path(hf_hub_download(repo_id, TOKENIZER_FILE))
+    except (OSError, ValueError) as err:  # offline, not cached, no such repository or file
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"tokenizer {HUB}{repo_id}: no {TOKENIZER_FILE} in the Hugging Face cache "
+                        f"({constants.HF_HUB_CACHE}) and none downloadable ({reason}); download it once online, or set "
+                        f"data.tokenizer.path to a local tokenizer.json, or train one: --set data.tokenizer.path=null "
+                        f"data.tokenizer.vocab_size=<model.vocab_size>") from err
+    for name in TOKENIZER_FILES[1:]:
+        try:
+            hf_hub_download(repo_id, name)
+        except (OSError, ValueError):
+            logger.info("tokenizer %s%s has no %s", HUB, repo_id, name)
+    return file
+
+
 def load_tokenizer(path: str | os.PathLike) -> TextTokenizer:
-    """Load a tokenizer directory (or its tokenizer.json)."""
+    """Load a tokenizer directory, its tokenizer.json, or hf:REPO_ID."""
     file = tokenizer_file(path)
     if not file.is_file():
         raise DataError(f"no {TOKENIZER_FILE} at {path}")

@@ -46,11 +46,11 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, init_std) for linear and embedding weights; output projections of residual branches scaled
-        by 1/sqrt(2 * num_layers) (GPT-2) so the residual stream's variance does not grow with depth. A submodule
-        with an `init_weights(std, out_scale)` method initialises its own parameters after that."""
-        std = self.cfg.init_std
-        out_scale = 1.0 / math.sqrt(2 * len(self.blocks))
+        """Normal(0, std) for linear and embedding weights, output projections of residual branches scaled by
+        out_scale so the residual stream's variance does not grow with depth (`ModelConfig.init` picks both:
+        GPT-2's or GPT-NeoX's). A submodule with an `init_weights(std, out_scale)` method initialises its own
+        parameters after that."""
+        std, out_scale = self.cfg.init_scales(len(self.blocks))
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 scale = out_scale if name.endswith(("w_o", "w_out", "w2")) else 1.0

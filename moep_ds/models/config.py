@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Annotated, Any, Iterator, Literal
 
 from moep_ds.layers.norm import NormConfig
@@ -104,6 +105,19 @@ class ModelConfig:
     embedding_scale: bool = False  # multiply embeddings by sqrt(d_model) (Gemma)
     final_norm: Annotated[Any, OneOf(NORMS)] = dataclasses.field(default_factory=NormConfig)
     init_std: PositiveFloat = 0.02
+    # "normal": N(0, init_std), output projections of residual branches times 1/sqrt(2 x blocks) (GPT-2).
+    # "gpt_neox": GPT-NeoX's small_init N(0, sqrt(2 / (5 d))) for embeddings, input projections and the head, and
+    # wang_init N(0, 2 / (L sqrt(d))) for output projections (Pythia's init_method / output_layer_init_method)
+    init: Literal["normal", "gpt_neox"] = "normal"
+    init_num_layers: PositiveInt | None = None  # L of wang_init; null: the number of blocks
+
+    def init_scales(self, num_blocks: int) -> tuple[float, float]:
+        """(std of input-side weights, factor for output projections) of the `init` scheme."""
+        if self.init == "gpt_neox":
+            small = math.sqrt(2.0 / (5 * self.d_model))
+            wang = 2.0 / ((self.init_num_layers or num_blocks) * math.sqrt(self.d_model))
+            return small, wang / small
+        return self.init_std, 1.0 / math.sqrt(2 * num_blocks)
 
     @classmethod
     def preprocess(cls, raw: dict[str, Any], path: str) -> dict[str, Any]:

@@ -9,17 +9,17 @@ from torch import nn
 from moep_ds.training.config import OptimizerConfig, ScheduleConfig
 
 
-def no_decay(name: str, param: nn.Parameter, embedding_ids: set[int]) -> bool:
-    """Norm scales and biases (1-D) and embedding tables are not decayed."""
-    return param.ndim < 2 or id(param) in embedding_ids
+def no_decay(param: nn.Parameter, embedding_ids: set[int], exempt: list[str]) -> bool:
+    """Whether `param` is exempt from weight decay: 1-D (biases, norm scales) and/or an embedding table."""
+    return ("1d" in exempt and param.ndim < 2) or ("embedding" in exempt and id(param) in embedding_ids)
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, keep = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.requires_grad:
-            (keep if no_decay(name, p, embedding_ids) else decay).append(p)
+            (keep if no_decay(p, embedding_ids, cfg.no_decay) else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay, "name": "decay"},
               {"params": keep, "weight_decay": 0.0, "name": "no_decay"}]
     return [g for g in groups if g["params"]]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moep_ds.config import Config
-from moep_ds.data.dataset import PackedDataset
+from moep_ds.data.dataset import open_split
 from moep_ds.errors import UserError
 from moep_ds.data.prepare import check_meta, prepare
 from moep_ds.data.sampler import BatchLoader
@@ -93,10 +93,11 @@ class Trainer:
         self.prepared, self.meta = prepare_data(cfg, self.rank)
         self.resume_from = ckpt_io.resolve_resume(resume, self.run_dir)
         self.engine, self.model, self.ep_group = self.build_engine()
-        self.dataset = PackedDataset(self.prepared / "train.bin", cfg.data.seq_len)
+        self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
         self.accum = ds["gradient_accumulation_steps"]
         self.loader = BatchLoader(self.dataset, micro_batch_size=ds["train_micro_batch_size_per_gpu"],
-                                  grad_accum=self.accum, dp_rank=self.rank, dp_size=self.world, seed=cfg.train.seed)
+                                  grad_accum=self.accum, dp_rank=self.rank, dp_size=self.world, seed=cfg.train.seed,
+                                  shuffle=cfg.data.order == "shuffled")
         self.step = 0
         self.tokens_per_step = ds["train_batch_size"] * cfg.data.seq_len
         if self.resume_from is not None:
@@ -126,7 +127,7 @@ class Trainer:
 
             groups = split_params_into_different_moe_groups_for_optimizer(groups)
         optimizer = build_optimizer(groups, cfg.train.optimizer)
-        windows = len(PackedDataset(self.prepared / "train.bin", cfg.data.seq_len))
+        windows = len(open_split(self.prepared, "train", cfg.data.seq_len))
         self.max_steps = total_steps(cfg, windows, self.ds["train_batch_size"])
         scheduler = build_scheduler(optimizer, cfg.train.schedule, self.max_steps)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -205,7 +206,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over `eval_batches` windows per rank (routers in their eval mode)."""
-        val = PackedDataset(self.prepared / "val.bin", self.cfg.data.seq_len)
+        val = open_split(self.prepared, "val", self.cfg.data.seq_len)
         if len(val) == 0:
             return math.nan
         self.engine.eval()
