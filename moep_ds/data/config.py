@@ -1,7 +1,7 @@
 """The `data` section of a recipe: where the text comes from, how it is tokenized and packed.
 
 Source specs (one string or a list, read in the given order; files of a glob or folder sorted by path):
-  path, glob or folder   local .txt/.text/.md (text), .json/.jsonl (json lines), .parquet files
+  path, glob or folder   local .txt/.text/.md/.train (text), .json/.jsonl (json lines), .parquet files
   builtin[:MB]           the embedded grammar corpus (moep_ds/data/builtin.py), generated into the cache
   shared:NAME            $MOEP_DATA_DIR/NAME, default <repo>/../shared/data/NAME (e.g. shared:corpus)
   hf:NAME[:CONFIG]       a Hugging Face hub dataset, train split (network, or the Hugging Face cache offline)

@@ -22,7 +22,7 @@ from moep_ds.data.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".train": "text", ".json": "json", ".jsonl": "json",
             ".parquet": "parquet"}
 DEFAULT_BUILTIN_MB = 4.0
 _SURROGATE = re.compile("[\udc80-\udcff]")  # invalid UTF-8 bytes as decoded by 'surrogateescape'
