@@ -1,0 +1,191 @@
+"""megatron:PREFIX sources: the MMIDIDX reader against hand-packed index files, sequence samples in file order
+over data-parallel ranks and across a resume, the prepared folder (reused tokenizer, held-out range or
+val_source), and the one-line errors for missing or malformed data."""
+import struct
+
+import numpy as np
+import pytest
+
+from moep_ds.data.config import DataConfig, TokenizerConfig
+from moep_ds.data.dataset import open_split
+from moep_ds.data.errors import DataError
+from moep_ds.data.megatron import IndexedDataset, SequenceDataset, write_indexed
+from moep_ds.data.prepare import check_meta, prepare
+from moep_ds.data.prepare import main as prepare_main
+from moep_ds.data.sampler import BatchLoader
+from moep_ds.data.tokenizer import train_tokenizer
+from moep_ds.schema import ConfigError, parse
+
+from repo_paths import REPO
+
+# Megatron-LM's DType codes as its preprocessing writes them (and GPT-NeoX's table)
+MEGATRON_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MOEP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "moep_cache"))
+
+
+def pack_by_hand(prefix, sequences, code):
+    """PREFIX.bin/.idx laid out field by field as Megatron-LM's MMapIndexedDatasetBuilder writes them."""
+    dtype = np.dtype(MEGATRON_CODES[code])
+    sizes = [len(s) for s in sequences]
+    pointers = np.cumsum([0] + sizes[:-1]) * dtype.itemsize
+    with open(f"{prefix}.bin", "wb") as f:
+        for s in sequences:
+            f.write(np.asarray(s, dtype=dtype).tobytes())
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00")
+        f.write(struct.pack("<Q", 1))
+        f.write(struct.pack("<B", code))
+        f.write(struct.pack("<Q", len(sizes)))
+        f.write(struct.pack("<Q", len(sizes) + 1))
+        f.write(np.array(sizes, dtype=np.int32).tobytes(order="C"))
+        f.write(np.array(pointers, dtype=np.int64).tobytes(order="C"))
+        f.write(np.arange(len(sizes) + 1, dtype=np.int64).tobytes(order="C"))
+
+
+@pytest.mark.parametrize("code", sorted(MEGATRON_CODES))
+def test_reader_decodes_every_megatron_dtype_code(tmp_path, code):
+    rng = np.random.default_rng(code)
+    sequences = [rng.integers(0, 120, size=n) for n in (5, 1, 9, 4)]
+    pack_by_hand(tmp_path / "d", sequences, code)
+    data = IndexedDataset(tmp_path / "d")
+    assert data.dtype == np.dtype(MEGATRON_CODES[code]) and len(data) == 4
+    for i, seq in enumerate(sequences):
+        np.testing.assert_array_equal(data.sequence(i).astype(np.int64), seq)
+
+
+def test_writer_matches_the_megatron_layout(tmp_path):
+    sequences = [np.arange(7) + 40_000, np.arange(3), np.arange(5) + 65_000]  # above int16: uint16 is needed
+    pack_by_hand(tmp_path / "ref", sequences, 8)
+    write_indexed(tmp_path / "ours", sequences, np.uint16)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
+    assert (tmp_path / "ours.idx").read_bytes()[17] == 8  # the dtype byte after magic and version
+
+
+def test_samples_are_the_first_seq_len_plus_one_tokens_of_each_sequence(tmp_path):
+    sequences = [np.arange(i, i + 6) for i in range(0, 40, 10)] + [np.arange(40, 45)]
+    write_indexed(tmp_path / "d", sequences)
+    data = SequenceDataset(tmp_path / "d", 4, start=1, stop=4)
+    assert len(data) == 3
+    np.testing.assert_array_equal(data.get_batch([2, 0]).numpy(), [np.arange(30, 35), np.arange(10, 15)])
+    assert data[1].tolist() == list(range(20, 25))
+    with pytest.raises(DataError, match=r"sequence 4 of .* has 5 tokens, fewer than data.seq_len \+ 1 = 6"):
+        SequenceDataset(tmp_path / "d", 5).get_batch([0, 4])
+    with pytest.raises(DataError, match=r"token ids 20..25 outside the tokenizer's vocabulary \(0..19\)"):
+        SequenceDataset(tmp_path / "d", 5, vocab_size=20).get_batch([2])
+
+
+def test_malformed_index_files_fail_with_one_line(tmp_path):
+    write_indexed(tmp_path / "d", [np.arange(4)] * 3)
+    idx = (tmp_path / "d.idx").read_bytes()
+    cases = {
+        "magic": (b"MMIDXXX\x00\x00" + idx[9:], r"magic b'MMIDXXX\\x00\\x00', expected b'MMIDIDX\\x00\\x00'"),
+        "version": (idx[:9] + struct.pack("<Q", 2) + idx[17:], "index version 2 is not supported"),
+        "code": (idx[:17] + bytes([9]) + idx[18:], r"unknown dtype code 9 \(known: \[1, 2, 3, 4, 5, 6, 7, 8\]\)"),
+        "truncated": (idx[:-8], "its header says"),
+        "short": (idx[:10], "shorter than its header"),
+    }
+    for name, (content, message) in cases.items():
+        (tmp_path / f"{name}.idx").write_bytes(content)
+        (tmp_path / f"{name}.bin").write_bytes((tmp_path / "d.bin").read_bytes())
+        with pytest.raises(DataError, match=message):
+            IndexedDataset(tmp_path / name)
+
+
+def test_sequential_order_is_file_order_over_two_ranks_and_across_a_resume(tmp_path):
+    # sequence i holds the value i: what a rank reads says which sequences it got
+    write_indexed(tmp_path / "d", [np.full(9, i) for i in range(30)])
+    data = SequenceDataset(tmp_path / "d", 8)
+
+    def loaders():
+        return [BatchLoader(data, micro_batch_size=2, grad_accum=2, dp_rank=r, dp_size=2, seed=0, shuffle=False)
+                for r in range(2)]
+
+    def step(ranks):  # one optimizer step: each rank's micro-batches in consumption order, rank 0 first
+        return [int(x) for loader in ranks for _ in range(2) for x in loader.next_micro_batch()[0][:, 0]]
+
+    ranks = loaders()
+    steps = [step(ranks) for _ in range(5)]
+    assert steps[:3] == [list(range(8 * s, 8 * s + 8)) for s in range(3)]  # step s = sequences 8s .. 8s+7
+    assert steps[3] == list(range(0, 8))  # 30 sequences hold 3 steps: the next epoch starts again at sequence 0
+    resumed = loaders()
+    state = {"epoch": 0, "global_batch": 2}
+    for loader in resumed:
+        loader.load_state_dict(state)
+    assert [step(resumed) for _ in range(3)] == steps[2:5]
+    shuffled = BatchLoader(data, micro_batch_size=2, grad_accum=2, dp_rank=0, dp_size=2, seed=0)
+    assert [int(x) for x in shuffled.next_micro_batch()[0][:, 0]] != [0, 1]
+
+
+def pythia_like_tokenizer(tmp_path):
+    """A small byte-level BPE saved as tokenizer.json (with end-of-text), standing in for a released one."""
+    train_tokenizer(["the cat sat on the mat. " * 50, "a dog ran. " * 50], TokenizerConfig(vocab_size=300),
+                    tmp_path / "tok")
+    return tmp_path / "tok" / "tokenizer.json"
+
+
+def megatron_config(tmp_path, **kw):
+    return parse(DataConfig, {"source": f"megatron:{tmp_path / 'd'}", "seq_len": 8, "order": "sequential",
+                              "tokenizer": {"path": str(pythia_like_tokenizer(tmp_path)), "vocab_size": 300},
+                              **kw}, "data")
+
+
+def test_prepared_folder_holds_the_tokenizer_and_fixes_the_ranges(tmp_path):
+    write_indexed(tmp_path / "d", [np.full(9, i) for i in range(40)])
+    cfg = megatron_config(tmp_path, val_fraction=0.1, prepared_dir=str(tmp_path / "prep"))
+    out = prepare(cfg)
+    meta = check_meta(out, vocab_size=320)  # a reused tokenizer may be smaller than the model's vocabulary
+    assert (meta["train_sequences"], meta["val_sequences"], meta["train_tokens"]) == (36, 4, 36 * 9)
+    train, val = open_split(out, "train", 8), open_split(out, "val", 8)
+    assert (len(train), len(val)) == (36, 4) and val[0].tolist() == [36] * 9
+    assert prepare(cfg) == out and (out / "tokenizer.json").is_file()
+    with pytest.raises(DataError, match=r"vocab_size \(300\) differs from the model's vocab_size \(200\) "
+                                        r"\(a reused tokenizer may only be smaller\)"):
+        check_meta(out, vocab_size=200)
+    write_indexed(tmp_path / "v", [np.full(9, 99)] * 3)
+    out = prepare(megatron_config(tmp_path, val_source=f"megatron:{tmp_path / 'v'}"))
+    assert (len(open_split(out, "train", 8)), open_split(out, "val", 8)[2].tolist()) == (40, [99] * 9)
+
+
+def test_config_rules_for_megatron_sources(tmp_path):
+    base = {"seq_len": 8, "tokenizer": {"path": "x"}}
+    with pytest.raises(ConfigError, match=r"data.source .* a megatron:PREFIX source must be the only source"):
+        parse(DataConfig, {**base, "source": ["megatron:a", "b.txt"]}, "data")
+    with pytest.raises(ConfigError, match=r"data.tokenizer.path \(None\) must name the tokenizer"):
+        parse(DataConfig, {"seq_len": 8, "source": "megatron:a"}, "data")
+    with pytest.raises(ConfigError, match=r"data.val_source \('v.txt'\) needs a megatron:PREFIX"):
+        parse(DataConfig, {**base, "source": "megatron:a", "val_source": "v.txt"}, "data")
+    with pytest.raises(ConfigError, match=r"data.order \('random'\)"):
+        parse(DataConfig, {**base, "source": "a.txt", "order": "random"}, "data")
+
+
+@pytest.mark.parametrize("recipe, where", [
+    ("pythia_1b_dense.yaml", "pile-standard-pythia-preshuffled/document.bin not found"),
+    ("msit_babylm.yaml", "shared data 'shared:babylm/train_10M' not found at"),
+    ("nova_moe.yaml", "cannot load hub dataset roneneldan/TinyStories from the hub or, offline, from the Hugging "
+                      "Face cache"),
+])
+def test_seed_corpora_missing_offline_say_where_and_how_to_fall_back(tmp_path, monkeypatch, capsys, recipe, where):
+    monkeypatch.setenv("MOEP_DATA_DIR", str(tmp_path / "shared"))  # an empty shared data folder; hubs offline
+    monkeypatch.setenv("MOEP_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "shared").mkdir()
+    assert prepare_main(["--config", str(REPO / "configs" / recipe)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and where in lines[0], lines
+    assert lines[0].endswith("to train on the local corpus instead: --set data.source=shared:corpus"), lines[0]
+    assert not list((tmp_path / "cache").rglob("meta.json"))
+
+
+def test_hub_tokenizer_offline_says_how_to_proceed(monkeypatch):
+    from huggingface_hub import constants
+
+    from moep_ds.data.tokenizer import load_tokenizer
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match=r"tokenizer hf:no-such-org/no-such-model: no tokenizer.json in the Hugging "
+                                        r"Face cache .* or set data.tokenizer.path to a local tokenizer.json"):
+        load_tokenizer("hf:no-such-org/no-such-model")
