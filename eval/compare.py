@@ -1,18 +1,27 @@
-"""Compare evaluated runs with each other and with published reference numbers.
+"""Compare evaluated runs with each other and with published reference numbers, also at equal training tokens.
 
     python eval/compare.py runs/dense/eval/results.json runs/moe/eval/results.json --out reports/dense_vs_moe
     python eval/compare.py A.json B.json --baseline dense --reference eval/reference/pythia-1b.json
 
-Reads the results.json files `moep-eval` writes and eval/reference/pythia-1b.json; writes report.md (runs and
-references side by side: parameters total/active, tokens trained, training FLOPs, routing eval mode, scores;
-then each run against the baseline run, e.g. MoE against its dense baseline at matched parameters) and
-report.png (accuracies as grouped bars).
+Reads the results.json files `moep-eval` writes, eval/reference/pythia-1b.json (final checkpoints) and
+eval/reference/pythia-1b-curve.json (Pythia-1B and Pythia-1B-deduped at all 27 published checkpoints); writes
+report.md (runs and references side by side: parameters total/active, tokens trained, training FLOPs, routing
+eval mode, scores; then each run against the baseline run, e.g. MoE against its dense baseline at matched
+parameters) and report.png (accuracies as grouped bars).
+
+Equal tokens: for every number of training tokens a run records, each curve model gets a row at that many
+tokens: its published scores when the tokens are a published step's (step x 2,097,152), else the two
+neighbouring checkpoints interpolated linearly in log(tokens), and the row's name says so. Runs beyond the last
+checkpoint get no such row; the final-checkpoint rows of pythia-1b.json stay in any case.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`, like pretrain.py
@@ -20,12 +29,52 @@ sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`,
 from moep_ds.evaluation.report import comparison_chart, comparison_markdown, load_records, load_reference  # noqa: E402
 
 REFERENCE = REPO / "eval" / "reference" / "pythia-1b.json"
+CURVE = REPO / "eval" / "reference" / "pythia-1b-curve.json"
+
+
+def interpolate(points: list[dict[str, Any]], tokens: float) -> tuple[dict[str, dict[str, float]], str] | None:
+    """(scores, how) of a curve at `tokens`: the published point, or its two neighbours interpolated linearly in
+    log(tokens) (linearly in tokens below the first step, where log(0) has no value); None past the last point."""
+    for p in points:
+        if p["tokens"] == tokens:
+            return p["scores"], f"step {p['step']}"
+    after = next((i for i, p in enumerate(points) if p["tokens"] > tokens), None)
+    if after is None or after == 0:
+        return None
+    lo, hi = points[after - 1], points[after]
+    if lo["tokens"] > 0:
+        w = (math.log(tokens) - math.log(lo["tokens"])) / (math.log(hi["tokens"]) - math.log(lo["tokens"]))
+    else:
+        w = tokens / hi["tokens"]
+    scores = {task: {m: lo["scores"][task][m] + w * (hi["scores"][task][m] - lo["scores"][task][m])
+                     for m in lo["scores"][task] if m in hi["scores"].get(task, {})}
+              for task in lo["scores"] if task in hi["scores"]}
+    return scores, f"interpolated in log-tokens between steps {lo['step']} and {hi['step']}"
+
+
+def equal_token_records(runs: list[dict[str, Any]], curve_path: str | Path,
+                        reference_path: str | Path = REFERENCE) -> list[dict[str, Any]]:
+    """One reference record per curve model and per distinct token count of the runs (see the module text)."""
+    curve = json.loads(Path(curve_path).read_text(encoding="utf-8"))
+    sizes = json.loads(Path(reference_path).read_text(encoding="utf-8"))["models"][0]  # Pythia-1B's parameters
+    moep = {k: sizes.get(k) for k in ("params_total", "params_active", "flops_per_token")}
+    out = []
+    for tokens in sorted({r["moep"]["tokens"] for r in runs if r.get("moep", {}).get("tokens") is not None}):
+        for model in curve["models"]:
+            found = interpolate(model["points"], tokens)
+            if found is None:
+                continue
+            scores, how = found
+            out.append({"name": f"{model['name']} @ {tokens / 1e9:.3g}B tokens ({how})", "scores": scores,
+                        "moep": {**moep, "tokens": tokens}, "reference": True})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="results.json files written by moep-eval")
     p.add_argument("--reference", default=str(REFERENCE), help="published numbers ('' for none)")
+    p.add_argument("--curve", default=str(CURVE), help="published checkpoints for equal-token rows ('' for none)")
     p.add_argument("--baseline", help="run name the others are compared against (default: the first)")
     p.add_argument("--out", default="report", help="output directory for report.md and report.png")
     args = p.parse_args(argv)
@@ -33,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: results file(s) not found: {', '.join(missing)}", file=sys.stderr)
         return 2
-    records = load_records(args.results) + (load_reference(args.reference) if args.reference else [])
+    runs = load_records(args.results)
+    records = runs + (equal_token_records(runs, args.curve) if args.curve else [])
+    records += load_reference(args.reference) if args.reference else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(comparison_markdown(records, args.baseline), encoding="utf-8")

@@ -1,6 +1,7 @@
 """Results records, markdown tables, the comparison report and the published reference numbers."""
 import importlib.util
 import json
+import math
 
 import pytest
 
@@ -82,3 +83,56 @@ def test_reference_numbers_match_the_published_pythia_file(shared_data):
         for metric, value in metrics.items():
             source = published[task]["ppl" if metric == "perplexity" else metric]
             assert value == pytest.approx(source, abs=6e-4), (task, metric)
+
+
+def load_compare():
+    spec = importlib.util.spec_from_file_location("compare", REPO / "eval" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    return compare
+
+
+STEP_TOKENS = 1024 * 2048
+
+
+def test_compare_puts_pythia_beside_a_run_at_equal_tokens(tmp_path, capsys):
+    run = record("moe", 1.0, 250)
+    run["moep"]["tokens"] = 13_000 * STEP_TOKENS
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "results.json").write_text(json.dumps(run))
+    assert load_compare().main([str(tmp_path / "moe" / "results.json"), "--out", str(tmp_path / "report")]) == 0
+    md = capsys.readouterr().out
+    # columns: lambada acc, lambada perplexity, piqa acc (blimp first: no Pythia number)
+    assert ("| Pythia-1B @ 27.3B tokens (step 13000) (published) | 1.01B | 1.01B | 27.3B | 1.71e+20 | – | – | "
+            "44.56 | 15.20 | 66.05 |") in md
+    assert ("| Pythia-1B-deduped @ 27.3B tokens (step 13000) (published) | 1.01B | 1.01B | 27.3B | 1.71e+20 | – | "
+            "– | 43.68 | 15.89 | 65.83 |") in md
+    assert "| Pythia-1B (published) | 1.01B | 1.01B | 300B | 1.88e+21 | – | – | 56.20 | 7.92 | 70.73 |" in md
+
+
+def test_equal_token_rows_interpolate_in_log_tokens_and_stop_at_the_last_checkpoint():
+    compare = load_compare()
+    curve = json.loads(compare.CURVE.read_text())
+    bf16 = {p["step"]: p["scores"] for p in curve["models"][0]["points"]}
+    between = round(math.sqrt(3000 * 13000) * STEP_TOKENS)  # the log-midpoint of steps 3000 and 13000
+    late = 150_000 * STEP_TOKENS
+    rows = compare.equal_token_records([{"moep": {"tokens": between}}, {"moep": {"tokens": late}}], compare.CURVE)
+    assert [r["name"] for r in rows] == [
+        f"Pythia-1B @ {between / 1e9:.3g}B tokens (interpolated in log-tokens between steps 3000 and 13000)",
+        f"Pythia-1B-deduped @ {between / 1e9:.3g}B tokens (interpolated in log-tokens between steps 3000 and 13000)"]
+    piqa = (bf16[3000]["piqa"]["acc"] + bf16[13000]["piqa"]["acc"]) / 2
+    assert rows[0]["scores"]["piqa"]["acc"] == pytest.approx(piqa, abs=1e-9)
+    assert rows[0]["moep"]["tokens"] == between and rows[0]["reference"]
+    half_step = compare.equal_token_records([{"moep": {"tokens": STEP_TOKENS // 2}}], compare.CURVE)[0]
+    expected = (bf16[0]["piqa"]["acc"] + bf16[1]["piqa"]["acc"]) / 2  # below step 1: linear in tokens
+    assert half_step["scores"]["piqa"]["acc"] == pytest.approx(expected)
+
+
+def test_shipped_curve_is_derived_from_the_published_files(shared_data):
+    spec = importlib.util.spec_from_file_location("pythia_curve", REPO / "eval" / "reference" / "pythia_curve.py")
+    curve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(curve)
+    derived = curve.derive(shared_data / "reference" / "pythia" / "curve")
+    assert derived == json.loads((REPO / "eval" / "reference" / "pythia-1b-curve.json").read_text())
+    assert [len(m["points"]) for m in derived["models"]] == [27, 27]
+    assert derived["models"][0]["points"][-1]["tokens"] == 143_000 * STEP_TOKENS
