@@ -34,6 +34,8 @@ HUB_TASKS = {
     "arc_challenge": "arc_challenge",
     "logiqa": "logiqa",
     "wsc": "wsc",
+    "winogrande": "winogrande",
+    "sciq": "sciq",
 }
 
 

@@ -1,4 +1,6 @@
 """Task YAML templates rendered against a data directory; moep-eval's one-line errors."""
+import json
+
 import pytest
 import yaml
 
@@ -9,7 +11,9 @@ from moep_ds.evaluation.tasks import TEMPLATES, render_tasks, resolve_data_dir
 
 from eval_models import tiny_model
 
-TOP_LEVEL = ["arc_challenge", "arc_easy", "blimp_filtered", "blimp_supplement", "lambada_openai", "logiqa", "piqa", "wsc"]
+TOP_LEVEL = ["arc_challenge", "arc_easy", "blimp_filtered", "blimp_supplement", "lambada_openai", "logiqa", "piqa",
+             "sciq", "winogrande", "wsc"]
+NOT_OFFLINE = {"sciq", "winogrande"}  # no local copy in the shared data: --hub, or files placed in the data folder
 
 
 class _Loader(yaml.SafeLoader):
@@ -25,7 +29,7 @@ def test_render_gives_every_task_absolute_data_paths(tmp_path):
     assert len(rendered.specs["blimp_filtered"].subtasks) == 67
     assert len(rendered.specs["blimp_supplement"].subtasks) == 5
     files = sorted((tmp_path / "tasks").rglob("*.yaml"))
-    assert len(files) == 67 + 5 + 2 + 6
+    assert len(files) == 67 + 5 + 2 + 8
     for f in files:
         cfg = yaml.load(f.read_text(), Loader=_Loader)  # noqa: S506
         for path in (cfg.get("dataset_kwargs") or {}).get("data_files", {}).values():
@@ -59,9 +63,36 @@ def test_resolve_checks_names_and_data(tmp_path):
 
 def test_every_local_task_has_its_data_in_the_shared_folder(shared_data, tmp_path):
     rendered = render_tasks(shared_data, tmp_path / "tasks")
-    assert rendered.resolve(TOP_LEVEL) == TOP_LEVEL
+    local = [t for t in TOP_LEVEL if t not in NOT_OFFLINE]
+    assert rendered.resolve(local) == local
     assert sorted(p.stem for p in (shared_data / "babylm_eval" / "blimp_filtered").glob("*.jsonl")) == \
         sorted((TEMPLATES / "blimp_filtered" / "subtasks.txt").read_text().split())
+
+
+def test_winogrande_and_sciq_read_local_files_with_lm_evals_prompts(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    from moep_ds.evaluation.tasks import HUB_TASKS
+
+    wino = {"sentence": "Sarah was a much better surgeon than Maria so _ always got the harder cases.",
+            "option1": "Sarah", "option2": "Maria", "answer": "1"}
+    sciq = {"question": "What gas do plants absorb?", "distractor1": "oxygen", "distractor2": "helium",
+            "distractor3": "neon", "correct_answer": "carbon dioxide", "support": " Plants take in carbon dioxide."}
+    for folder, name, doc in (("winogrande", "winogrande_validation", wino), ("sciq", "sciq_test", sciq)):
+        (tmp_path / "data" / "lm_eval_sets" / folder).mkdir(parents=True)
+        (tmp_path / "data" / "lm_eval_sets" / folder / f"{name}.jsonl").write_text(json.dumps(doc) + "\n")
+    rendered = render_tasks(tmp_path / "data", tmp_path / "tasks")
+    assert rendered.resolve(["winogrande", "sciq"]) == ["winogrande", "sciq"]
+    tasks = TaskManager(include_defaults=False, include_path=str(rendered.path)).load(["winogrande", "sciq"])["tasks"]
+    w, s = tasks["winogrande"], tasks["sciq"]
+    doc = next(iter(w.eval_docs))
+    assert w.doc_to_choice(doc) == ["Sarah was a much better surgeon than Maria so Sarah",
+                                    "Sarah was a much better surgeon than Maria so Maria"]
+    assert (w.doc_to_text(doc), w.doc_to_target(doc)) == (0, "always got the harder cases.")
+    doc = next(iter(s.eval_docs))
+    assert s.doc_to_text(doc) == "Plants take in carbon dioxide.\nQuestion: What gas do plants absorb?\nAnswer:"
+    assert s.doc_to_choice(doc)[s.doc_to_target(doc)] == "carbon dioxide"
+    assert HUB_TASKS["winogrande"] == "winogrande" and HUB_TASKS["sciq"] == "sciq"
 
 
 def test_moep_eval_errors_are_one_line(tmp_path, capsys):
