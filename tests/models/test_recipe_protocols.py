@@ -109,3 +109,23 @@ def test_moe_stream_top2_weights_sum_to_one_per_token():
     sums_T = torch.zeros(plan.num_tokens).index_add_(0, plan.token_idx_S, plan.weight_S.detach().float())
     torch.testing.assert_close(sums_T, torch.ones(120))
     assert int(plan.counts_E.sum()) == 2 * 120
+
+
+def test_pythia_deepspeed_config_is_fp16_zero1_as_pythia():
+    import json
+
+    ds = json.loads((CONFIGS.parent / "ds_configs" / "zero1_fp16.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 1 and ds["fp16"]["enabled"] and not ds.get("bf16", {}).get("enabled")
+    # pythia-1b.yml: dynamic loss scaling from 2^12, window 1000, hysteresis 2, floor 1
+    assert {k: ds["fp16"][k] for k in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                                         "min_loss_scale")} == {"loss_scale": 0, "initial_scale_power": 12,
+                                                                "loss_scale_window": 1000, "hysteresis": 2,
+                                                                "min_loss_scale": 1}
+
+
+def test_nova_moe_total_is_its_active_count_plus_the_inactive_experts():
+    """docs/FIDELITY.md: the seed's total (122,610,688) is 512 above active + 4 layers x 7 inactive SwiGLU experts."""
+    report = meta_param_report(load_config(CONFIGS / "nova_moe.yaml").model)
+    inactive = 4 * 7 * 3 * 512 * 2048
+    assert report.params_active == 34_529_792 and report.params_total == 34_529_792 + inactive == 122_610_176
+    assert 122_610_688 - report.params_total == 512
