@@ -189,3 +189,27 @@ def test_hub_tokenizer_offline_says_how_to_proceed(monkeypatch):
     with pytest.raises(DataError, match=r"tokenizer hf:no-such-org/no-such-model: no tokenizer.json in the Hugging "
                                         r"Face cache .* or set data.tokenizer.path to a local tokenizer.json"):
         load_tokenizer("hf:no-such-org/no-such-model")
+
+
+def test_hub_tokenizer_is_read_from_the_hugging_face_cache(tmp_path, monkeypatch):
+    """hf:REPO_ID resolves through huggingface_hub (offline: its cache layout), side files included."""
+    from huggingface_hub import constants
+
+    from moep_ds.data.tokenizer import copy_tokenizer, load_tokenizer, tokenizer_sha256
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny-lm"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    source = pythia_like_tokenizer(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (snapshot / name).write_bytes((source.parent / name).read_bytes())
+    tok = load_tokenizer("hf:acme/tiny-lm")
+    assert tok.vocab_size == 300 and tok.decode(tok.encode("the cat sat")) == "the cat sat"
+    assert tokenizer_sha256("hf:acme/tiny-lm") == tokenizer_sha256(source)
+    copy_tokenizer("hf:acme/tiny-lm", tmp_path / "copy")
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
