@@ -137,7 +137,8 @@ class SequenceDataset(torch.utils.data.Dataset):
                             f"data.seq_len + 1 = {self.seq_len + 1}")
         offsets_BT = (self.data.pointers_S[seq_B] // self.data.dtype.itemsize)[:, None] + np.arange(self.seq_len + 1)
         tokens_BT = self.data.tokens[offsets_BT].astype(np.int64)
-        if self.vocab_size is not None and tokens_BT.size and not 0 <= tokens_BT.min() <= tokens_BT.max() < self.vocab_size:
+        if self.vocab_size is not None and tokens_BT.size and not (
+                0 <= tokens_BT.min() and tokens_BT.max() < self.vocab_size):
             raise DataError(f"{self.data.bin_path} holds token ids {tokens_BT.min()}..{tokens_BT.max()} outside the "
                             f"tokenizer's vocabulary (0..{self.vocab_size - 1}); data.tokenizer.path must be the "
                             f"tokenizer it was made with")

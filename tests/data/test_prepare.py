@@ -249,7 +249,8 @@ def test_malformed_json_is_one_line_error(tmp_path, capsys):
 def test_hub_source_offline_is_one_line_error(tmp_path, capsys):
     code, _, err = run_cli(capsys, "--source", "hf:no-such-user/no-such-dataset", "--seq-len", "16",
                            "--vocab-size", "300", "--out", str(tmp_path / "hub"))
-    assert_one_line_error(code, err, "cannot load hub dataset no-such-user/no-such-dataset from the hub or, offline, from the Hugging Face cache")
+    assert_one_line_error(code, err, "cannot load hub dataset no-such-user/no-such-dataset from the hub or, offline, "
+                                     "from the Hugging Face cache")
     assert not (tmp_path / "hub").exists()
 
 

@@ -26,7 +26,8 @@ def test_pythia_recipes_carry_pythias_protocol(recipe):
     assert (opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.no_decay) == (2.5e-4, [0.9, 0.95], 1e-8, 0.1, ["1d"])
     assert (sched.kind, sched.warmup_steps, sched.min_lr_ratio) == ("cosine", 1430, 0.1)
     assert sched.warmup_steps == 0.01 * train.max_steps and opt.lr * sched.min_lr_ratio == pytest.approx(2.5e-5)
-    assert (train.max_steps, train.global_batch_size, train.micro_batch_size, train.grad_clip) == (143_000, 1024, 16, 1.0)
+    assert (train.max_steps, train.global_batch_size, train.micro_batch_size, train.grad_clip) == \
+        (143_000, 1024, 16, 1.0)
     assert (data.seq_len, data.order, data.tokenizer.path) == (2048, "sequential", "hf:EleutherAI/pythia-1b")
     assert data.source == "megatron:shared:pile-standard-pythia-preshuffled/document"
     assert (cfg.model.vocab_size, data.tokenizer.vocab_size) == (50304, 50277)
@@ -54,7 +55,8 @@ def test_gpt_neox_initialisation_small_init_and_wang_init():
     model = build_model(config_from_dict(raw).model)
     small, wang = math.sqrt(2 / (5 * 320)), 2 / (5 * math.sqrt(320))
     params = {n: p.detach() for n, p in model.named_parameters()}
-    for name, expected in [("embed.weight", small), ("head.weight", small), ("blocks.0.attention.attn.w_qkv.weight", small),
+    for name, expected in [("embed.weight", small), ("head.weight", small),
+                           ("blocks.0.attention.attn.w_qkv.weight", small),
                            ("blocks.2.ffn.w_in.weight", small), ("blocks.1.attention.attn.w_o.weight", wang),
                            ("blocks.4.ffn.w_out.weight", wang)]:
         assert float(params[name].std()) == pytest.approx(expected, rel=0.03), name

@@ -40,7 +40,8 @@ def runs(tmp_path_factory):
         cfg["model"]["vocab_size"] = 320  # the tokenizer has 300 ids: padded, as Pythia pads 50,277 to 50,304
         cfg["model"]["max_seq_len"] = SEQ_LEN
         cfg["data"] = {"source": f"megatron:{tmp / 'pile'}", "order": "sequential", "seq_len": SEQ_LEN,
-                       "val_fraction": 0.1, "tokenizer": {"path": str(tmp / "tok" / "tokenizer.json"), "vocab_size": 300},
+                       "val_fraction": 0.1,
+                       "tokenizer": {"path": str(tmp / "tok" / "tokenizer.json"), "vocab_size": 300},
                        "prepared_dir": str(tmp / "prepared")}
         (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
         jobs.append({"recipe": str(tmp / f"{name}.yaml"), "ds_config": str(DS_CONFIGS / "zero1_fp32.json")})
