@@ -1,5 +1,5 @@
-"""Data pipeline: tokenizers, corpus preparation, packed datasets, resumable sharded batching, and the
-embedded grammar corpus.
+"""Data pipeline: tokenizers, corpus preparation, packed datasets, Megatron / GPT-NeoX indexed datasets,
+resumable sharded batching, and the embedded grammar corpus.
 
 Names are imported on first use, so `import moep_ds.data` stays cheap and `python -m moep_ds.data.prepare`
 does not find its module already imported.
@@ -10,7 +10,8 @@ _EXPORTS = {
     "BatchLoader": "sampler", "eval_batches": "sampler", "rank_epoch_indices": "sampler",
     "DataConfig": "config", "TokenizerConfig": "config",
     "DataError": "errors",
-    "PackedDataset": "dataset",
+    "PackedDataset": "dataset", "open_split": "dataset",
+    "IndexedDataset": "megatron", "SequenceDataset": "megatron", "write_indexed": "megatron",
     "check_meta": "prepare", "prepare": "prepare",
     "load_tokenizer": "tokenizer", "tokenizer_sha256": "tokenizer", "train_tokenizer": "tokenizer",
     "minimal_pairs": "builtin",
