@@ -8,6 +8,8 @@ tokenizer on the train documents (or reuse one); tokenize with `datasets.map(num
 split as the concatenation of its documents, each followed by end-of-text. Everything is built in a
 temporary folder beside the output and moved in only when complete (meta.json last), so a failure leaves
 no partial output. A complete output with matching settings and source hashes is reused as is.
+A `megatron:PREFIX` source is already tokenised: its folder holds only the reused tokenizer and a meta.json that
+fixes the train and validation sequence ranges (moep_ds/data/megatron.py reads the tokens in place).
 
     moep-prepare --source shared:corpus --vocab-size 16384 --seq-len 512 --num-proc 2 --out prepared/corpus
     python -m moep_ds.data.prepare --config configs/msit_babylm.yaml          # its `data` section
@@ -429,11 +431,12 @@ def with_eot(flat_N: np.ndarray, lengths_D: np.ndarray, keep_D: np.ndarray, eot_
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="moep-prepare", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="a recipe YAML; its `data` section is the starting point")
-    p.add_argument("--source", nargs="+", help="paths, globs, folders, builtin[:MB], shared:NAME, hf:NAME[:CONFIG]")
+    p.add_argument("--source", nargs="+",
+                   help="paths, globs, folders, builtin[:MB], shared:NAME, hf:NAME[:CONFIG], megatron:PREFIX")
     p.add_argument("--out", dest="prepared_dir", help="output folder (default: a cache folder)")
     p.add_argument("--tokenizer", dest="kind", choices=["bpe", "sentencepiece_unigram", "sentencepiece_bpe"])
     p.add_argument("--vocab-size", type=int)
-    p.add_argument("--tokenizer-path", help="reuse this tokenizer folder or tokenizer.json")
+    p.add_argument("--tokenizer-path", help="reuse this tokenizer: a folder, a tokenizer.json or hf:REPO_ID")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--val-fraction", type=float)
     p.add_argument("--seed", type=int)
