@@ -1,6 +1,8 @@
-"""Expert lifecycle manager: schedule and selection rules, impact from this step's gradients, replacement
-(weights, optimizer state, statistics, exploration bias), a starved expert re-born in a short run, checkpoint
-round trip and resume, and replacement under DeepSpeed ZeRO-2 on two gloo processes.
+"""Expert lifecycle manager: schedule and selection rules (ages in tokens routed to the expert), impact from
+this step's gradients, replacement (weights, optimizer state, statistics, exploration bias) by the trainer
+callback, a starved expert re-born in a short run, checkpoint round trip and resume, and replacement under
+DeepSpeed ZeRO-2 on two gloo processes, with all experts on every rank and with the replaced expert and its
+source on different expert-parallel ranks.
 
 Run as a script (`torchrun --nproc_per_node 2 test_lifecycle.py --zero2-worker OUT`) it is that test's worker.
 """
@@ -18,17 +20,17 @@ import torch
 from moep_ds.config import config_from_dict
 from moep_ds.models.causal_lm import build_model
 from moep_ds.routing.lifecycle import (
-    TorchParamStateIO,
+    adaptive_threshold,
     birth_boost,
     clone_with_noise,
+    fold_step_statistics,
     lifecycle_layers,
-    lifecycle_step,
     log_expert_utilization,
-    per_expert_parameters,
     select_dead_experts,
     value_scores,
 )
 from moep_ds.schema import ConfigError
+from moep_ds.training.lifecycle import ExpertLifecycleCallback
 
 # B batch, T tokens, E experts, S routed (token, expert) pairs
 
@@ -71,6 +73,15 @@ def starve(model, expert: int) -> None:
         block.moe.router.weight[expert] = -1.0
 
 
+def lifecycle_step(model, optimizer=None) -> list[dict]:
+    return ExpertLifecycleCallback(model, optimizer).after_optimizer_step()
+
+
+def rows_of(moe) -> list:
+    rows = moe.expert_rows()
+    return rows.local + rows.replicated
+
+
 def train(model, optimizer, steps: range, stats: list | None = None) -> list[dict]:
     events = []
     for step in steps:
@@ -81,7 +92,7 @@ def train(model, optimizer, steps: range, stats: list | None = None) -> list[dic
         optimizer.step()
         if stats is not None:
             stats.append(out.stats["layers.0.tokens_per_expert"].clone())
-        events += lifecycle_step(model, TorchParamStateIO(optimizer))
+        events += lifecycle_step(model, optimizer)
     return events
 
 
@@ -100,6 +111,21 @@ def test_value_scores_match_a_loop():
     contribution = [f * max(m, 0.0) for f, m in zip(freq.tolist(), impact.tolist())]
     expected = [0.7 * f / 0.4 + 0.3 * c / max(contribution) for f, c in zip(freq.tolist(), contribution)]
     torch.testing.assert_close(value_scores(freq, impact, 0.3), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_fold_step_statistics_matches_a_loop():
+    """EMAs of share and mean impact; age grows by the tokens routed to that expert; an expert without tokens
+    keeps its impact EMA; a step with a non-finite impact (fp16 overflow) updates no impact."""
+    freq, impact, age = torch.tensor([0.25] * 4), torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0, 5, 10, 15])
+    counts, sums = torch.tensor([6.0, 2.0, 0.0, 8.0]), torch.tensor([3.0, -1.0, 0.0, 4.0])
+    new_freq, new_impact, new_age = fold_step_statistics(freq, impact, age, counts, sums, 0.9)
+    shares = [c / 16 for c in counts.tolist()]
+    torch.testing.assert_close(new_freq, torch.tensor([0.9 * 0.25 + 0.1 * s for s in shares], dtype=torch.float64))
+    expected = [0.9 * 0.1 + 0.1 * 0.5, 0.9 * 0.2 + 0.1 * -0.5, 0.3, 0.9 * 0.4 + 0.1 * 0.5]
+    torch.testing.assert_close(new_impact, torch.tensor(expected, dtype=torch.float64))
+    assert new_age.tolist() == [6, 7, 10, 23]
+    _, skipped, _ = fold_step_statistics(freq, impact, age, counts, torch.tensor([1.0, float("inf"), 0, 0]), 0.9)
+    torch.testing.assert_close(skipped, impact.double())
 
 
 def test_probation_protects_young_experts():
@@ -141,7 +167,7 @@ def test_impact_ema_is_this_steps_first_order_loss_change(block):
     lifecycle = moe_of(model).router.lifecycle
     captured = []
     track = lifecycle.track_impact
-    lifecycle.track_impact = lambda y, counts: captured.append((y, counts)) or track(y, counts)
+    lifecycle.track_impact = lambda y, counts, first: captured.append((y, counts)) or track(y, counts, first)
     inputs, labels = batch(0)
     out = model(inputs, labels=labels)  # reference pass
     y_SD, counts = captured[-1]
@@ -158,12 +184,12 @@ def test_impact_ema_is_this_steps_first_order_loss_change(block):
     torch.testing.assert_close(lifecycle.impact_ema_E, expected, rtol=1e-5, atol=1e-10)
     shares = torch.tensor(counts, dtype=torch.float64) / sum(counts)
     torch.testing.assert_close(lifecycle.freq_ema_E, (0.9 / E + 0.1 * shares).float())
-    assert lifecycle.age_tokens_E.tolist() == [inputs.numel()] * E
-    assert lifecycle.tokens_seen_E.tolist() == counts
+    assert lifecycle.age_tokens_E.tolist() == counts  # the tokens each expert saw, not the layer's
+    torch.testing.assert_close(lifecycle.scores()[1], birth_boost(torch.tensor(counts), 5000, 0.35).double())
 
 
 def test_replacement_clones_best_plus_noise_and_resets_optimizer_state_and_statistics():
-    cfg = {"min_tokens": 64, "check_interval": 3, "ema_decay": 0.5, "noise_std": 0.05, "exploration_bias": 2.0}
+    cfg = {"min_tokens": 8, "check_interval": 3, "ema_decay": 0.5, "noise_std": 0.05, "exploration_bias": 2.0}
     model = tiny_model(cfg)
     moe = moe_of(model)
     lifecycle = moe.router.lifecycle
@@ -175,10 +201,11 @@ def test_replacement_clones_best_plus_noise_and_resets_optimizer_state_and_stati
     optimizer.zero_grad()
     model(inputs, labels=labels).loss.backward()
     optimizer.step()
-    params = per_expert_parameters(moe.experts, moe.router, E)
+    params = rows_of(moe)
+    assert len(params) == 3  # w1, w2 of the experts and the router's rows
     before = [p.detach().clone() for p in params]
     moments = [{k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for p in params]
-    events = lifecycle_step(model, TorchParamStateIO(optimizer))  # step 3: a check
+    events = lifecycle_step(model, optimizer)  # step 3: a check
 
     # the other experts' values are untouched by the replacement: the source is the best of them
     assert [(e["expert"], e["source"]) for e in events] == [(1, int(lifecycle.scores()[0].argmax()))]
@@ -212,11 +239,14 @@ def test_exploration_bias_decays_by_099_per_step_and_enters_the_logits():
 
 
 def test_starved_expert_is_replaced_and_then_receives_tokens():
-    model = tiny_model({"min_tokens": 128, "check_interval": 5, "ema_decay": 0.5})
-    starve(model, 2)
+    model = tiny_model({"min_tokens": 16, "check_interval": 5, "ema_decay": 0.5})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     stats: list[torch.Tensor] = []
-    events = train(model, optimizer, range(5), stats)
+    train(model, optimizer, range(2), stats)
+    assert sum(int(s[2]) for s in stats) >= 32  # out of probation, boost gone: it saw 2 x min_tokens tokens
+    starve(model, 2)
+    stats.clear()
+    events = train(model, optimizer, range(2, 5), stats)
     assert all(s[2] == 0 for s in stats), "the starved expert got tokens"
     assert 2 in [e["expert"] for e in events] and all(e["step"] == 5 for e in events)
     stats.clear()
@@ -224,8 +254,22 @@ def test_starved_expert_is_replaced_and_then_receives_tokens():
     assert all(s[2] > 0 for s in stats), f"the re-born expert gets no tokens: {stats}"
 
 
+def test_probation_counts_the_tokens_routed_to_that_expert():
+    """An expert starved from birth sees no tokens: however many tokens the layer routes, it stays on probation
+    (under a layer-token age it would have been replaced at the first check)."""
+    model = tiny_model({"min_tokens": 16, "check_interval": 2, "ema_decay": 0.5, "threshold_ratio": 1.0})
+    starve(model, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    events = train(model, optimizer, range(6))
+    lifecycle = moe_of(model).router.lifecycle
+    assert lifecycle.age_tokens_E[2] == 0 and lifecycle.age_tokens_E.sum() == 6 * 2 * batch(0)[0].numel()
+    value, _, score = lifecycle.scores()
+    assert score[2] < adaptive_threshold(value, 1.0)  # it would be dead but for probation
+    assert events == []  # the others are at or above the median: expert 2 was the only candidate
+
+
 # every check replaces the experts below the layer's median: decisions in every stretch of a short run
-CHURN = {"min_tokens": 64, "check_interval": 2, "threshold_ratio": 1.0, "ema_decay": 0.5}
+CHURN = {"min_tokens": 16, "check_interval": 2, "threshold_ratio": 1.0, "ema_decay": 0.5}
 
 
 def test_state_dict_round_trip():
