@@ -321,35 +321,46 @@ def test_config_errors_name_the_path():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# DeepSpeed ZeRO-2, two gloo processes
+# DeepSpeed ZeRO-2, two gloo processes, expert parallel 1 (all experts on both ranks) and 2 (experts 0-1 on
+# rank 0, 2-3 on rank 1: the replaced expert 1 and its source, the dominant expert 3, live on different ranks)
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
+ZERO2_LIFECYCLE = {"min_tokens": 16, "check_interval": 3, "ema_decay": 0.5, "impact_weight": 0.2,
+                   "threshold_ratio": 0.5}
 
 
-def zero2_worker(out_dir: str) -> None:
-    """Train under ZeRO-2 with a starved expert; at the check, record the replaced rows of the module, the fp32
-    master and the Adam moments; then one more step (with its full gradient) and record them again."""
+def zero2_run(ep: int, out_dir: str) -> None:
+    """Train under ZeRO-2; expert 3 takes every token's first slot; after step 0 (which leaves expert 1 out of
+    probation) expert 1 is starved. At the check (step 3) record the rows of the module, the fp32 master and the
+    Adam moments; then one more step (with its full gradient) and record them again."""
     import deepspeed
     import torch.distributed as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from deepspeed.utils import safe_get_full_grad
 
     from moep_ds.training import state as st
-    from moep_ds.training.lifecycle_state import lifecycle_after_step
+    from moep_ds.training.config import OptimizerConfig
+    from moep_ds.training.expert_parallel import setup_expert_parallel
+    from moep_ds.training.optim import param_groups
 
-    deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    model = tiny_model({"min_tokens": 64, "check_interval": 3, "ema_decay": 0.5})
-    starve(model, 1)
-    ds_config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 2},
-        "zero_allow_untested_optimizer": True,
-    }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    model = tiny_model(ZERO2_LIFECYCLE)
+    block = model.blocks[0]
+    with torch.no_grad():
+        block.moe_norm.bias.fill_(1.0)  # router input x_hat + 1: a constant row gives a constant logit
+        block.moe.router.weight[3] = 0.3
+    ep_group = setup_expert_parallel(model, ep) if ep > 1 else None
+    groups = param_groups(model, OptimizerConfig(weight_decay=0.0))
+    if ep_group is not None:
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+    ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": 2, "contiguous_gradients": True}, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
+    callback = ExpertLifecycleCallback.for_engine(engine, ep_group)
     moe = moe_of(engine.module)
-    params = per_expert_parameters(moe.experts, moe.router, E)
+    rows = moe.expert_rows()
+    params = rows.local + rows.replicated
 
     def snapshot() -> dict:
         return {
@@ -364,55 +375,89 @@ def zero2_worker(out_dir: str) -> None:
         engine.backward(engine(inputs, labels=labels).loss)
         grads = [safe_get_full_grad(p).clone() for p in params] if with_grads else []
         engine.step()
-        return lifecycle_after_step(engine.module, engine), grads
+        return callback.after_optimizer_step(step_idx + 1), grads
 
-    events = []
-    for i in range(3):
+    events = step(0)[0]
+    router = moe.router.weight
+    starved = st.get_fp32_param(router)
+    starved[1] = -1.0
+    st.set_fp32_param(router, starved)  # the master too: the next step would restore the module from it
+    for i in (1, 2):
         events += step(i)[0]
     after_replace = snapshot()
     _, grads = step(3, with_grads=True)
-    after_step = snapshot()
-    result = {"events": events, "replaced": after_replace, "stepped": after_step, "grads": grads,
-              "adam_step": st.optimizer_step_count(engine.optimizer)}
-    torch.save(result, pathlib.Path(out_dir) / f"rank{rank}.pt")
+    result = {"events": events, "replaced": after_replace, "stepped": snapshot(), "grads": grads,
+              "adam_step": st.optimizer_step_count(engine.optimizer), "num_local": rows.num_local_experts,
+              "first": [rows.first_expert] * len(rows.local) + [0] * len(rows.replicated)}
+    torch.save(result, pathlib.Path(out_dir) / f"ep{ep}_rank{rank}.pt")
+
+
+def zero2_worker(out_dir: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for ep in (1, 2):
+        zero2_run(ep, out_dir)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def held_row(ranks: list[dict], key: str, i: int, expert: int) -> torch.Tensor:
+    """Row `expert` of parameter i's fp32 master right after the replacement, as recorded by a rank holding it."""
+    for result in ranks:
+        first, rows = result["first"][i], result["replaced"][key][i]
+        if first <= expert < first + rows.shape[0]:
+            return rows[expert - first]
+    raise AssertionError(f"no rank holds expert {expert}")
+
+
 @pytest.mark.slow
 def test_replacement_under_zero2_survives_the_next_step(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(pathlib.Path.cwd())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     repo = pathlib.Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            __file__, "--zero2-worker", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    events = ranks[0]["events"]
-    assert [e["expert"] for e in events] == [1] and ranks[1]["events"] == events
-    best = events[0]["source"]
-    for result in ranks:
-        replaced, stepped = result["replaced"], result["stepped"]
-        t = result["adam_step"]
-        for i, grad in enumerate(result["grads"]):
-            clone = replaced["master"][i][1]
-            # right after the replacement: module = master = best + noise; moments of the row are zero
-            torch.testing.assert_close(replaced["module"][i][1], clone)
-            assert 0 < float((clone - replaced["master"][i][best]).abs().max()) < 0.1 * float(clone.abs().max())
-            assert float(replaced["exp_avg"][i][1].abs().max()) == 0.0
-            assert float(replaced["exp_avg_sq"][i][1].abs().max()) == 0.0
-            # one step later: Adam from zero moments, applied to the clone, in the master and the module
-            g = grad[1]
-            torch.testing.assert_close(stepped["exp_avg"][i][1], (1 - BETAS[0]) * g)
-            torch.testing.assert_close(stepped["exp_avg_sq"][i][1], (1 - BETAS[1]) * g * g)
-            m_hat = (1 - BETAS[0]) * g / (1 - BETAS[0] ** t)
-            v_hat = (1 - BETAS[1]) * g * g / (1 - BETAS[1] ** t)
-            expected = clone - LR * m_hat / (v_hat.sqrt() + EPS)
-            torch.testing.assert_close(stepped["master"][i][1], expected)
-            torch.testing.assert_close(stepped["module"][i][1], expected)
+    runs = {ep: [torch.load(tmp_path / f"ep{ep}_rank{r}.pt", weights_only=True) for r in range(2)] for ep in (1, 2)}
+    for ep, ranks in runs.items():
+        events = ranks[0]["events"]
+        assert [(e["expert"], e["source"], e["step"]) for e in events] == [(1, 3, 3)], (ep, events)
+        assert ranks[1]["events"] == events
+        holders = [r for r, result in enumerate(ranks) if result["first"][0] <= 1 < result["first"][0] + result["num_local"]]
+        assert holders == ([0, 1] if ep == 1 else [0])  # at ep 2 the source (3) is on rank 1, the clone on rank 0
+        for r, result in enumerate(ranks):
+            replaced, stepped, t = result["replaced"], result["stepped"], result["adam_step"]
+            for i, grad in enumerate(result["grads"]):
+                first = result["first"][i]
+                if not first <= 1 < first + replaced["master"][i].shape[0]:
+                    continue
+                row = 1 - first
+                clone = replaced["master"][i][row]
+                # right after the replacement: module = master = best + noise; moments of the row are zero
+                torch.testing.assert_close(replaced["module"][i][row], clone)
+                source = held_row(ranks, "master", i, 3)
+                assert 0 < float((clone - source).abs().max()) < 0.1 * float(clone.abs().max())
+                assert float(replaced["exp_avg"][i][row].abs().max()) == 0.0
+                assert float(replaced["exp_avg_sq"][i][row].abs().max()) == 0.0
+                # one step later: Adam from zero moments, applied to the clone, in the master and the module
+                g = grad[row]
+                torch.testing.assert_close(stepped["exp_avg"][i][row], (1 - BETAS[0]) * g)
+                torch.testing.assert_close(stepped["exp_avg_sq"][i][row], (1 - BETAS[1]) * g * g)
+                m_hat = (1 - BETAS[0]) * g / (1 - BETAS[0] ** t)
+                v_hat = (1 - BETAS[1]) * g * g / (1 - BETAS[1] ** t)
+                expected = clone - LR * m_hat / (v_hat.sqrt() + EPS)
+                torch.testing.assert_close(stepped["master"][i][row], expected)
+                torch.testing.assert_close(stepped["module"][i][row], expected)
+                # the same clone as with every expert on every rank
+                torch.testing.assert_close(clone, held_row(runs[1], "master", i, 1), rtol=1e-4, atol=1e-6)
     for key in ("module", "master", "exp_avg", "exp_avg_sq"):
-        for a, b in zip(ranks[0]["stepped"][key], ranks[1]["stepped"][key]):
+        for a, b in zip(runs[1][0]["stepped"][key], runs[1][1]["stepped"][key]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        replicated = slice(-1, None)  # the router's rows: the same on both expert-parallel ranks
+        for a, b in zip(runs[2][0]["stepped"][key][replicated], runs[2][1]["stepped"][key][replicated]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
