@@ -21,7 +21,7 @@ from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, LocalDispatcher
 from moep_ds.moe.experts import EXPERT_ACTIVATIONS, GroupedExperts
 from moep_ds.registry import FFNS, ROUTERS
 from moep_ds.routing.lifecycle import ExpertLifecycle, ExpertRows, LifecycleConfig, LifecycleManaged
-from moep_ds.schema import OneOf, PositiveInt, fail
+from moep_ds.schema import ConfigError, OneOf, PositiveInt, fail
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -113,8 +113,8 @@ def check_lifecycle_placement(cfg: Any, path: str) -> None:
     if isinstance(cfg, MoEConfig):
         return  # its router's lifecycle is served; MoE layers nest no routers elsewhere
     if isinstance(cfg, LifecycleConfig):
-        fail(path, "set", "is supported only on the router of an MoE layer (moe.router.lifecycle of ffn_moe or "
-             "ssm_moe blocks)")
+        raise ConfigError(f"{path} is set, but an expert lifecycle manager works only on the router of an MoE layer "
+                          "(moe.router.lifecycle of an ffn_moe or ssm_moe block); remove it here")
     if dataclasses.is_dataclass(cfg):
         for field in dataclasses.fields(cfg):
             check_lifecycle_placement(getattr(cfg, field.name), f"{path}.{field.name}")

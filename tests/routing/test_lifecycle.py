@@ -320,6 +320,16 @@ def test_config_errors_name_the_path():
         tiny_model({"check_intervall": 5})
 
 
+def test_a_lifecycle_outside_an_moe_layer_fails_when_the_config_is_read():
+    msit = {"type": "msit", "attention": {"num_heads": 2}, "experts": {"d_thin": 8, "num_heads": 2, "windows": [4, 2]},
+            "router": {"type": "topk", "k": 1, "lifecycle": {"min_tokens": 8}}}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"model": {"vocab_size": VOCAB, "d_model": D_MODEL, "max_seq_len": 16, "layers": [msit]}})
+    assert str(err.value) == (
+        "model.layers[0].router.lifecycle is set, but an expert lifecycle manager works only on the router of an MoE "
+        "layer (moe.router.lifecycle of an ffn_moe or ssm_moe block); remove it here")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # DeepSpeed ZeRO-2, two gloo processes, expert parallel 1 (all experts on both ranks) and 2 (experts 0-1 on
 # rank 0, 2-3 on rank 1: the replaced expert 1 and its source, the dominant expert 3, live on different ranks)
