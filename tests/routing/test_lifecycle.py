@@ -436,7 +436,7 @@ def test_replacement_under_zero2_survives_the_next_step(tmp_path):
         events = ranks[0]["events"]
         assert [(e["expert"], e["source"], e["step"]) for e in events] == [(1, 3, 3)], (ep, events)
         assert ranks[1]["events"] == events
-        holders = [r for r, result in enumerate(ranks) if result["first"][0] <= 1 < result["first"][0] + result["num_local"]]
+        holders = [r for r, res in enumerate(ranks) if res["first"][0] <= 1 < res["first"][0] + res["num_local"]]
         assert holders == ([0, 1] if ep == 1 else [0])  # at ep 2 the source (3) is on rank 1, the clone on rank 0
         for r, result in enumerate(ranks):
             replaced, stepped, t = result["replaced"], result["stepped"], result["adam_step"]
