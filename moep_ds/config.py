@@ -17,6 +17,7 @@ import yaml
 from moep_ds.data.config import DataConfig
 from moep_ds.evaluation.config import EvalConfig
 from moep_ds.models.config import ModelConfig, layer_entries
+from moep_ds.moe.layer import check_lifecycle_placement
 from moep_ds.schema import ConfigError, fail, parse, to_dict
 from moep_ds.training.config import TrainConfig
 
@@ -41,6 +42,7 @@ class Config:
             fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
         ep = self.train.expert_parallel_size
         for layer_path, layer in layer_entries(self.model.layers, "model"):
+            check_lifecycle_placement(layer, layer_path)
             moe = getattr(layer, "moe", None)
             if moe is not None and hasattr(moe, "check_expert_parallel"):
                 moe.check_expert_parallel(f"{layer_path}.moe", ep)

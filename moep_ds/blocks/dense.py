@@ -48,19 +48,25 @@ class AttentionSublayer(nn.Module):
 
 @BLOCKS.register("dense", config=DenseBlockConfig)
 class DenseBlock(Block):
-    def __init__(self, cfg: DenseBlockConfig, *, d_model: int, layer_idx: int):
+    """Attention sublayer, then a feed-forward sublayer: a dense FFN here, an MoE layer in `ffn_moe`."""
+
+    def __init__(self, cfg: Any, *, d_model: int, layer_idx: int):
         super().__init__()
         self.parallel_residual = cfg.parallel_residual
         self.attention = AttentionSublayer(cfg.attention, cfg.norm, d_model)
         self.ffn_norm = build_norm(cfg.norm, d_model)
+        self.build_feed_forward(cfg, d_model)
+
+    def build_feed_forward(self, cfg: DenseBlockConfig, d_model: int) -> None:
         self.ffn = build_ffn(cfg.ffn, d_model)
+
+    def feed_forward(self, x_BTD: torch.Tensor) -> BlockOutput:
+        return BlockOutput(self.ffn(x_BTD))
 
     def forward(self, x_BTD: torch.Tensor, *, positions_BT: torch.Tensor, cache: Any = None) -> BlockOutput:
         attn = self.attention(x_BTD, positions_BT, cache)
-        if self.parallel_residual:
-            return BlockOutput(x_BTD + attn + self.ffn(self.ffn_norm(x_BTD)))
-        h = x_BTD + attn
-        return BlockOutput(h + self.ffn(self.ffn_norm(h)))
+        ffn = self.feed_forward(self.ffn_norm(x_BTD if self.parallel_residual else x_BTD + attn))
+        return BlockOutput(x_BTD + attn + ffn.x, ffn.aux_losses, ffn.stats)
 
     def new_cache(self) -> KVCache:
         return KVCache()

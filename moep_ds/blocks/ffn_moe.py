@@ -15,10 +15,9 @@ from typing import Annotated, Any
 
 import torch
 
-from moep_ds.blocks.base import Block, BlockOutput
-from moep_ds.blocks.dense import AttentionSublayer
-from moep_ds.layers.attention import KVCache
-from moep_ds.layers.norm import NormConfig, build_norm
+from moep_ds.blocks.base import BlockOutput
+from moep_ds.blocks.dense import DenseBlock
+from moep_ds.layers.norm import NormConfig
 from moep_ds.moe.layer import MoEConfig, MoELayer
 from moep_ds.registry import ATTENTIONS, BLOCKS, NORMS
 from moep_ds.schema import OneOf, PositiveInt
@@ -38,25 +37,15 @@ class FFNMoEBlockConfig:
 
 
 @BLOCKS.register("ffn_moe", config=FFNMoEBlockConfig)
-class FFNMoEBlock(Block):
-    def __init__(self, cfg: FFNMoEBlockConfig, *, d_model: int, layer_idx: int):
-        super().__init__()
-        self.parallel_residual = cfg.parallel_residual
-        self.attention = AttentionSublayer(cfg.attention, cfg.norm, d_model)
-        self.ffn_norm = build_norm(cfg.norm, d_model)
+class FFNMoEBlock(DenseBlock):
+    """The dense block (either residual layout) with an MoE layer as its feed-forward sublayer."""
+
+    def build_feed_forward(self, cfg: FFNMoEBlockConfig, d_model: int) -> None:
         self.moe = MoELayer(cfg.moe, d_model=d_model)
 
-    def forward(self, x_BTD: torch.Tensor, *, positions_BT: torch.Tensor, cache: Any = None) -> BlockOutput:
-        attn = self.attention(x_BTD, positions_BT, cache)
-        if self.parallel_residual:
-            moe = self.moe(self.ffn_norm(x_BTD))
-            return BlockOutput(x_BTD + attn + moe.y, moe.aux_losses, moe.stats)
-        h = x_BTD + attn
-        moe = self.moe(self.ffn_norm(h))
-        return BlockOutput(h + moe.y, moe.aux_losses, moe.stats)
-
-    def new_cache(self) -> KVCache:
-        return KVCache()
+    def feed_forward(self, x_BTD: torch.Tensor) -> BlockOutput:
+        moe = self.moe(x_BTD)
+        return BlockOutput(moe.y, moe.aux_losses, moe.stats)
 
 
 __all__ = ["FFNMoEBlock", "FFNMoEBlockConfig"]

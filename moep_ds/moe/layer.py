@@ -20,7 +20,8 @@ from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, LocalDispatcher
 from moep_ds.moe.experts import EXPERT_ACTIVATIONS, GroupedExperts
 from moep_ds.registry import FFNS, ROUTERS
-from moep_ds.schema import OneOf, PositiveInt, fail
+from moep_ds.routing.lifecycle import ExpertLifecycle, ExpertRows, LifecycleConfig, LifecycleManaged
+from moep_ds.schema import ConfigError, OneOf, PositiveInt, fail
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -48,8 +49,11 @@ class MoEOutput:
     stats: dict[str, torch.Tensor]
 
 
-class MoELayer(nn.Module):
-    """Router + dispatcher + experts. `.experts` holds only expert parameters (`num_local_experts` of them)."""
+class MoELayer(nn.Module, LifecycleManaged):
+    """Router + dispatcher + experts. `.experts` holds only expert parameters (`num_local_experts` of them).
+
+    A router with a lifecycle manager (MoE-Stream) makes this layer a managed one: the manager sees the expert
+    outputs (`track_impact`) and the trainer's lifecycle callback rewrites `expert_rows()` on replacement."""
 
     def __init__(self, cfg: MoEConfig, *, d_model: int):
         super().__init__()
@@ -74,8 +78,17 @@ class MoELayer(nn.Module):
                 f"{self.experts.num_local_experts}; after shard_experts set an AllToAllDispatcher"
             )
         y_SD = self.experts(batch.x_SD, batch.counts)
-        lifecycle = getattr(self.router, "lifecycle", None)  # MoE-Stream: expert impact (routing/lifecycle.py)
-        return y_SD if lifecycle is None else lifecycle.track_impact(y_SD, batch.counts)
+        lifecycle = self.expert_lifecycle()
+        return y_SD if lifecycle is None else lifecycle.track_impact(y_SD, batch.counts, self.experts.first_expert)
+
+    def expert_lifecycle(self) -> ExpertLifecycle | None:
+        return self.router.lifecycle
+
+    def expert_rows(self) -> ExpertRows:
+        """Every stacked expert weight (this rank's experts) and the router weight's rows (all experts)."""
+        router_rows = [p for p in self.router.parameters() if full_shape(p)[:1] == (self.num_experts,)]
+        return ExpertRows(list(self.experts.parameters()), router_rows,
+                          self.experts.first_expert, self.experts.num_local_experts)
 
     def num_active_params(self) -> int:
         """Router parameters + experts active per token (the router says how many) x parameters of one expert."""
@@ -88,6 +101,28 @@ class MoELayer(nn.Module):
         self.experts.init_weights(std, out_scale)
 
 
+def full_shape(p: nn.Parameter) -> torch.Size:
+    """The parameter's shape, also when ZeRO-3 holds only a partition of it (`ds_shape`)."""
+    return getattr(p, "ds_shape", p.shape)
+
+
+def check_lifecycle_placement(cfg: Any, path: str) -> None:
+    """A lifecycle manager needs a layer that shows it its expert outputs and lets it rewrite its experts:
+    only an MoE layer's router (`...moe.router.lifecycle`) may carry one. Fails on any other, e.g. an MSIT
+    or MoEP-paths router; walks dataclasses and lists under `cfg`."""
+    if isinstance(cfg, MoEConfig):
+        return  # its router's lifecycle is served; MoE layers nest no routers elsewhere
+    if isinstance(cfg, LifecycleConfig):
+        raise ConfigError(f"{path} is set, but an expert lifecycle manager works only on the router of an MoE layer "
+                          "(moe.router.lifecycle of an ffn_moe or ssm_moe block); remove it here")
+    if dataclasses.is_dataclass(cfg):
+        for field in dataclasses.fields(cfg):
+            check_lifecycle_placement(getattr(cfg, field.name), f"{path}.{field.name}")
+    elif isinstance(cfg, list):
+        for i, item in enumerate(cfg):
+            check_lifecycle_placement(item, f"{path}[{i}]")
+
+
 def shard_experts(layer: MoELayer, ep_rank: int, ep_size: int) -> None:
     """Keep only expert-parallel rank `ep_rank`'s experts [ep_rank*L, (ep_rank+1)*L) of `layer` (in place)."""
     if layer.num_experts % ep_size:
@@ -98,4 +133,4 @@ def shard_experts(layer: MoELayer, ep_rank: int, ep_size: int) -> None:
     layer.experts.keep_experts_(ep_rank * local, local)
 
 
-__all__ = ["MoEConfig", "MoELayer", "MoEOutput", "shard_experts"]
+__all__ = ["MoEConfig", "MoELayer", "MoEOutput", "check_lifecycle_placement", "full_shape", "shard_experts"]

@@ -1,36 +1,38 @@
-"""Expert lifecycle manager (MoE-Stream): find dead experts of a top-k MoE layer and re-birth them.
+"""Expert lifecycle manager (MoE-Stream): the statistics of a top-k MoE layer's experts and the decisions.
 
-# T tokens, S assignments (token, expert) pairs, D model dim, E experts
+# T tokens, S assignments (token, expert) pairs, D model dim, E experts, L experts held by this rank
 
-Per expert, updated once per optimizer step from the step's (data-parallel reduced) sums:
+Per expert, updated once per optimizer step from the step's sums over all ranks:
 
     frequency f_i  <- EMA of the share of the step's assignments routed to i           (sums to 1 over i)
     impact    m_i  <- EMA of mean over i's routed tokens of -(dL/dy . y), y = expert i's output for the
                       token: the first-order loss increase if the expert's output were removed; taken from a
                       gradient hook on the expert outputs, so it uses this step's gradients
+    age       a_i  <- a_i + tokens routed to expert i this step           (tokens the expert saw since birth)
     value     v_i  =  (1 - w) f_i / max_j f_j + w c_i / max_j c_j,  c_i = f_i max(m_i, 0)  (in [0, 1])
-    boost     b_i  =  0.35 max(0, 1 - age_i / (2 min_tokens))   (age: tokens the layer routed since i's birth)
+    boost     b_i  =  0.35 max(0, 1 - a_i / (2 min_tokens))
     score     s_i  =  v_i + b_i
 
 Every `check_interval` steps: threshold = `threshold_ratio` x median_j v_j (adaptive, per layer); expert i is
-dead if s_i < threshold and age_i >= min_tokens (probation). The best expert (largest v) is never replaced,
+dead if s_i < threshold and a_i >= min_tokens (probation). The best expert (largest v) is never replaced,
 and at most floor(E / 2) experts are replaced per check, lowest score first. A dead expert becomes a clone of
 the best expert plus Gaussian noise (expert weights and its router row), its optimizer moments and
 statistics are reset, and its router logit gets an exploration bias that decays by x0.99 per step.
+The seed gives no formulas for the value score, the threshold, the check interval or the bias size: those
+are this project's choices.
 
-Wiring: `router: {type: topk, lifecycle: {...}}` gives that router an `ExpertLifecycle` (`router.lifecycle`);
-the router adds its biases and counts its plans, the MoE layer passes the expert outputs through
-`track_impact`, and the trainer calls `lifecycle_step(model, io, all_reduce=...)` after every optimizer step.
-Model code here never imports deepspeed or torch.distributed: the data-parallel reduction is a callable, and
-master weights and optimizer state are reached through a `ParamStateIO` (`TorchParamStateIO` below for a
-plain torch optimizer; `moep_ds.training.lifecycle_state` for DeepSpeed ZeRO, where both are partitioned).
+Homes: the math is the plain functions below; `ExpertLifecycle` holds one layer's state (EMAs, ages, biases,
+event log: module buffers and extra state, so in every state_dict) and makes the decisions; a routed layer
+offers itself to the manager through the `LifecycleManaged` interface; applying a replacement to the model
+and the optimizer (fp32 masters and Adam moments under ZeRO, experts on other ranks) is the trainer callback
+`moep_ds.training.lifecycle.ExpertLifecycleCallback`.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import zlib
-from typing import Annotated, Any, Callable, Protocol
+from typing import Annotated, Any, Callable
 
 import torch
 from torch import nn
@@ -44,13 +46,13 @@ Fraction01 = Annotated[float, Between(0.0, 1.0)]
 
 @dataclasses.dataclass(kw_only=True)
 class LifecycleConfig:
-    min_tokens: PositiveInt = 5000  # probation, in tokens routed by the layer since the expert's birth
+    min_tokens: PositiveInt = 5000  # probation, in tokens routed to the expert since its birth
     check_interval: PositiveInt = 100  # optimizer steps between dead-expert checks
     ema_decay: Annotated[float, Between(0.0, 1.0, hi_open=True)] = 0.99
     impact_weight: Fraction01 = 0.5  # w in the value score
     threshold_ratio: Fraction01 = 0.25  # dead below this fraction of the layer's median value
     birth_boost: NonNegativeFloat = 0.35  # score boost at birth, gone at 2 x min_tokens
-    noise_std: NonNegativeFloat = 0.01  # clone noise, relative to the std of each cloned tensor
+    noise_std: NonNegativeFloat = 0.01  # clone noise, relative to the std of each cloned tensor row
     exploration_bias: float = 1.0  # added to a newborn's router logit
     bias_decay: Fraction01 = 0.99  # per optimizer step
     seed: NonNegativeInt = 0  # clone noise is drawn from (seed, layer, step): identical on every rank
@@ -64,8 +66,25 @@ def ema_update(old: torch.Tensor, new: torch.Tensor, decay: float) -> torch.Tens
     return decay * old + (1.0 - decay) * new
 
 
+def fold_step_statistics(
+    freq_E: torch.Tensor, impact_E: torch.Tensor, age_E: torch.Tensor,
+    counts_E: torch.Tensor, impact_sum_E: torch.Tensor, decay: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(frequency, impact, age) after one step with `counts_E` tokens routed to each expert (all ranks) and
+    `impact_sum_E` summed -(dL/dy . y) over them. An expert that got no tokens keeps its impact EMA, as does
+    every expert on a step with non-finite gradients (fp16 overflow: the optimizer skips that step too)."""
+    counts_E = counts_E.double()
+    total = counts_E.sum()
+    if total > 0:
+        freq_E = ema_update(freq_E.double(), counts_E / total, decay)
+    observed_E = (counts_E > 0) & torch.isfinite(impact_sum_E).all()
+    mean_impact_E = impact_sum_E.double() / counts_E.clamp(min=1)
+    impact_E = torch.where(observed_E, ema_update(impact_E.double(), mean_impact_E, decay), impact_E.double())
+    return freq_E, impact_E, age_E + counts_E.round().long()
+
+
 def birth_boost(age_tokens_E: torch.Tensor, min_tokens: int, max_boost: float) -> torch.Tensor:
-    """max_boost at age 0, falling linearly to 0 at 2 x min_tokens, 0 after."""
+    """max_boost at age 0, falling linearly to 0 at 2 x min_tokens, 0 after (age: the expert's own tokens)."""
     remaining = 1.0 - age_tokens_E.double() / (2 * min_tokens)
     return (max_boost * remaining.clamp(min=0.0)).float()
 
@@ -115,10 +134,11 @@ def clone_with_noise(src: torch.Tensor, noise_std: float, generator: torch.Gener
 
 
 class ExpertLifecycle(nn.Module):
-    """Statistics, ages, exploration biases and event log of one top-k MoE layer's experts.
+    """Statistics, ages, exploration biases and event log of one top-k MoE layer's experts (all E of them,
+    also when this rank holds only L: the statistics are summed over all ranks before they are folded in).
 
-    Owned by the layer's router (`router.lifecycle`), which calls `bias_logits` and `observe_plan`; the MoE
-    layer passes its expert outputs through `track_impact`. All of it is in `state_dict()`: the tensors as
+    Owned by the layer's router (`router.lifecycle`), which calls `bias_logits` and `count_routed_tokens`; the
+    MoE layer passes its expert outputs through `track_impact`. All of it is in `state_dict()`: the tensors as
     buffers (kept in their own dtype when the model is cast to bf16/fp16), the event log as extra state.
     """
 
@@ -128,14 +148,13 @@ class ExpertLifecycle(nn.Module):
         self.num_experts = E = num_experts
         self.register_buffer("freq_ema_E", torch.full((E,), 1.0 / E, dtype=torch.float32))
         self.register_buffer("impact_ema_E", torch.zeros(E, dtype=torch.float32))
-        self.register_buffer("age_tokens_E", torch.zeros(E, dtype=torch.int64))  # layer tokens since birth
-        self.register_buffer("tokens_seen_E", torch.zeros(E, dtype=torch.int64))  # own tokens since birth
+        self.register_buffer("age_tokens_E", torch.zeros(E, dtype=torch.int64))  # own tokens since birth
         self.register_buffer("births_E", torch.zeros(E, dtype=torch.int64))  # times replaced
         self.register_buffer("logit_bias_E", torch.zeros(E, dtype=torch.float32))  # exploration bias
         self.register_buffer("num_steps", torch.zeros((), dtype=torch.int64))
-        # this step's sums over micro-batches: counts [E], impact sums [E], tokens [1] (fp64: exact counts)
-        self.register_buffer("step_sums", torch.zeros(2 * E + 1, dtype=torch.float64), persistent=False)
-        self.events: list[dict[str, Any]] = []  # every replacement so far (returned by `lifecycle_step` too)
+        # this step's sums over micro-batches: tokens routed [E], impact sums [E] (fp64: exact counts)
+        self.register_buffer("step_sums", torch.zeros(2 * E, dtype=torch.float64), persistent=False)
+        self.events: list[dict[str, Any]] = []  # every replacement so far
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         # model.half()/.bfloat16() (DeepSpeed does it) would round the EMAs and ages; keep our dtypes
@@ -145,41 +164,39 @@ class ExpertLifecycle(nn.Module):
             self._buffers[name] = self._buffers[name].to(dtype)
         return self
 
-    # ---- hooks called during forward / backward
+    # ---- called during forward / backward
 
     def bias_logits(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """Router logits plus the exploration biases of newborn experts."""
         return logits_TE + self.logit_bias_E.to(logits_TE.dtype)
 
-    def observe_plan(self, plan: Any) -> Any:
-        """Count the plan's tokens per expert (training only); returns the plan."""
+    def count_routed_tokens(self, counts_E: torch.Tensor) -> None:
+        """The one place a forward pass adds to the running statistics: tokens routed to each expert by this
+        rank's plan (training only). A pass that recomputes a forward (activation checkpointing) must skip it."""
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
-                E = self.num_experts
-                self.step_sums[:E] += plan.counts_E.to(torch.float64)
-                self.step_sums[-1] += plan.num_tokens
-        return plan
+                self.step_sums[: self.num_experts] += counts_E.to(torch.float64)
 
-    def track_impact(self, y_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Identity on the expert outputs (grouped by expert, counts[e] rows for expert e); in training, a
-        gradient hook adds -(dL/dy . y) of each row to its expert's impact sum once backward has produced
-        dL/dy (this step's gradient: no lag)."""
-        if len(counts) != self.num_experts:
-            raise NotImplementedError(
-                f"the lifecycle manager needs all {self.num_experts} experts on one rank, got {len(counts)} "
-                "(expert parallelism is not supported with a lifecycle)"
-            )
+    def track_impact(self, y_SD: torch.Tensor, counts: list[int], first_expert: int = 0) -> torch.Tensor:
+        """Identity on the expert outputs (grouped by expert: counts[l] rows for expert first_expert + l, the
+        experts this rank holds); in training, a gradient hook adds -(dL/dy . y) of each row to its expert's
+        impact sum once backward has produced dL/dy (this step's gradient: no lag)."""
+        if first_expert < 0 or first_expert + len(counts) > self.num_experts:
+            raise ValueError(f"experts [{first_expert}, {first_expert + len(counts)}) are not among the "
+                             f"{self.num_experts} managed")
         if not (self.training and y_SD.requires_grad):
             return y_SD
         experts_S = torch.repeat_interleave(
-            torch.arange(self.num_experts, device=y_SD.device), torch.tensor(counts, device=y_SD.device)
+            torch.arange(len(counts), device=y_SD.device) + self.num_experts + first_expert,
+            torch.tensor(counts, device=y_SD.device),
+            output_size=y_SD.shape[0],
         )
         y_detached = y_SD.detach()
 
         def accumulate_impact(grad_SD: torch.Tensor) -> None:
             with torch.no_grad():
                 impact_S = -(grad_SD.double() * y_detached.double()).sum(-1)
-                self.step_sums[self.num_experts : 2 * self.num_experts].index_add_(0, experts_S, impact_S)
+                self.step_sums.index_add_(0, experts_S.to(self.step_sums.device), impact_S.to(self.step_sums.device))
 
         y_SD.register_hook(accumulate_impact)
         return y_SD
@@ -188,24 +205,20 @@ class ExpertLifecycle(nn.Module):
 
     @torch.no_grad()
     def end_step(self, sums: torch.Tensor | None = None, impact_scale: float = 1.0) -> None:
-        """Fold this step's sums (default: the local `step_sums`; pass the data-parallel sum under DP) into the
-        EMAs and ages, decay the exploration biases, advance the step count, clear the sums.
+        """Fold this step's sums (default: the local `step_sums`; pass the sum over all ranks when distributed)
+        into the EMAs and ages, decay the exploration biases, advance the step count, clear the sums.
 
         `impact_scale` multiplies the impact sums (1 / loss scale under fp16 loss scaling)."""
-        E, cfg = self.num_experts, self.cfg
+        E = self.num_experts
         sums = (self.step_sums if sums is None else sums).to(self.step_sums.device, torch.float64)
-        counts_E, impact_E, tokens = sums[:E], sums[E : 2 * E] * impact_scale, sums[-1]
-        total = counts_E.sum()
-        if total > 0:
-            self.freq_ema_E.copy_(ema_update(self.freq_ema_E.double(), counts_E / total, cfg.ema_decay))
-        # an fp16 overflow step has inf/nan gradients (and is skipped by the optimizer): no impact observation
-        routed_E = (counts_E > 0) & torch.isfinite(impact_E).all()
-        mean_impact_E = impact_E / counts_E.clamp(min=1)
-        updated = ema_update(self.impact_ema_E.double(), mean_impact_E, cfg.ema_decay)
-        self.impact_ema_E.copy_(torch.where(routed_E, updated, self.impact_ema_E.double()))
-        self.age_tokens_E += tokens.round().long()
-        self.tokens_seen_E += counts_E.round().long()
-        self.logit_bias_E.mul_(cfg.bias_decay)
+        freq_E, impact_E, age_E = fold_step_statistics(
+            self.freq_ema_E, self.impact_ema_E, self.age_tokens_E, sums[:E], sums[E:] * impact_scale,
+            self.cfg.ema_decay,
+        )
+        self.freq_ema_E.copy_(freq_E)
+        self.impact_ema_E.copy_(impact_E)
+        self.age_tokens_E.copy_(age_E)
+        self.logit_bias_E.mul_(self.cfg.bias_decay)
         self.num_steps += 1
         self.step_sums.zero_()
 
@@ -219,12 +232,28 @@ class ExpertLifecycle(nn.Module):
         boost_E = birth_boost(self.age_tokens_E, cfg.min_tokens, cfg.birth_boost).to(value_E)
         return value_E, boost_E, value_E + boost_E
 
-    def find_dead_experts(self) -> tuple[list[int], int, float]:
-        """(experts to replace, best expert, threshold) for the current statistics."""
+    def plan_replacements(self, layer_name: str) -> list[dict[str, Any]]:
+        """The check: one event per expert to replace (`expert` becomes a noisy clone of `source`), with the
+        statistics that decided it. Applying them is the trainer callback's job; then call `reset_expert`."""
         value_E, _, score_E = self.scores()
         threshold = adaptive_threshold(value_E, self.cfg.threshold_ratio)
         dead, best = select_dead_experts(score_E, value_E, self.age_tokens_E, threshold, self.cfg.min_tokens)
-        return dead, best, threshold
+        return [
+            {
+                "event": "replace",
+                "step": int(self.num_steps),
+                "layer": layer_name,
+                "expert": e,
+                "source": best,
+                "score": float(score_E[e]),
+                "value": float(value_E[e]),
+                "threshold": threshold,
+                "frequency": float(self.freq_ema_E[e]),
+                "impact": float(self.impact_ema_E[e]),
+                "age_tokens": int(self.age_tokens_E[e]),
+            }
+            for e in dead
+        ]
 
     @torch.no_grad()
     def reset_expert(self, expert: int) -> None:
@@ -232,7 +261,6 @@ class ExpertLifecycle(nn.Module):
         self.freq_ema_E[expert] = 0.0
         self.impact_ema_E[expert] = 0.0
         self.age_tokens_E[expert] = 0
-        self.tokens_seen_E[expert] = 0
         self.births_E[expert] += 1
         self.logit_bias_E[expert] = self.cfg.exploration_bias
 
@@ -244,7 +272,7 @@ class ExpertLifecycle(nn.Module):
     # ---- reporting and checkpoint state
 
     def log_expert_utilization(self) -> dict[str, list[float]]:
-        """Per expert: frequency and impact EMAs, value, boost, score, ages, tokens seen, births, bias."""
+        """Per expert: frequency and impact EMAs, value, boost, score, age, births, bias."""
         value_E, boost_E, score_E = self.scores()
         report = {
             "frequency": self.freq_ema_E,
@@ -253,7 +281,6 @@ class ExpertLifecycle(nn.Module):
             "boost": boost_E,
             "score": score_E,
             "age_tokens": self.age_tokens_E,
-            "tokens_seen": self.tokens_seen_E,
             "births": self.births_E,
             "logit_bias": self.logit_bias_E,
         }
@@ -275,181 +302,64 @@ class ExpertLifecycle(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# replacement: weights, optimizer state
+# what a managed layer offers
 
 
-class ParamStateIO(Protocol):
-    """Full-size access to a parameter's fp32 master value and optimizer state, wherever they live."""
+@dataclasses.dataclass(frozen=True)
+class ExpertRows:
+    """The parameters a replacement rewrites, all with the expert as leading axis.
 
-    def get_master(self, p: nn.Parameter) -> torch.Tensor: ...  # full fp32 tensor, p's shape
+    local: stacked over the experts this rank holds (row l is expert first_expert + l); sharded under expert
+        parallelism. replicated: stacked over all E experts and the same on every rank (the router's rows).
+    """
 
-    def set_master(self, p: nn.Parameter, value: torch.Tensor) -> None: ...  # master and module copy
+    local: list[nn.Parameter]
+    replicated: list[nn.Parameter]
+    first_expert: int
+    num_local_experts: int
 
-    def moment_keys(self, p: nn.Parameter) -> list[str]: ...  # optimizer state tensors shaped like p
-
-    def get_state(self, p: nn.Parameter, key: str) -> torch.Tensor: ...
-
-    def set_state(self, p: nn.Parameter, key: str, value: torch.Tensor) -> None: ...
-
-
-class TorchParamStateIO:
-    """A plain torch optimizer (or none): the module parameter is the master, its state is `optimizer.state`."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer | None = None):
-        self.optimizer = optimizer
-
-    def get_master(self, p: nn.Parameter) -> torch.Tensor:
-        return p.detach().float().clone()
-
-    def set_master(self, p: nn.Parameter, value: torch.Tensor) -> None:
-        with torch.no_grad():
-            p.copy_(value)
-
-    def moment_keys(self, p: nn.Parameter) -> list[str]:
-        state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
-        return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape]
-
-    def get_state(self, p: nn.Parameter, key: str) -> torch.Tensor:
-        return self.optimizer.state[p][key]
-
-    def set_state(self, p: nn.Parameter, key: str, value: torch.Tensor) -> None:
-        target = self.optimizer.state[p][key]
-        if value is not target:
-            target.copy_(value)
+    def holds(self, expert: int) -> bool:
+        return self.first_expert <= expert < self.first_expert + self.num_local_experts
 
 
-def per_expert_parameters(experts: nn.Module, router: nn.Module, num_experts: int) -> list[nn.Parameter]:
-    """Parameters whose leading axis is the expert: every stacked expert weight, and the router's rows."""
-    params = list(experts.parameters())
-    for p in params:
-        if full_shape(p)[0] != num_experts:
-            raise ValueError(f"expert parameter of shape {tuple(full_shape(p))} is not stacked over {num_experts} experts")
-    return params + [p for p in router.parameters() if full_shape(p)[:1] == (num_experts,)]
+class LifecycleManaged:
+    """Interface of a routed layer whose experts an ExpertLifecycle can manage (the MoE layer implements it).
+
+    The trainer finds managed layers by this type (`lifecycle_layers`), not by probing attributes."""
+
+    def expert_lifecycle(self) -> ExpertLifecycle | None:
+        raise NotImplementedError
+
+    def expert_rows(self) -> ExpertRows:
+        raise NotImplementedError
 
 
-def full_shape(p: nn.Parameter) -> torch.Size:
-    """The parameter's shape, also when ZeRO-3 holds only a partition of it (`ds_shape`)."""
-    return getattr(p, "ds_shape", p.shape)
-
-
-@torch.no_grad()
-def clone_experts(
-    params: list[nn.Parameter],
-    replacements: list[tuple[int, int]],
-    io: ParamStateIO,
-    noise_std: float,
-    generator: torch.Generator,
-) -> None:
-    """For each (dead, best): row `dead` of every param := row `best` + noise, in the fp32 master and the
-    module; row `dead` of every optimizer moment := 0. Every rank must call this with the same arguments
-    (under ZeRO the reads and writes are collective)."""
-    dead_rows = [dead for dead, _ in replacements]
-    for p in params:
-        master = io.get_master(p)
-        for dead, best in replacements:
-            master[dead] = clone_with_noise(master[best], noise_std, generator)
-        io.set_master(p, master)
-        for key in io.moment_keys(p):
-            state = io.get_state(p, key)
-            state[dead_rows] = 0
-            io.set_state(p, key, state)
-
-
-def replace_dead_experts(layer_name: str, layer: nn.Module, io: ParamStateIO) -> list[dict[str, Any]]:
-    """The dead-expert check of one MoE layer (`.router.lifecycle`, `.experts`): replace, record, return events."""
-    lifecycle: ExpertLifecycle = layer.router.lifecycle
-    dead, best, threshold = lifecycle.find_dead_experts()
-    if not dead:
-        return []
-    value_E, _, score_E = lifecycle.scores()
-    step = int(lifecycle.num_steps)
-    events = [
-        {
-            "event": "replace",
-            "step": step,
-            "layer": layer_name,
-            "expert": e,
-            "source": best,
-            "score": float(score_E[e]),
-            "value": float(value_E[e]),
-            "threshold": threshold,
-            "frequency": float(lifecycle.freq_ema_E[e]),
-            "impact": float(lifecycle.impact_ema_E[e]),
-            "age_tokens": int(lifecycle.age_tokens_E[e]),
-        }
-        for e in dead
-    ]
-    params = per_expert_parameters(layer.experts, layer.router, lifecycle.num_experts)
-    clone_experts(params, [(e, best) for e in dead], io, lifecycle.cfg.noise_std, lifecycle.noise_generator(layer_name))
-    for event in events:
-        lifecycle.reset_expert(event["expert"])
-        lifecycle.record(event)
-    return events
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the whole model
-
-
-def lifecycle_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, MoE layer) for every layer whose router carries a lifecycle manager, in module order."""
+def lifecycle_layers(model: nn.Module) -> list[tuple[str, LifecycleManaged]]:
+    """(name, layer) for every managed layer that has a lifecycle manager, in module order."""
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(getattr(getattr(module, "router", None), "lifecycle", None), ExpertLifecycle)
-        and hasattr(module, "experts")
+        if isinstance(module, LifecycleManaged) and module.expert_lifecycle() is not None
     ]
 
 
-def lifecycle_step(
-    model: nn.Module,
-    io: ParamStateIO | None = None,
-    *,
-    all_reduce: Callable[[torch.Tensor], None] | None = None,
-    impact_scale: float = 1.0,
-) -> list[dict[str, Any]]:
-    """Call after every optimizer step: fold the step's statistics, run due checks, return new events.
-
-    `all_reduce` sums a tensor in place over the data-parallel group (one call per step for all layers), so
-    that every rank makes the same decisions; `io` reaches the optimizer state (default: weights only).
-    """
-    layers = lifecycle_layers(model)
-    if not layers:
-        return []
-    io = io or TorchParamStateIO()
-    lifecycles = [layer.router.lifecycle for _, layer in layers]
-    sums = torch.cat([lifecycle.step_sums for lifecycle in lifecycles])
-    if all_reduce is not None:
-        all_reduce(sums)
-    events = []
-    per_layer_sums = sums.split([lifecycle.step_sums.numel() for lifecycle in lifecycles])
-    for (name, layer), lifecycle, layer_sums in zip(layers, lifecycles, per_layer_sums):
-        lifecycle.end_step(layer_sums, impact_scale)
-        if lifecycle.check_due():
-            events += replace_dead_experts(name, layer, io)
-    return events
-
-
 def log_expert_utilization(model: nn.Module) -> dict[str, dict[str, list[float]]]:
-    """Per lifecycle-managed layer and expert: frequency, impact, value, boost, score, ages, births, bias."""
-    return {name: layer.router.lifecycle.log_expert_utilization() for name, layer in lifecycle_layers(model)}
+    """Per lifecycle-managed layer and expert: frequency, impact, value, boost, score, age, births, bias."""
+    return {name: layer.expert_lifecycle().log_expert_utilization() for name, layer in lifecycle_layers(model)}
 
 
 __all__ = [
     "ExpertLifecycle",
+    "ExpertRows",
     "LifecycleConfig",
-    "ParamStateIO",
-    "TorchParamStateIO",
+    "LifecycleManaged",
     "adaptive_threshold",
     "birth_boost",
-    "clone_experts",
     "clone_with_noise",
     "ema_update",
+    "fold_step_statistics",
     "lifecycle_layers",
-    "lifecycle_step",
     "log_expert_utilization",
-    "per_expert_parameters",
-    "replace_dead_experts",
     "select_dead_experts",
     "value_scores",
 ]

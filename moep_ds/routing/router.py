@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moep_ds.routing.lifecycle import ExpertLifecycle
 from moep_ds.routing.plan import RoutingPlan
 
 
@@ -25,12 +26,15 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Holds the router weight [E, D]; subclasses turn logits into a RoutingPlan."""
+    """Holds the router weight [E, D]; subclasses turn logits into a RoutingPlan.
+
+    `lifecycle`: the expert lifecycle manager (MoE-Stream) of a router whose config enables one, else None."""
 
     def __init__(self, *, d_model: int, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        self.lifecycle: ExpertLifecycle | None = None
         self.init_weights(std=0.02)
 
     @torch.no_grad()

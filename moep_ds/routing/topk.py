@@ -112,7 +112,9 @@ class TopKRouter(Router):
         logits_TE = self.logits(x_TD)
         if self.lifecycle is None:
             return self.plan_from_logits(logits_TE)
-        return self.lifecycle.observe_plan(self.plan_from_logits(self.lifecycle.bias_logits(logits_TE)))
+        plan = self.plan_from_logits(self.lifecycle.bias_logits(logits_TE))
+        self.lifecycle.count_routed_tokens(plan.counts_E)
+        return plan
 
     def plan_from_logits(self, logits_TE: torch.Tensor) -> RoutingPlan:
         """The plan for given logits (a lifecycle manager adds its exploration biases before this)."""

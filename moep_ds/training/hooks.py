@@ -1,14 +1,18 @@
-"""Per-step hooks the trainer runs after each optimizer step."""
+"""Callbacks the trainer runs after each optimizer step (`after_optimizer_step(step)` returns new events)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moep_ds.routing.expert_choice import ExpertChoiceRouter
-from moep_ds.training.lifecycle_state import lifecycle_after_step
+from moep_ds.training.lifecycle import ExpertLifecycleCallback
+
+
+class StepCallback(Protocol):
+    def after_optimizer_step(self, step: int) -> list[dict[str, Any]]: ...
 
 
 @torch.no_grad()
@@ -25,7 +29,15 @@ def sync_router_thresholds(model: nn.Module) -> None:
                 buffer.div_(world)
 
 
-def after_optimizer_step(model: nn.Module, engine: Any, step: int) -> list[dict]:
-    """Keep routing state consistent across ranks and run the expert lifecycle managers (returns their events)."""
-    sync_router_thresholds(model)
-    return lifecycle_after_step(model, engine)
+class RouterThresholdSync:
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def after_optimizer_step(self, step: int) -> list[dict[str, Any]]:
+        sync_router_thresholds(self.model)
+        return []
+
+
+def step_callbacks(engine: Any, ep_group: Any = None) -> list[StepCallback]:
+    """Keep routing state consistent across ranks, then run the expert lifecycle managers."""
+    return [RouterThresholdSync(engine.module), ExpertLifecycleCallback.for_engine(engine, ep_group)]

@@ -28,7 +28,7 @@ from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.distributed import init_distributed, setup_logging
 from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import check_parallel_layout, moe_layer_classes, setup_expert_parallel
-from moep_ds.training.hooks import after_optimizer_step
+from moep_ds.training.hooks import step_callbacks
 from moep_ds.training.monitor import Monitor
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
 
@@ -93,6 +93,7 @@ class Trainer:
         self.prepared, self.meta = prepare_data(cfg, self.rank)
         self.resume_from = ckpt_io.resolve_resume(resume, self.run_dir)
         self.engine, self.model, self.ep_group = self.build_engine()
+        self.callbacks = step_callbacks(self.engine, self.ep_group)
         self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
         self.accum = ds["gradient_accumulation_steps"]
         self.loader = BatchLoader(self.dataset, micro_batch_size=ds["train_micro_batch_size_per_gpu"],
@@ -227,7 +228,7 @@ class Trainer:
             start = time.time()
             losses, stats = self.train_step()
             self.step += 1
-            events = after_optimizer_step(self.model, self.engine, self.step)
+            events = [event for callback in self.callbacks for event in callback.after_optimizer_step(self.step)]
             if self.engine.skipped_steps and precision(self.ds) == "fp16":
                 losses["skipped_steps"] = float(self.engine.skipped_steps)
             if self.step % cfg.log_every == 0 or self.step in (1, self.max_steps):

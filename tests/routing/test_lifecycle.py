@@ -1,6 +1,8 @@
-"""Expert lifecycle manager: schedule and selection rules, impact from this step's gradients, replacement
-(weights, optimizer state, statistics, exploration bias), a starved expert re-born in a short run, checkpoint
-round trip and resume, and replacement under DeepSpeed ZeRO-2 on two gloo processes.
+"""Expert lifecycle manager: schedule and selection rules (ages in tokens routed to the expert), impact from
+this step's gradients, replacement (weights, optimizer state, statistics, exploration bias) by the trainer
+callback, a starved expert re-born in a short run, checkpoint round trip and resume, and replacement under
+DeepSpeed ZeRO-2 on two gloo processes, with all experts on every rank and with the replaced expert and its
+source on different expert-parallel ranks.
 
 Run as a script (`torchrun --nproc_per_node 2 test_lifecycle.py --zero2-worker OUT`) it is that test's worker.
 """
@@ -18,17 +20,17 @@ import torch
 from moep_ds.config import config_from_dict
 from moep_ds.models.causal_lm import build_model
 from moep_ds.routing.lifecycle import (
-    TorchParamStateIO,
+    adaptive_threshold,
     birth_boost,
     clone_with_noise,
+    fold_step_statistics,
     lifecycle_layers,
-    lifecycle_step,
     log_expert_utilization,
-    per_expert_parameters,
     select_dead_experts,
     value_scores,
 )
 from moep_ds.schema import ConfigError
+from moep_ds.training.lifecycle import ExpertLifecycleCallback
 
 # B batch, T tokens, E experts, S routed (token, expert) pairs
 
@@ -71,6 +73,15 @@ def starve(model, expert: int) -> None:
         block.moe.router.weight[expert] = -1.0
 
 
+def lifecycle_step(model, optimizer=None) -> list[dict]:
+    return ExpertLifecycleCallback(model, optimizer).after_optimizer_step()
+
+
+def rows_of(moe) -> list:
+    rows = moe.expert_rows()
+    return rows.local + rows.replicated
+
+
 def train(model, optimizer, steps: range, stats: list | None = None) -> list[dict]:
     events = []
     for step in steps:
@@ -81,7 +92,7 @@ def train(model, optimizer, steps: range, stats: list | None = None) -> list[dic
         optimizer.step()
         if stats is not None:
             stats.append(out.stats["layers.0.tokens_per_expert"].clone())
-        events += lifecycle_step(model, TorchParamStateIO(optimizer))
+        events += lifecycle_step(model, optimizer)
     return events
 
 
@@ -100,6 +111,21 @@ def test_value_scores_match_a_loop():
     contribution = [f * max(m, 0.0) for f, m in zip(freq.tolist(), impact.tolist())]
     expected = [0.7 * f / 0.4 + 0.3 * c / max(contribution) for f, c in zip(freq.tolist(), contribution)]
     torch.testing.assert_close(value_scores(freq, impact, 0.3), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_fold_step_statistics_matches_a_loop():
+    """EMAs of share and mean impact; age grows by the tokens routed to that expert; an expert without tokens
+    keeps its impact EMA; a step with a non-finite impact (fp16 overflow) updates no impact."""
+    freq, impact, age = torch.tensor([0.25] * 4), torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0, 5, 10, 15])
+    counts, sums = torch.tensor([6.0, 2.0, 0.0, 8.0]), torch.tensor([3.0, -1.0, 0.0, 4.0])
+    new_freq, new_impact, new_age = fold_step_statistics(freq, impact, age, counts, sums, 0.9)
+    shares = [c / 16 for c in counts.tolist()]
+    torch.testing.assert_close(new_freq, torch.tensor([0.9 * 0.25 + 0.1 * s for s in shares], dtype=torch.float64))
+    expected = [0.9 * 0.1 + 0.1 * 0.5, 0.9 * 0.2 + 0.1 * -0.5, 0.3, 0.9 * 0.4 + 0.1 * 0.5]
+    torch.testing.assert_close(new_impact, torch.tensor(expected, dtype=torch.float64))
+    assert new_age.tolist() == [6, 7, 10, 23]
+    _, skipped, _ = fold_step_statistics(freq, impact, age, counts, torch.tensor([1.0, float("inf"), 0, 0]), 0.9)
+    torch.testing.assert_close(skipped, impact.double())
 
 
 def test_probation_protects_young_experts():
@@ -141,7 +167,7 @@ def test_impact_ema_is_this_steps_first_order_loss_change(block):
     lifecycle = moe_of(model).router.lifecycle
     captured = []
     track = lifecycle.track_impact
-    lifecycle.track_impact = lambda y, counts: captured.append((y, counts)) or track(y, counts)
+    lifecycle.track_impact = lambda y, counts, first: captured.append((y, counts)) or track(y, counts, first)
     inputs, labels = batch(0)
     out = model(inputs, labels=labels)  # reference pass
     y_SD, counts = captured[-1]
@@ -158,12 +184,12 @@ def test_impact_ema_is_this_steps_first_order_loss_change(block):
     torch.testing.assert_close(lifecycle.impact_ema_E, expected, rtol=1e-5, atol=1e-10)
     shares = torch.tensor(counts, dtype=torch.float64) / sum(counts)
     torch.testing.assert_close(lifecycle.freq_ema_E, (0.9 / E + 0.1 * shares).float())
-    assert lifecycle.age_tokens_E.tolist() == [inputs.numel()] * E
-    assert lifecycle.tokens_seen_E.tolist() == counts
+    assert lifecycle.age_tokens_E.tolist() == counts  # the tokens each expert saw, not the layer's
+    torch.testing.assert_close(lifecycle.scores()[1], birth_boost(torch.tensor(counts), 5000, 0.35).double())
 
 
 def test_replacement_clones_best_plus_noise_and_resets_optimizer_state_and_statistics():
-    cfg = {"min_tokens": 64, "check_interval": 3, "ema_decay": 0.5, "noise_std": 0.05, "exploration_bias": 2.0}
+    cfg = {"min_tokens": 8, "check_interval": 3, "ema_decay": 0.5, "noise_std": 0.05, "exploration_bias": 2.0}
     model = tiny_model(cfg)
     moe = moe_of(model)
     lifecycle = moe.router.lifecycle
@@ -175,10 +201,11 @@ def test_replacement_clones_best_plus_noise_and_resets_optimizer_state_and_stati
     optimizer.zero_grad()
     model(inputs, labels=labels).loss.backward()
     optimizer.step()
-    params = per_expert_parameters(moe.experts, moe.router, E)
+    params = rows_of(moe)
+    assert len(params) == 3  # w1, w2 of the experts and the router's rows
     before = [p.detach().clone() for p in params]
     moments = [{k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for p in params]
-    events = lifecycle_step(model, TorchParamStateIO(optimizer))  # step 3: a check
+    events = lifecycle_step(model, optimizer)  # step 3: a check
 
     # the other experts' values are untouched by the replacement: the source is the best of them
     assert [(e["expert"], e["source"]) for e in events] == [(1, int(lifecycle.scores()[0].argmax()))]
@@ -212,11 +239,14 @@ def test_exploration_bias_decays_by_099_per_step_and_enters_the_logits():
 
 
 def test_starved_expert_is_replaced_and_then_receives_tokens():
-    model = tiny_model({"min_tokens": 128, "check_interval": 5, "ema_decay": 0.5})
-    starve(model, 2)
+    model = tiny_model({"min_tokens": 16, "check_interval": 5, "ema_decay": 0.5})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     stats: list[torch.Tensor] = []
-    events = train(model, optimizer, range(5), stats)
+    train(model, optimizer, range(2), stats)
+    assert sum(int(s[2]) for s in stats) >= 32  # out of probation, boost gone: it saw 2 x min_tokens tokens
+    starve(model, 2)
+    stats.clear()
+    events = train(model, optimizer, range(2, 5), stats)
     assert all(s[2] == 0 for s in stats), "the starved expert got tokens"
     assert 2 in [e["expert"] for e in events] and all(e["step"] == 5 for e in events)
     stats.clear()
@@ -224,8 +254,22 @@ def test_starved_expert_is_replaced_and_then_receives_tokens():
     assert all(s[2] > 0 for s in stats), f"the re-born expert gets no tokens: {stats}"
 
 
+def test_probation_counts_the_tokens_routed_to_that_expert():
+    """An expert starved from birth sees no tokens: however many tokens the layer routes, it stays on probation
+    (under a layer-token age it would have been replaced at the first check)."""
+    model = tiny_model({"min_tokens": 16, "check_interval": 2, "ema_decay": 0.5, "threshold_ratio": 1.0})
+    starve(model, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    events = train(model, optimizer, range(6))
+    lifecycle = moe_of(model).router.lifecycle
+    assert lifecycle.age_tokens_E[2] == 0 and lifecycle.age_tokens_E.sum() == 6 * 2 * batch(0)[0].numel()
+    value, _, score = lifecycle.scores()
+    assert score[2] < adaptive_threshold(value, 1.0)  # it would be dead but for probation
+    assert events == []  # the others are at or above the median: expert 2 was the only candidate
+
+
 # every check replaces the experts below the layer's median: decisions in every stretch of a short run
-CHURN = {"min_tokens": 64, "check_interval": 2, "threshold_ratio": 1.0, "ema_decay": 0.5}
+CHURN = {"min_tokens": 16, "check_interval": 2, "threshold_ratio": 1.0, "ema_decay": 0.5}
 
 
 def test_state_dict_round_trip():
@@ -276,36 +320,57 @@ def test_config_errors_name_the_path():
         tiny_model({"check_intervall": 5})
 
 
+def test_a_lifecycle_outside_an_moe_layer_fails_when_the_config_is_read():
+    msit = {"type": "msit", "attention": {"num_heads": 2}, "experts": {"d_thin": 8, "num_heads": 2, "windows": [4, 2]},
+            "router": {"type": "topk", "k": 1, "lifecycle": {"min_tokens": 8}}}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"model": {"vocab_size": VOCAB, "d_model": D_MODEL, "max_seq_len": 16, "layers": [msit]}})
+    assert str(err.value) == (
+        "model.layers[0].router.lifecycle is set, but an expert lifecycle manager works only on the router of an MoE "
+        "layer (moe.router.lifecycle of an ffn_moe or ssm_moe block); remove it here")
+
+
 # ---------------------------------------------------------------------------------------------------------
-# DeepSpeed ZeRO-2, two gloo processes
+# DeepSpeed ZeRO-2, two gloo processes, expert parallel 1 (all experts on both ranks) and 2 (experts 0-1 on
+# rank 0, 2-3 on rank 1: the replaced expert 1 and its source, the dominant expert 3, live on different ranks)
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
+ZERO2_LIFECYCLE = {"min_tokens": 16, "check_interval": 3, "ema_decay": 0.5, "impact_weight": 0.2,
+                   "threshold_ratio": 0.5}
 
 
-def zero2_worker(out_dir: str) -> None:
-    """Train under ZeRO-2 with a starved expert; at the check, record the replaced rows of the module, the fp32
-    master and the Adam moments; then one more step (with its full gradient) and record them again."""
+def zero2_run(ep: int, out_dir: str) -> None:
+    """Train under ZeRO-2; expert 3 takes every token's first slot; after step 0 (which leaves expert 1 out of
+    probation) expert 1 is starved. At the check (step 3) record the rows of the module, the fp32 master and the
+    Adam moments; then one more step (with its full gradient) and record them again."""
     import deepspeed
     import torch.distributed as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from deepspeed.utils import safe_get_full_grad
 
     from moep_ds.training import state as st
-    from moep_ds.training.lifecycle_state import lifecycle_after_step
+    from moep_ds.training.config import OptimizerConfig
+    from moep_ds.training.expert_parallel import setup_expert_parallel
+    from moep_ds.training.optim import param_groups
 
-    deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    model = tiny_model({"min_tokens": 64, "check_interval": 3, "ema_decay": 0.5})
-    starve(model, 1)
-    ds_config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 2},
-        "zero_allow_untested_optimizer": True,
-    }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    model = tiny_model(ZERO2_LIFECYCLE)
+    block = model.blocks[0]
+    with torch.no_grad():
+        block.moe_norm.bias.fill_(1.0)  # router input x_hat + 1: a constant row gives a constant logit
+        block.moe.router.weight[3] = 0.3
+    ep_group = setup_expert_parallel(model, ep) if ep > 1 else None
+    groups = param_groups(model, OptimizerConfig(weight_decay=0.0))
+    if ep_group is not None:
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+    ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": 2, "contiguous_gradients": True}, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
+    callback = ExpertLifecycleCallback.for_engine(engine, ep_group)
     moe = moe_of(engine.module)
-    params = per_expert_parameters(moe.experts, moe.router, E)
+    rows = moe.expert_rows()
+    params = rows.local + rows.replicated
 
     def snapshot() -> dict:
         return {
@@ -320,55 +385,89 @@ def zero2_worker(out_dir: str) -> None:
         engine.backward(engine(inputs, labels=labels).loss)
         grads = [safe_get_full_grad(p).clone() for p in params] if with_grads else []
         engine.step()
-        return lifecycle_after_step(engine.module, engine), grads
+        return callback.after_optimizer_step(step_idx + 1), grads
 
-    events = []
-    for i in range(3):
+    events = step(0)[0]
+    router = moe.router.weight
+    starved = st.get_fp32_param(router)
+    starved[1] = -1.0
+    st.set_fp32_param(router, starved)  # the master too: the next step would restore the module from it
+    for i in (1, 2):
         events += step(i)[0]
     after_replace = snapshot()
     _, grads = step(3, with_grads=True)
-    after_step = snapshot()
-    result = {"events": events, "replaced": after_replace, "stepped": after_step, "grads": grads,
-              "adam_step": st.optimizer_step_count(engine.optimizer)}
-    torch.save(result, pathlib.Path(out_dir) / f"rank{rank}.pt")
+    result = {"events": events, "replaced": after_replace, "stepped": snapshot(), "grads": grads,
+              "adam_step": st.optimizer_step_count(engine.optimizer), "num_local": rows.num_local_experts,
+              "first": [rows.first_expert] * len(rows.local) + [0] * len(rows.replicated)}
+    torch.save(result, pathlib.Path(out_dir) / f"ep{ep}_rank{rank}.pt")
+
+
+def zero2_worker(out_dir: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for ep in (1, 2):
+        zero2_run(ep, out_dir)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def held_row(ranks: list[dict], key: str, i: int, expert: int) -> torch.Tensor:
+    """Row `expert` of parameter i's fp32 master right after the replacement, as recorded by a rank holding it."""
+    for result in ranks:
+        first, rows = result["first"][i], result["replaced"][key][i]
+        if first <= expert < first + rows.shape[0]:
+            return rows[expert - first]
+    raise AssertionError(f"no rank holds expert {expert}")
+
+
 @pytest.mark.slow
 def test_replacement_under_zero2_survives_the_next_step(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(pathlib.Path.cwd())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     repo = pathlib.Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            __file__, "--zero2-worker", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    events = ranks[0]["events"]
-    assert [e["expert"] for e in events] == [1] and ranks[1]["events"] == events
-    best = events[0]["source"]
-    for result in ranks:
-        replaced, stepped = result["replaced"], result["stepped"]
-        t = result["adam_step"]
-        for i, grad in enumerate(result["grads"]):
-            clone = replaced["master"][i][1]
-            # right after the replacement: module = master = best + noise; moments of the row are zero
-            torch.testing.assert_close(replaced["module"][i][1], clone)
-            assert 0 < float((clone - replaced["master"][i][best]).abs().max()) < 0.1 * float(clone.abs().max())
-            assert float(replaced["exp_avg"][i][1].abs().max()) == 0.0
-            assert float(replaced["exp_avg_sq"][i][1].abs().max()) == 0.0
-            # one step later: Adam from zero moments, applied to the clone, in the master and the module
-            g = grad[1]
-            torch.testing.assert_close(stepped["exp_avg"][i][1], (1 - BETAS[0]) * g)
-            torch.testing.assert_close(stepped["exp_avg_sq"][i][1], (1 - BETAS[1]) * g * g)
-            m_hat = (1 - BETAS[0]) * g / (1 - BETAS[0] ** t)
-            v_hat = (1 - BETAS[1]) * g * g / (1 - BETAS[1] ** t)
-            expected = clone - LR * m_hat / (v_hat.sqrt() + EPS)
-            torch.testing.assert_close(stepped["master"][i][1], expected)
-            torch.testing.assert_close(stepped["module"][i][1], expected)
+    runs = {ep: [torch.load(tmp_path / f"ep{ep}_rank{r}.pt", weights_only=True) for r in range(2)] for ep in (1, 2)}
+    for ep, ranks in runs.items():
+        events = ranks[0]["events"]
+        assert [(e["expert"], e["source"], e["step"]) for e in events] == [(1, 3, 3)], (ep, events)
+        assert ranks[1]["events"] == events
+        holders = [r for r, res in enumerate(ranks) if res["first"][0] <= 1 < res["first"][0] + res["num_local"]]
+        assert holders == ([0, 1] if ep == 1 else [0])  # at ep 2 the source (3) is on rank 1, the clone on rank 0
+        for r, result in enumerate(ranks):
+            replaced, stepped, t = result["replaced"], result["stepped"], result["adam_step"]
+            for i, grad in enumerate(result["grads"]):
+                first = result["first"][i]
+                if not first <= 1 < first + replaced["master"][i].shape[0]:
+                    continue
+                row = 1 - first
+                clone = replaced["master"][i][row]
+                # right after the replacement: module = master = best + noise; moments of the row are zero
+                torch.testing.assert_close(replaced["module"][i][row], clone)
+                source = held_row(ranks, "master", i, 3)
+                assert 0 < float((clone - source).abs().max()) < 0.1 * float(clone.abs().max())
+                assert float(replaced["exp_avg"][i][row].abs().max()) == 0.0
+                assert float(replaced["exp_avg_sq"][i][row].abs().max()) == 0.0
+                # one step later: Adam from zero moments, applied to the clone, in the master and the module
+                g = grad[row]
+                torch.testing.assert_close(stepped["exp_avg"][i][row], (1 - BETAS[0]) * g)
+                torch.testing.assert_close(stepped["exp_avg_sq"][i][row], (1 - BETAS[1]) * g * g)
+                m_hat = (1 - BETAS[0]) * g / (1 - BETAS[0] ** t)
+                v_hat = (1 - BETAS[1]) * g * g / (1 - BETAS[1] ** t)
+                expected = clone - LR * m_hat / (v_hat.sqrt() + EPS)
+                torch.testing.assert_close(stepped["master"][i][row], expected)
+                torch.testing.assert_close(stepped["module"][i][row], expected)
+                # the same clone as with every expert on every rank
+                torch.testing.assert_close(clone, held_row(runs[1], "master", i, 1), rtol=1e-4, atol=1e-6)
     for key in ("module", "master", "exp_avg", "exp_avg_sq"):
-        for a, b in zip(ranks[0]["stepped"][key], ranks[1]["stepped"][key]):
+        for a, b in zip(runs[1][0]["stepped"][key], runs[1][1]["stepped"][key]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        replicated = slice(-1, None)  # the router's rows: the same on both expert-parallel ranks
+        for a, b in zip(runs[2][0]["stepped"][key][replicated], runs[2][1]["stepped"][key][replicated]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

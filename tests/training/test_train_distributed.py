@@ -175,3 +175,39 @@ def test_conflicting_settings_fail_before_training(tmp_path):
         "error: train.grad_clip (0.5) conflicts with ds_config gradient_clipping (1.0); set it in one place")
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def lifecycle_events(run_dir: pathlib.Path) -> list[dict]:
+    lines = (run_dir / "expert_utilization.jsonl").read_text().splitlines()
+    return [json.loads(line)["event"] for line in lines if '"event"' in line]
+
+
+def test_moe_stream_lifecycle_expert_parallel_2_equals_1(tmp_path):
+    """configs/moe_stream.yaml at tiny shapes, ZeRO-2 fp32 on 2 ranks: with its 8 experts sharded over the 2
+    ranks, the losses and the lifecycle's replacements (decided on statistics reduced over the ranks, clones
+    sent from the rank holding the source) are those of the run with every expert on both ranks."""
+    layer = "model.layers[0]"
+    shapes = ["data.source=builtin", "data.tokenizer.vocab_size=512", "model.vocab_size=512", "model.d_model=32",
+              "model.max_seq_len=32", f"{layer}.repeat=2", f"{layer}.mixer.state_size=4", f"{layer}.mixer.chunk_size=8",
+              f"{layer}.moe.expert.hidden_size=48", f"{layer}.moe.router.lifecycle.min_tokens=16",
+              f"{layer}.moe.router.lifecycle.check_interval=2", f"{layer}.moe.router.lifecycle.threshold_ratio=1.0",
+              "train.max_steps=5", "train.log_every=1", "train.micro_batch_size=4", "train.global_batch_size=8",
+              "train.checkpoint.every_steps=null", "train.checkpoint.at_end=false", "train.optimizer.lr=1.0e-2",
+              "train.schedule.warmup_steps=2"]
+    runs = {ep: tmp_path / f"ep{ep}" for ep in (1, 2)}
+    jobs = [{"recipe": str(REPO / "configs" / "moe_stream.yaml"), "ds_config": str(DS_CONFIGS / "zero2_fp32.json"),
+             "overrides": shapes + [f"train.output_dir={out}", f"train.expert_parallel_size={ep}"]}
+            for ep, out in runs.items()]
+    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp_path, jobs))
+    ep1, ep2 = losses(runs[1]), losses(runs[2])
+    assert sorted(ep1) == sorted(ep2) == [1, 2, 3, 4, 5]
+    for step in ep1:
+        assert ep2[step] == pytest.approx(ep1[step], rel=1e-4), (step, ep1, ep2)
+    events1, events2 = lifecycle_events(runs[1]), lifecycle_events(runs[2])
+    assert events1, "expected replacements within 5 steps"
+    assert len({e["layer"] for e in events1}) == 2 and {e["step"] for e in events1} <= {2, 4}
+    decided = ("event", "step", "layer", "expert", "source", "age_tokens")
+    assert [[e[k] for k in decided] for e in events2] == [[e[k] for k in decided] for e in events1]
+    for a, b in zip(events1, events2):
+        for key in ("score", "value", "threshold", "frequency", "impact"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-9), (key, a, b)
