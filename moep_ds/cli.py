@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from moep_ds.errors import UserError
+from moep_ds.schema import ConfigError
 
 log = logging.getLogger("moep_ds")
 
@@ -23,12 +25,24 @@ def pretrain_parser() -> argparse.ArgumentParser:
     return p
 
 
+def launcher_rank() -> int:
+    """This process's rank as a multi-process launcher sets it (deepspeed, torchrun: RANK; srun: SLURM_PROCID)."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
 def run_guarded(fn, *args) -> int:
-    """Run a command body, turning expected failures into one line on stderr and exit status 2."""
+    """Run a command body, turning expected failures into one line on stderr and exit status 2.
+
+    Every rank of a launcher reads the same recipe, so a config error is printed by rank 0 only; other bad
+    input (a file one node lacks) may differ between ranks and is printed by each, prefixed with its rank."""
     try:
         return fn(*args) or 0
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        rank = launcher_rank()
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        elif not isinstance(err, ConfigError):
+            print(f"[rank {rank}] error: {err}", file=sys.stderr)
         return 2
 
 
