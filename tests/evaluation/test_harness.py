@@ -200,6 +200,27 @@ def test_simple_evaluate_on_local_blimp_offline(trained, tmp_path):
 
 
 @pytest.mark.slow
+def test_moep_eval_grammar_pairs_without_a_data_directory(trained, tmp_path, capsys):
+    from moep_ds.data.builtin import PHENOMENA
+    from moep_ds.evaluation.run_eval import main as eval_main
+    from moep_ds.evaluation.tasks import grammar_pairs_jsonl
+
+    model_dir, _ = trained
+    assert eval_main([str(model_dir), "--tasks", "grammar_pairs", "--limit", "12", "--data_dir",
+                      str(tmp_path / "nowhere"), "--output", str(tmp_path / "out"), "--bootstrap_iters", "0"]) == 0
+    table = capsys.readouterr().out
+    scores = json.loads((tmp_path / "out" / "results.json").read_text())["scores"]
+    accs = {name: scores[f"grammar_pairs_{name}"]["acc"] for name in PHENOMENA}
+    assert scores["grammar_pairs"]["acc"] == pytest.approx(sum(accs.values()) / len(accs))
+    for name, acc in accs.items():  # the per-phenomenon table
+        assert f"| grammar_pairs_{name} | acc | {100 * acc:.2f} |" in table
+    lm = MoepLM(str(model_dir))
+    jsonl = tmp_path / "first.jsonl"
+    jsonl.write_text("".join(grammar_pairs_jsonl()["agreement_across_relative_clause"].splitlines(True)[:12]))
+    assert accs["agreement_across_relative_clause"] == pytest.approx(naive_blimp_accuracy(lm.model, lm.tokenizer, jsonl))
+
+
+@pytest.mark.slow
 def test_moep_eval_writes_results_with_routing_mode(tmp_path, tokenizer, tokenizer_dir, capsys):
     from moep_ds.evaluation.run_eval import main as eval_main
 
