@@ -13,8 +13,23 @@ from moep_ds.schema import ConfigError
 log = logging.getLogger("moep_ds")
 
 
+STOPPING = """\
+stopping and resuming:
+  --set train.exit_at_step=N   checkpoint and exit after step N
+  kill -USR1 <trainer pids>    (or -TERM; e.g. pkill -USR1 -f pretrain.py) every trainer checkpoints at the
+                               end of its current step and exits 0; a repeated signal is ignored
+  launchers/local.sh           runs deepspeed for you: `kill -USR1 <pid of local.sh>` checkpoints and stops
+  --resume auto                continues from the newest complete checkpoint in train.output_dir
+
+  SIGTERM to the `deepspeed` runner process kills only the runner (DeepSpeed's launcher does not pass it
+  on; the runner exits 143): the trainers go on, orphaned. They check every 5 s whether their launcher is
+  gone and then checkpoint and exit as on SIGUSR1; signal the trainers themselves to stop without the wait.
+"""
+
+
 def pretrain_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Pre-train a moep_ds model under DeepSpeed.")
+    p = argparse.ArgumentParser(description="Pre-train a moep_ds model under DeepSpeed.", epilog=STOPPING,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
     p.add_argument("--ds_config", help="DeepSpeed JSON config (ds_configs/*.json)")
     p.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
