@@ -181,7 +181,8 @@ class MoepLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", req[0], answer)
         return results
 
-    def _score_windows(self, windows: list[tuple[list[int], list[int]]], disable_tqdm: bool) -> list[tuple[float, bool]]:
+    def _score_windows(self, windows: list[tuple[list[int], list[int]]],
+                       disable_tqdm: bool) -> list[tuple[float, bool]]:
         """(log p(chunk | context), greedy) per window; a window's context + chunk is at most max_length + 1."""
         inputs = [(ctx + cont)[:-1] for ctx, cont in windows]
         results: list[tuple[float, bool] | None] = [None] * len(windows)
