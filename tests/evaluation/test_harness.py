@@ -1,6 +1,7 @@
 """The lm-eval model `moep_ds`: scoring against naive references, batch-size invariance for every block type,
 rolling log-likelihood, generate_until, and simple_evaluate on local BLiMP tasks (offline)."""
 import json
+import logging
 
 import pytest
 import torch
@@ -222,8 +223,11 @@ def test_moep_eval_grammar_pairs_without_a_data_directory(trained, tmp_path, cap
 
 
 @pytest.mark.slow
-def test_moep_eval_writes_results_with_routing_mode(tmp_path, tokenizer, tokenizer_dir, capsys):
+def test_moep_eval_writes_results_with_routing_mode(tmp_path, tokenizer, tokenizer_dir, capsys, caplog, monkeypatch):
     from moep_ds.evaluation.run_eval import main as eval_main
+
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
+    caplog.set_level(logging.INFO, logger="moep_ds")
 
     model, cfg = tiny_model("ffn_moe_nova", vocab_size=tokenizer.vocab_size)
     ckpt = save_model_dir(model, cfg, tmp_path / "run" / "checkpoints" / "step_5", tokenizer_dir=tokenizer_dir,
@@ -239,6 +243,8 @@ def test_moep_eval_writes_results_with_routing_mode(tmp_path, tokenizer, tokeniz
     assert record["moep"]["train_flops"] == record["moep"]["flops_per_token"] * 5000
     assert 0.0 <= record["scores"][task]["acc"] <= 1.0
     assert "routing eval mode: threshold" in capsys.readouterr().out
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("using checkpoint")] == [
+        f"using checkpoint step_5 (step 5) of run {tmp_path / 'run'}"]
 
 
 @pytest.mark.slow
