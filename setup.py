@@ -31,6 +31,7 @@ setup(
         "accelerate",  # lm-eval's `--model hf` imports it
         "filelock",
         "numpy",
+        "psutil",  # the trainer watches its launcher processes
     ],
     extras_require={"test": ["pytest>=8", "pytest-timeout"]},
     entry_points={

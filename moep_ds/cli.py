@@ -4,15 +4,32 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from moep_ds.errors import UserError
+from moep_ds.schema import ConfigError
 
 log = logging.getLogger("moep_ds")
 
 
+STOPPING = """\
+stopping and resuming:
+  --set train.exit_at_step=N   checkpoint and exit after step N
+  kill -USR1 <trainer pids>    (or -TERM; e.g. pkill -USR1 -f pretrain.py) every trainer checkpoints at the
+                               end of its current step and exits 0; a repeated signal is ignored
+  launchers/local.sh           runs deepspeed for you: `kill -USR1 <pid of local.sh>` checkpoints and stops
+  --resume auto                continues from the newest complete checkpoint in train.output_dir
+
+  SIGTERM to the `deepspeed` runner process kills only the runner (DeepSpeed's launcher does not pass it
+  on; the runner exits 143): the trainers go on, orphaned. They check every 5 s whether their launcher is
+  gone and then checkpoint and exit as on SIGUSR1; signal the trainers themselves to stop without the wait.
+"""
+
+
 def pretrain_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Pre-train a moep_ds model under DeepSpeed.")
+    p = argparse.ArgumentParser(description="Pre-train a moep_ds model under DeepSpeed.", epilog=STOPPING,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
     p.add_argument("--ds_config", help="DeepSpeed JSON config (ds_configs/*.json)")
     p.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
@@ -23,12 +40,24 @@ def pretrain_parser() -> argparse.ArgumentParser:
     return p
 
 
+def launcher_rank() -> int:
+    """This process's rank as a multi-process launcher sets it (deepspeed, torchrun: RANK; srun: SLURM_PROCID)."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
 def run_guarded(fn, *args) -> int:
-    """Run a command body, turning expected failures into one line on stderr and exit status 2."""
+    """Run a command body, turning expected failures into one line on stderr and exit status 2.
+
+    Every rank of a launcher reads the same recipe, so a config error is printed by rank 0 only; other bad
+    input (a file one node lacks) may differ between ranks and is printed by each, prefixed with its rank."""
     try:
         return fn(*args) or 0
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        rank = launcher_rank()
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        elif not isinstance(err, ConfigError):
+            print(f"[rank {rank}] error: {err}", file=sys.stderr)
         return 2
 
 

@@ -63,6 +63,18 @@ def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
+def yaml_error_text(err: Exception) -> str:
+    """The parser's problem with its 1-based line and column (PyYAML spreads them over several lines)."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or problem is None:
+        return str(err).strip().splitlines()[0]
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and context_mark is not None:
+        text += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    return text
+
+
 def read_yaml(path: str | pathlib.Path) -> dict[str, Any]:
     path = pathlib.Path(path)
     if not path.is_file():
@@ -72,8 +84,7 @@ def read_yaml(path: str | pathlib.Path) -> dict[str, Any]:
     try:
         raw = yaml_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        first = str(err).strip().splitlines()[0]
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {first}") from None
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {yaml_error_text(err)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
     return raw

@@ -6,8 +6,9 @@ import sys
 import pytest
 import yaml
 
-from moep_ds.cli import pretrain_main
+from moep_ds.cli import pretrain_main, run_guarded
 from moep_ds.config import config_from_dict, load_config
+from moep_ds.errors import UserError
 from moep_ds.schema import ConfigError
 
 from repo_paths import CONFIGS, REPO
@@ -117,6 +118,38 @@ def test_non_yaml_files_are_rejected(tmp_path, capsys):
     assert "must hold a mapping of sections, got str" in capsys.readouterr().err
     assert pretrain_main(["--config", str(tmp_path / "missing.yaml"), "--dry_run"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,where", [
+    ("model:\n  d_model: 32\n  layers: [{type: dense}\ntrain: {max_steps: 3}\n",
+     "line 4, column 1: expected ',' or ']', but got '<scalar>' (while parsing a flow sequence at line 3, column 11)"),
+    ("model:\n  d_model: 32\n  d_model: : 3\n", "line 3, column 12: mapping values are not allowed here"),
+])
+def test_malformed_yaml_names_line_and_column(text, where, tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    assert pretrain_main(["--config", str(path), "--dry_run"]) == 2
+    assert capsys.readouterr().err == f"error: config file '{path}' is not valid YAML: {where}\n"
+
+
+def test_under_a_launcher_config_errors_are_printed_by_rank_0_only(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(with_change("model/d_model", -1)))
+    for env, printed in [({"RANK": "1"}, False), ({"SLURM_PROCID": "3"}, False), ({"RANK": "0"}, True), ({}, True)]:
+        for name in ("RANK", "SLURM_PROCID"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert pretrain_main(["--config", str(path), "--dry_run"]) == 2
+        err = capsys.readouterr().err
+        assert (err.startswith("error: model.d_model (-1)") and err.count("\n") == 1) if printed else err == "", env
+
+    def missing_file():  # other bad input may differ between ranks: every rank says it, with its rank
+        raise UserError("checkpoint '/x' does not exist")
+
+    monkeypatch.setenv("RANK", "1")
+    assert run_guarded(missing_file) == 2
+    assert capsys.readouterr().err == "[rank 1] error: checkpoint '/x' does not exist\n"
 
 
 def test_pretrain_script_bad_config_has_no_traceback(tmp_path):

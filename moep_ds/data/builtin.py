@@ -6,8 +6,9 @@ language model has to learn:
   long distance    subject-verb across a prepositional phrase or relative clause with an attractor noun
                    (the key near the boxes is red), reflexives (the girls near the boy see themselves),
                    pronouns agreeing with a character introduced sentences earlier (Anna ... She ... her)
-`minimal_pairs(n, seed)` emits BLiMP-style pairs (one agreement flipped) from the same grammar for a
-built-in zero-shot evaluation. Everything is deterministic from the seed (`random.Random`).
+`minimal_pairs(n, seed)` emits BLiMP-style pairs (one agreement flipped) from the same grammar, and
+`pairs_per_phenomenon(n, seed)` n distinct pairs of each phenomenon for the `grammar_pairs` evaluation task.
+Everything is deterministic from the seed (`random.Random`).
 """
 from __future__ import annotations
 
@@ -313,3 +314,25 @@ def minimal_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
         good, bad = PHENOMENA[name](grammar)
         pairs.append({"sentence_good": render(good), "sentence_bad": render(bad), "phenomenon": name})
     return pairs
+
+
+def pairs_per_phenomenon(num_pairs: int, seed: int = 0) -> dict[str, list[dict[str, str]]]:
+    """`num_pairs` distinct pairs {"sentence_good", "sentence_bad", "phenomenon"} of each phenomenon.
+
+    Each phenomenon draws from its own generator (seeded with "<seed>:<phenomenon>"), so adding a phenomenon
+    or asking for more pairs leaves the pairs of the others unchanged (a larger request extends a smaller one).
+    """
+    out = {}
+    for name, build in PHENOMENA.items():
+        grammar = Grammar(random.Random(f"{seed}:{name}"))
+        pairs: dict[str, dict[str, str]] = {}
+        for _ in range(100 * num_pairs):  # the grammar has thousands of sentences per phenomenon
+            if len(pairs) == num_pairs:
+                break
+            good, bad = build(grammar)
+            pairs.setdefault(render(good), {"sentence_good": render(good), "sentence_bad": render(bad),
+                                            "phenomenon": name})
+        if len(pairs) < num_pairs:
+            raise ValueError(f"the grammar has fewer than {num_pairs} distinct {name} pairs ({len(pairs)})")
+        out[name] = list(pairs.values())
+    return out

@@ -11,6 +11,13 @@ length (longest first) and batched with right padding: causal blocks never look 
 does not depend on the batch it was computed in, as long as routing is causal at evaluation (expert choice
 with `eval_mode: threshold`). The routers' eval modes are reported in `get_model_info()` (lm-eval copies
 them into the results' `config`).
+
+Inputs longer than the model's window (max_length L tokens):
+  context too long        left-truncated: the continuation is conditioned on the last tokens that fit.
+  continuation > L tokens scored in disjoint chunks of L tokens from its start (the last chunk may be shorter),
+                          the windows rolling log-likelihood uses: each chunk is predicted from the text before
+                          it (context + earlier continuation), left-truncated so the input fits L. The
+                          log-likelihood is the sum over chunks; greedy means greedy in every chunk.
 """
 from __future__ import annotations
 
@@ -22,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from moep_ds.errors import UserError
@@ -62,6 +68,23 @@ def continuation_logprobs(
         greedy = bool((logp_NV.argmax(-1) == cont_N).all())
         out.append((float(logp_NV.gather(-1, cont_N[:, None]).sum()), greedy))
     return out
+
+
+def continuation_windows(context: list[int], continuation: list[int], max_length: int
+                         ) -> list[tuple[list[int], list[int]]]:
+    """(context, chunk) windows that score `continuation` after `context` with inputs of at most max_length.
+
+    The continuation is cut into chunks of max_length tokens from its start; each chunk's context is the text
+    before it, cut on the left to the max_length + 1 - len(chunk) tokens that fit beside it. For a
+    continuation that fits this is the one window (context tail, continuation); for a document after the
+    end-of-text token it is lm-eval's rolling windows (`get_rolling_token_windows` with context_len=1)."""
+    assert context, "an empty context is the end-of-text token"
+    full, start = context + continuation, len(context)
+    windows = []
+    for begin in range(start, len(full), max_length):
+        end = min(begin + max_length, len(full))
+        windows.append((full[max(0, end - 1 - max_length):begin], full[begin:end]))
+    return windows
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -143,32 +166,39 @@ class MoepLM(TemplateLM):
     # ---- scoring
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False, **kwargs: Any):
-        """Each request's (context + continuation) is cut to its last max_length + 1 tokens (left truncation,
-        as lm-eval's HF model does); the input is all but the last of those."""
-        inputs = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in requests]
-        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        """Each request is split by `continuation_windows` into windows that fit max_length; their scores add."""
+        windows, owner = [], []
+        for n, (_, ctx, cont) in enumerate(requests):
+            for window in continuation_windows(ctx, cont, self.max_length):
+                windows.append(window)
+                owner.append(n)
+        scores = self._score_windows(windows, disable_tqdm)
+        results = [(0.0, True)] * len(requests)
+        for n, (logp, greedy) in zip(owner, scores):
+            results[n] = (results[n][0] + logp, results[n][1] and greedy)
+        for req, answer in zip(requests, results):
+            if req[0] is not None:
+                self.cache_hook.add_partial("loglikelihood", req[0], answer)
+        return results
+
+    def _score_windows(self, windows: list[tuple[list[int], list[int]]],
+                       disable_tqdm: bool) -> list[tuple[float, bool]]:
+        """(log p(chunk | context), greedy) per window; a window's context + chunk is at most max_length + 1."""
+        inputs = [(ctx + cont)[:-1] for ctx, cont in windows]
+        results: list[tuple[float, bool] | None] = [None] * len(windows)
         for batch in tqdm(batch_by_length([len(x) for x in inputs], self.batch_size), disable=disable_tqdm,
                           desc="moep_ds loglikelihood"):
             rows = [inputs[i] for i in batch]
             logits_BTV = self.model(right_pad(rows, self.eot_token_id).to(self.device)).logits
-            for i, answer in zip(batch, continuation_logprobs(logits_BTV, rows, [requests[i][2] for i in batch])):
+            for i, answer in zip(batch, continuation_logprobs(logits_BTV, rows, [windows[i][1] for i in batch])):
                 results[i] = answer
-                if requests[i][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Whole-document log-likelihood in disjoint windows of max_length tokens (lm-eval's rolling scheme)."""
-        windows, owner = [], []
-        for n, (text,) in enumerate(req.args for req in requests):
-            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
-                windows.append((None, ctx, cont))
-                owner.append(n)
-        totals = [0.0] * len(requests)
-        for n, (logp, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
-            totals[n] += logp
+        """Whole-document log-likelihood: the document as a continuation of the end-of-text token, scored in the
+        disjoint windows of max_length tokens of lm-eval's rolling scheme (`continuation_windows`)."""
+        scored = [(None, [self.prefix_token_id], self.tok_encode(text)) for (text,) in (req.args for req in requests)]
+        totals = [logp for logp, _ in self._loglikelihood_tokens(scored, disable_tqdm=disable_tqdm)]
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return totals

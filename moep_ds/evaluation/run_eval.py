@@ -2,6 +2,7 @@
 
     moep-eval runs/x                                  tasks from the recipe's eval.tasks (default: BLiMP
                                                       filtered + supplement), results in runs/x/eval/
+    moep-eval runs/x --tasks grammar_pairs            the embedded grammar's minimal pairs (no data needed)
     moep-eval runs/x --tasks piqa arc_easy --limit 100 --batch_size 32
     moep-eval runs/x --set model.layers[1].moe.router.eval_mode=topk     evaluate with the training rule
     moep-eval --list_tasks                            the local task names
@@ -78,7 +79,7 @@ def task_manager(args: argparse.Namespace, cfg: Any, tasks: list[str], tmp: str)
         if unknown:
             raise UserError(f"unknown lm-eval task(s) {unknown}; `lm-eval ls tasks` lists them")
         return manager, names, None
-    data_dir = resolve_data_dir(args.data_dir or cfg.eval.data_dir)
+    data_dir = resolve_data_dir(args.data_dir or cfg.eval.data_dir, must_exist=False)
     rendered = render_tasks(data_dir, tmp)
     rendered.resolve(tasks)
     return TaskManager(include_defaults=False, include_path=str(rendered.path)), tasks, str(data_dir)
@@ -91,12 +92,12 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from moep_ds.evaluation.harness import MoepLM
     from moep_ds.evaluation.model_dir import load_model_dir, load_recipe
 
-    _, cfg = load_recipe(args.checkpoint, args.set)
+    model_dir, cfg = load_recipe(args.checkpoint, args.set)  # a run directory resolves (and logs) once
     tasks = split_tasks(args.tasks) if args.tasks else (cfg.eval.tasks or DEFAULT_TASKS)
     batch_size = args.batch_size or cfg.eval.batch_size
     with tempfile.TemporaryDirectory(prefix="moep_eval_tasks_") as tmp:
         manager, names, data_dir = task_manager(args, cfg, tasks, tmp)
-        model, cfg, tokenizer, meta = load_model_dir(args.checkpoint, args.set)
+        model, cfg, tokenizer, meta = load_model_dir(model_dir, args.set)
         lm = MoepLM(model=model, tokenizer=tokenizer, batch_size=batch_size, device=args.device)
         lm.meta = meta
         results = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=args.limit,
@@ -149,7 +150,10 @@ def _main(args: argparse.Namespace) -> int:
     if args.render_tasks:
         from moep_ds.evaluation.tasks import render_tasks, resolve_data_dir
 
-        print(render_tasks(resolve_data_dir(args.data_dir), args.render_tasks).path)
+        data_dir = resolve_data_dir(args.data_dir, must_exist=False)
+        if not data_dir.is_dir():
+            log.warning("data directory %s does not exist: only grammar_pairs will find its data", data_dir)
+        print(render_tasks(data_dir, args.render_tasks).path)
         return 0
     if not args.checkpoint:
         raise UserError("moep-eval needs a checkpoint: a model directory or a run directory")

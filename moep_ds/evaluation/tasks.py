@@ -5,6 +5,8 @@ Rendering (lm-eval resolves `data_files` against the working directory, so paths
                                   list of the family's sub-task names (for group YAMLs)
   eval/tasks/<family>/_each.yaml  rendered once per line of subtasks.txt as <family>_<line>.yaml
   eval/tasks/<family>/*.py        copied (helpers named by `!function` in the YAMLs)
+  ${TASK_DIR}                     the family's rendered folder, where generated data goes: `grammar_pairs`
+                                  writes the embedded grammar's minimal pairs there (GENERATED_DATA)
 The rendered folder is what `--include_path` takes, with our `moep_ds` model or with `--model hf`.
 
 Data directory: --data_dir, else the recipe's eval.data_dir, else $MOEP_DATA_DIR, else ../shared/data beside
@@ -13,6 +15,8 @@ the checkout.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 import shutil
 import string
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from moep_ds.data.builtin import pairs_per_phenomenon
 from moep_ds.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +42,8 @@ HUB_TASKS = {
     "winogrande": "winogrande",
     "sciq": "sciq",
 }
+GRAMMAR_PAIRS = 1000  # pairs per phenomenon, as in BLiMP
+GRAMMAR_PAIRS_SEED = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +76,9 @@ class RenderedTasks:
                     f"(and their sub-tasks, e.g. blimp_filtered_anaphor_gender_agreement)"
                 )
             for f in self.data_files(name):
+                if not f.is_file() and not self.data_dir.is_dir():
+                    raise UserError(f"data directory {str(self.data_dir)!r} does not exist (set --data_dir, "
+                                    f"eval.data_dir or MOEP_DATA_DIR); task {name!r} reads {f}")
                 if not f.is_file():
                     raise UserError(f"task {name!r} needs {f}, which does not exist (data directory {self.data_dir})")
         return names
@@ -78,11 +88,12 @@ class RenderedTasks:
         return list(spec.data_files) + [f for sub in spec.subtasks for f in self.data_files(sub)]
 
 
-def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """--data_dir / recipe value, else $MOEP_DATA_DIR, else ../shared/data beside the checkout; must exist."""
+def resolve_data_dir(data_dir: str | os.PathLike | None = None, must_exist: bool = True) -> Path:
+    """--data_dir / recipe value, else $MOEP_DATA_DIR, else ../shared/data beside the checkout. Tasks with
+    generated data (grammar_pairs) run without one: `must_exist=False` leaves the check to `resolve`."""
     chosen = data_dir or os.environ.get("MOEP_DATA_DIR") or DEFAULT_DATA_DIR
     path = Path(chosen).expanduser().resolve()
-    if not path.is_dir():
+    if must_exist and not path.is_dir():
         raise UserError(f"data directory {str(path)!r} does not exist (set --data_dir, eval.data_dir or MOEP_DATA_DIR)")
     return path
 
@@ -102,7 +113,28 @@ def render_tasks(data_dir: str | os.PathLike, out_dir: str | os.PathLike, templa
     return RenderedTasks(out, data_dir, specs)
 
 
+@functools.lru_cache(maxsize=2)
+def grammar_pairs_jsonl(num_pairs: int = GRAMMAR_PAIRS, seed: int = GRAMMAR_PAIRS_SEED) -> dict[str, str]:
+    """Phenomenon -> JSON lines in BLiMP's fields (sentence_good, sentence_bad, UID, pair_id); a few seconds,
+    so generated once per process."""
+    return {name: "".join(json.dumps({"sentence_good": p["sentence_good"], "sentence_bad": p["sentence_bad"],
+                                      "UID": name, "pair_id": i}) + "\n" for i, p in enumerate(pairs))
+            for name, pairs in pairs_per_phenomenon(num_pairs, seed).items()}
+
+
+def write_grammar_pairs(dest: Path) -> None:
+    for name, text in grammar_pairs_jsonl().items():
+        (dest / f"{name}.jsonl").write_text(text, encoding="utf-8")
+
+
+# template family -> writes the data its YAMLs name under ${TASK_DIR}
+GENERATED_DATA = {"grammar_pairs": write_grammar_pairs}
+
+
 def render_family(family: Path, dest: Path, data_dir: Path) -> dict[str, TaskSpec]:
+    if family.name in GENERATED_DATA:
+        GENERATED_DATA[family.name](dest)
+    dirs = {"DATA_DIR": data_dir, "TASK_DIR": dest.resolve()}
     names_file = family / "subtasks.txt"
     subtasks = names_file.read_text().split() if names_file.is_file() else []
     members = [f"{family.name}_{s}" for s in subtasks]
@@ -111,10 +143,10 @@ def render_family(family: Path, dest: Path, data_dir: Path) -> dict[str, TaskSpe
     for template in sorted(family.glob("*.yaml")):
         text = template.read_text(encoding="utf-8")
         if template.name == "_each.yaml":
-            outputs += [(f"{m}.yaml", fill(template, text, DATA_DIR=data_dir, SUBTASK=s))
+            outputs += [(f"{m}.yaml", fill(template, text, **dirs, SUBTASK=s))
                         for m, s in zip(members, subtasks)]
         else:
-            outputs.append((template.name, fill(template, text, DATA_DIR=data_dir, SUBTASKS=member_list)))
+            outputs.append((template.name, fill(template, text, **dirs, SUBTASKS=member_list)))
     for helper in family.glob("*.py"):
         shutil.copyfile(helper, dest / helper.name)
     specs = {}

@@ -2,6 +2,11 @@
 
 DeepSpeed's engine logs only the learning rate by itself; everything else goes through
 `engine.monitor.write_events`. Files are written by rank 0 only.
+
+Routing statistics describe the whole data-parallel batch: on log steps (only) they are all-reduced over the
+ranks, per-expert token counts summed and per-token means (dropped fraction, router entropy) averaged.
+TensorBoard shows `moe/<layer>.tokens_per_expert/expert_<e>` as the share of that layer's routed tokens;
+`expert_utilization.jsonl` keeps the summed counts (per micro-batch, averaged over gradient accumulation).
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import pathlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +31,38 @@ def split_stats(stats: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict[
         else:
             vectors[key] = value.flatten().tolist()
     return scalars, vectors
+
+
+def is_count(key: str) -> bool:
+    return key.endswith("tokens_per_expert")
+
+
+def reduce_over_ranks(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Statistics of all data-parallel ranks together, in one all-reduce: counts summed, means averaged
+    (every rank routes the same number of tokens). Every rank must call it with the same keys."""
+    if not stats or not dist.is_initialized() or dist.get_world_size() == 1:
+        return stats
+    keys = sorted(stats)
+    flat = torch.cat([stats[k].detach().float().flatten() for k in keys])
+    dist.all_reduce(flat)
+    out, offset = {}, 0
+    for key in keys:
+        n = stats[key].numel()
+        value = flat[offset:offset + n].view(stats[key].shape)
+        out[key] = value if is_count(key) else value / dist.get_world_size()
+        offset += n
+    return out
+
+
+def tensorboard_events(metrics: dict[str, float], scalars: dict[str, float],
+                       vectors: dict[str, list[float]]) -> dict[str, float]:
+    """Tags and values: `train/<metric>`, `moe/<stat>`, `moe/<layer>.tokens_per_expert/expert_<e>` as shares."""
+    events = {f"train/{k}": v for k, v in metrics.items()}
+    events.update({f"moe/{k}": v for k, v in scalars.items()})
+    for key, values in vectors.items():
+        total = sum(values) if is_count(key) else 1.0
+        events.update({f"moe/{key}/expert_{i}": v / total if total else 0.0 for i, v in enumerate(values)})
+    return events
 
 
 class Monitor:
@@ -43,15 +81,13 @@ class Monitor:
             monitor.write_events([(tag, v, step) for tag, v in scalars.items()])
 
     def log_step(self, step: int, metrics: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
+        """Called by every rank on log steps (the statistics are reduced over ranks); rank 0 writes."""
+        stats = reduce_over_ranks(stats)
         if not self.enabled:
             return
         scalars, vectors = split_stats(stats)
         self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
-        events = {f"train/{k}": v for k, v in metrics.items()}
-        events.update({f"moe/{k}": v for k, v in scalars.items()})
-        for key, values in vectors.items():
-            events.update({f"moe/{key}/expert_{i}": v for i, v in enumerate(values)})
-        self.write_events(step, events)
+        self.write_events(step, tensorboard_events(metrics, scalars, vectors))
         if vectors or scalars:
             self.utilization.write(json.dumps({"step": step, **scalars, **vectors}) + "\n")
 

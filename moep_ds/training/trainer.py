@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import pathlib
 import signal
+import threading
 import time
 from collections import defaultdict
 from typing import Any
 
 import deepspeed
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -37,19 +40,70 @@ log = logging.getLogger(__name__)
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
-class StopRequest:
-    """SIGUSR1 / SIGTERM (SLURM preemption) ask for a checkpoint and a clean exit at the next step boundary."""
+# a parent process whose command line holds one of these is a launcher; the number is how many generations up
+# to watch (DeepSpeed: the per-node `deepspeed.launcher.launch` and the `deepspeed` runner above it)
+LAUNCHERS = {"deepspeed.launcher.launch": 2, "torch.distributed.run": 1, "torchrun": 1}
 
-    def __init__(self):
+
+def launcher_generations(parent_cmdline: list[str]) -> int:
+    """How many ancestors of a trainer belong to its launcher (0: not started by a known launcher)."""
+    return max((n for name, n in LAUNCHERS.items() if any(name in part for part in parent_cmdline)), default=0)
+
+
+class StopRequest:
+    """SIGUSR1 / SIGTERM (SLURM preemption), or the launcher going away, ask for a checkpoint and a clean exit
+    at the next step boundary (`requested`).
+
+    SIGTERM to the `deepspeed` runner kills the runner only: its per-node launcher and the trainers go on,
+    re-parented. A daemon thread watches the launcher's processes (or the pids in `watch`) every `poll_s`
+    seconds and sets `requested` once one of them is gone or has a new parent."""
+
+    def __init__(self, watch: list[int] | None = None, poll_s: float = 5.0):
         self.requested = False
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self.handle)
+        watch = launcher_chain() if watch is None else watch
+        self.parents = {pid: parent_pid(pid) for pid in watch}
+        if self.parents:
+            threading.Thread(target=self.watch_launcher, args=(poll_s,), daemon=True,
+                             name="moep-launcher-watch").start()
 
     def handle(self, signum, frame) -> None:
         log.warning("received signal %d: checkpointing and stopping after this step", signum)
         self.requested = True
         # A repeat must not kill the process while it checkpoints or shuts down.
         signal.signal(signum, signal.SIG_IGN)
+
+    def watch_launcher(self, poll_s: float) -> None:
+        while not self.requested:
+            time.sleep(poll_s)
+            gone = [pid for pid, parent in self.parents.items() if parent_pid(pid) != parent]
+            if gone:
+                log.warning("launcher process %s is gone: checkpointing and stopping after this step", gone[0])
+                self.requested = True
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return None
+
+
+def launcher_chain() -> list[int]:
+    """This process and the launcher processes above it whose parents must not change while training."""
+    try:
+        parent = psutil.Process(os.getppid())
+        generations = launcher_generations(parent.cmdline())
+    except psutil.Error:
+        return []
+    chain = [os.getpid()]
+    for _ in range(generations - 1):
+        chain.append(parent.pid)
+        parent = parent.parent()
+        if parent is None:
+            break
+    return chain
 
 
 def prepare_data(cfg: Config, rank: int) -> tuple[pathlib.Path, dict]:

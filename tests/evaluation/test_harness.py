@@ -1,6 +1,7 @@
 """The lm-eval model `moep_ds`: scoring against naive references, batch-size invariance for every block type,
 rolling log-likelihood, generate_until, and simple_evaluate on local BLiMP tasks (offline)."""
 import json
+import logging
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.tokenizer import load_tokenizer, train_tokenizer
 from moep_ds.errors import UserError
 from moep_ds.evaluation.generate import generate
-from moep_ds.evaluation.harness import MoepLM, batch_by_length, continuation_logprobs, right_pad
+from moep_ds.evaluation.harness import MoepLM, batch_by_length, continuation_logprobs, continuation_windows, right_pad
 from moep_ds.evaluation.model_dir import save_model_dir
 
 from eval_models import TINY_LAYERS, tiny_model
@@ -79,6 +80,55 @@ def test_loglikelihoods_match_naive_and_do_not_depend_on_batch_size(name, tokeni
         ctx_ids = tokenizer.encode(ctx) if ctx else [tokenizer.eot_id]
         cont_ids = tokenizer.encode(ctx + cont)[len(ctx_ids):] if ctx else tokenizer.encode(cont)
         assert score == pytest.approx(naive_logprob(model, (ctx_ids + cont_ids)[-41:], len(cont_ids)), abs=1e-4)
+
+
+def naive_window_logprob(model, ctx_ids, cont_ids, max_len):
+    """The documented rule, one token at a time: continuation token j lies in chunk j // max_len; that chunk's
+    forward sees the max_len tokens before the chunk's last token (fewer at the start of the text)."""
+    full, total, greedy = ctx_ids + cont_ids, 0.0, True
+    for j in range(len(cont_ids)):
+        pos = len(ctx_ids) + j
+        end = min(len(ctx_ids) + (j // max_len + 1) * max_len, len(full))
+        first = max(0, end - 1 - max_len)
+        with torch.no_grad():
+            logp = F.log_softmax(model(torch.tensor([full[first:end - 1]])).logits.float(), -1)[0, pos - 1 - first]
+        total += float(logp[full[pos]])
+        greedy = greedy and int(logp.argmax()) == full[pos]
+    return total, greedy
+
+
+@pytest.mark.parametrize("name", ["dense_llama_window", "msit"])
+def test_continuations_longer_than_the_window_match_the_naive_rule(name, tokenizer):
+    max_len = 12
+    model, _ = tiny_model(name, vocab_size=tokenizer.vocab_size, max_seq_len=max_len)
+    story = generate_corpus(300, seed=7).split("\n\n")[0]
+    cut = story.index(" ", 40)
+    requests = [Instance("loglikelihood", {}, (ctx, cont), i) for i, (ctx, cont) in enumerate([
+        ("", " " + story), ("Anna is here.", " " + story), (story, " She sleeps."), ("The dog", " runs."),
+        (story[:cut], story[cut:])])]
+    one = MoepLM(model=model, tokenizer=tokenizer, batch_size=1).loglikelihood(requests, disable_tqdm=True)
+    five = MoepLM(model=model, tokenizer=tokenizer, batch_size=5).loglikelihood(requests, disable_tqdm=True)
+    longest = 0
+    for req, (score, greedy), (score5, greedy5) in zip(requests, one, five):
+        ctx, cont = req.args
+        ctx_ids = tokenizer.encode(ctx) if ctx else [tokenizer.eot_id]
+        cont_ids = tokenizer.encode(ctx + cont)[len(ctx_ids):] if ctx else tokenizer.encode(cont)
+        longest = max(longest, len(cont_ids))
+        expected, expected_greedy = naive_window_logprob(model, ctx_ids, cont_ids, max_len)
+        assert score == pytest.approx(expected, abs=1e-4) and score5 == pytest.approx(expected, abs=1e-4)
+        assert greedy == greedy5 == expected_greedy
+    assert longest > 3 * max_len  # at least four chunks
+
+
+def test_continuation_windows_fit_and_cover_the_continuation():
+    ctx, cont = [1, 2, 3], list(range(10, 30))
+    windows = continuation_windows(ctx, cont, 8)
+    assert [c for _, c in windows] == [cont[:8], cont[8:16], cont[16:]]
+    assert all(len(x) + len(c) <= 9 for x, c in windows)
+    # a full chunk keeps one token of context; the shorter last one gets the rest of the window
+    assert windows[0][0] == [3] and windows[1][0] == [cont[7]] and windows[2][0] == cont[11:16]
+    assert continuation_windows(ctx, [7, 8], 8) == [([1, 2, 3], [7, 8])]
+    assert continuation_windows(ctx, [], 8) == []
 
 
 def test_rolling_loglikelihood(tokenizer):
@@ -151,8 +201,33 @@ def test_simple_evaluate_on_local_blimp_offline(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_moep_eval_writes_results_with_routing_mode(tmp_path, tokenizer, tokenizer_dir, capsys):
+def test_moep_eval_grammar_pairs_without_a_data_directory(trained, tmp_path, capsys):
+    from moep_ds.data.builtin import PHENOMENA
     from moep_ds.evaluation.run_eval import main as eval_main
+    from moep_ds.evaluation.tasks import grammar_pairs_jsonl
+
+    model_dir, _ = trained
+    assert eval_main([str(model_dir), "--tasks", "grammar_pairs", "--limit", "12", "--data_dir",
+                      str(tmp_path / "nowhere"), "--output", str(tmp_path / "out"), "--bootstrap_iters", "0"]) == 0
+    table = capsys.readouterr().out
+    scores = json.loads((tmp_path / "out" / "results.json").read_text())["scores"]
+    accs = {name: scores[f"grammar_pairs_{name}"]["acc"] for name in PHENOMENA}
+    assert scores["grammar_pairs"]["acc"] == pytest.approx(sum(accs.values()) / len(accs))
+    for name, acc in accs.items():  # the per-phenomenon table
+        assert f"| grammar_pairs_{name} | acc | {100 * acc:.2f} |" in table
+    lm = MoepLM(str(model_dir))
+    jsonl = tmp_path / "first.jsonl"
+    jsonl.write_text("".join(grammar_pairs_jsonl()["agreement_across_relative_clause"].splitlines(True)[:12]))
+    expected = naive_blimp_accuracy(lm.model, lm.tokenizer, jsonl)
+    assert accs["agreement_across_relative_clause"] == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_moep_eval_writes_results_with_routing_mode(tmp_path, tokenizer, tokenizer_dir, capsys, caplog, monkeypatch):
+    from moep_ds.evaluation.run_eval import main as eval_main
+
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
+    caplog.set_level(logging.INFO, logger="moep_ds")
 
     model, cfg = tiny_model("ffn_moe_nova", vocab_size=tokenizer.vocab_size)
     ckpt = save_model_dir(model, cfg, tmp_path / "run" / "checkpoints" / "step_5", tokenizer_dir=tokenizer_dir,
@@ -168,6 +243,8 @@ def test_moep_eval_writes_results_with_routing_mode(tmp_path, tokenizer, tokeniz
     assert record["moep"]["train_flops"] == record["moep"]["flops_per_token"] * 5000
     assert 0.0 <= record["scores"][task]["acc"] <= 1.0
     assert "routing eval mode: threshold" in capsys.readouterr().out
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("using checkpoint")] == [
+        f"using checkpoint step_5 (step 5) of run {tmp_path / 'run'}"]
 
 
 @pytest.mark.slow

@@ -4,15 +4,17 @@ import json
 import pytest
 import yaml
 
+from moep_ds.data.builtin import PHENOMENA, pairs_per_phenomenon
+
 from moep_ds.errors import UserError
 from moep_ds.evaluation.model_dir import save_model_dir
 from moep_ds.evaluation.run_eval import main as eval_main
-from moep_ds.evaluation.tasks import TEMPLATES, render_tasks, resolve_data_dir
+from moep_ds.evaluation.tasks import GRAMMAR_PAIRS, GRAMMAR_PAIRS_SEED, TEMPLATES, render_tasks, resolve_data_dir
 
 from eval_models import tiny_model
 
-TOP_LEVEL = ["arc_challenge", "arc_easy", "blimp_filtered", "blimp_supplement", "lambada_openai", "logiqa", "piqa",
-             "sciq", "winogrande", "wsc"]
+TOP_LEVEL = ["arc_challenge", "arc_easy", "blimp_filtered", "blimp_supplement", "grammar_pairs", "lambada_openai",
+             "logiqa", "piqa", "sciq", "winogrande", "wsc"]
 NOT_OFFLINE = {"sciq", "winogrande"}  # no local copy in the shared data: --hub, or files placed in the data folder
 
 
@@ -29,11 +31,12 @@ def test_render_gives_every_task_absolute_data_paths(tmp_path):
     assert len(rendered.specs["blimp_filtered"].subtasks) == 67
     assert len(rendered.specs["blimp_supplement"].subtasks) == 5
     files = sorted((tmp_path / "tasks").rglob("*.yaml"))
-    assert len(files) == 67 + 5 + 2 + 8
+    assert len(files) == 67 + 5 + 2 + 8 + 7 + 1
     for f in files:
         cfg = yaml.load(f.read_text(), Loader=_Loader)  # noqa: S506
+        home = tmp_path / "tasks" / "grammar_pairs" if f.parent.name == "grammar_pairs" else tmp_path / "data"
         for path in (cfg.get("dataset_kwargs") or {}).get("data_files", {}).values():
-            assert path.startswith(str((tmp_path / "data").resolve()) + "/"), (f, path)
+            assert path.startswith(str(home.resolve()) + "/"), (f, path)
     group = yaml.safe_load((tmp_path / "tasks" / "blimp_filtered" / "blimp_filtered.yaml").read_text())
     assert group["task"][0] == "blimp_filtered_adjunct_island"
     assert group["aggregate_metric_list"] == [{"metric": "acc", "aggregation": "mean", "weight_by_size": False}]
@@ -114,4 +117,38 @@ def test_moep_eval_lists_tasks(capsys):
     assert eval_main(["--list_tasks"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[2] == "blimp_filtered  (67 sub-tasks)" and out[3] == "blimp_supplement  (5 sub-tasks)"
+    assert out[4] == "grammar_pairs  (7 sub-tasks)"
     assert [line.split()[0] for line in out] == TOP_LEVEL
+
+
+def test_grammar_pairs_are_generated_into_the_rendered_folder(tmp_path):
+    rendered = render_tasks(tmp_path / "no_data_dir", tmp_path / "tasks")
+    subtasks = rendered.specs["grammar_pairs"].subtasks
+    assert list(subtasks) == [f"grammar_pairs_{p}" for p in PHENOMENA]
+    assert (TEMPLATES / "grammar_pairs" / "subtasks.txt").read_text().split() == list(PHENOMENA)
+    assert rendered.resolve(["grammar_pairs"]) == ["grammar_pairs"]  # its data needs no data directory
+    folder = tmp_path / "tasks" / "grammar_pairs"
+    for name in PHENOMENA:
+        rows = [json.loads(line) for line in (folder / f"{name}.jsonl").read_text().splitlines()]
+        assert len(rows) == GRAMMAR_PAIRS >= 200
+        assert [r["pair_id"] for r in rows] == list(range(len(rows))) and {r["UID"] for r in rows} == {name}
+        assert len({r["sentence_good"] for r in rows}) == len(rows)  # distinct pairs
+        for r in rows:  # a minimal pair: the same length, one word flipped
+            good, bad = r["sentence_good"][:-1].split(), r["sentence_bad"][:-1].split()
+            assert len(good) == len(bad) and sum(g != b for g, b in zip(good, bad)) == 1, r
+    # deterministic from the seed: a second rendering writes the same bytes; another seed other pairs
+    again = render_tasks(tmp_path, tmp_path / "again")
+    for name in PHENOMENA:
+        assert (folder / f"{name}.jsonl").read_bytes() == (again.path / "grammar_pairs" / f"{name}.jsonl").read_bytes()
+    other = pairs_per_phenomenon(20, seed=GRAMMAR_PAIRS_SEED + 1)
+    fewer = pairs_per_phenomenon(20, seed=GRAMMAR_PAIRS_SEED)
+    assert fewer["subject_verb_agreement"] != other["subject_verb_agreement"]
+    first = json.loads((folder / "subject_verb_agreement.jsonl").read_text().splitlines()[0])
+    assert first["sentence_good"] == fewer["subject_verb_agreement"][0]["sentence_good"]  # more pairs extend fewer
+
+
+def test_tasks_that_need_the_missing_data_directory_say_so(tmp_path):
+    rendered = render_tasks(tmp_path / "nowhere", tmp_path / "tasks")
+    with pytest.raises(UserError, match=rf"^data directory '{tmp_path}/nowhere' does not exist \(set --data_dir, "
+                                        r"eval.data_dir or MOEP_DATA_DIR\); task 'piqa' reads "):
+        rendered.resolve(["grammar_pairs", "piqa"])

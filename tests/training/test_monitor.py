@@ -1,0 +1,62 @@
+"""Monitor: routing statistics of all data-parallel ranks, TensorBoard tokens-per-expert as shares."""
+import json
+import os
+import pathlib
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moep_ds.training.monitor import Monitor
+
+WORLD = 2
+
+
+class Recorder:
+    """Stands in for DeepSpeed's MonitorMaster: keeps what write_events receives."""
+
+    enabled = True
+
+    def __init__(self):
+        self.events = []
+
+    def write_events(self, events):
+        self.events += events
+
+
+def rank_stats(rank: int) -> dict[str, torch.Tensor]:
+    return {"layers.1.tokens_per_expert": torch.tensor([3.0 + rank, 1.0, 0.0, 4.0 * rank]),
+            "layers.1.dropped_fraction": torch.tensor(0.25 * rank), "layers.1.router_entropy": torch.tensor(1.0 + rank)}
+
+
+def _worker(rank: int, init_file: str, run_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    recorder = Recorder()
+    monitor = Monitor(pathlib.Path(run_dir), types.SimpleNamespace(monitor=recorder), enabled=rank == 0)
+    monitor.log_step(10, {"loss": 2.0}, rank_stats(rank))
+    monitor.log_step(10, {"val_loss": 1.5}, {})
+    monitor.close()
+    if rank == 0:
+        with open(os.path.join(run_dir, "events.json"), "w") as f:
+            json.dump(recorder.events, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_statistics_are_summed_over_ranks_and_shown_as_shares(tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    counts = [sum(rank_stats(r)["layers.1.tokens_per_expert"][e].item() for r in range(WORLD)) for e in range(4)]
+    assert counts == [7.0, 2.0, 0.0, 4.0]
+    events = {tag: (value, step) for tag, value, step in json.loads((tmp_path / "events.json").read_text())}
+    for e, count in enumerate(counts):
+        assert events[f"moe/layers.1.tokens_per_expert/expert_{e}"] == (pytest.approx(count / 13), 10)
+    assert events["moe/layers.1.dropped_fraction"] == (pytest.approx(0.125), 10)
+    assert events["moe/layers.1.router_entropy"] == (pytest.approx(1.5), 10)
+    assert events["train/loss"] == (2.0, 10) and events["train/val_loss"] == (1.5, 10)
+    rows = [json.loads(line) for line in (tmp_path / "expert_utilization.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 10, "layers.1.dropped_fraction": 0.125, "layers.1.router_entropy": 1.5,
+                     "layers.1.tokens_per_expert": counts}]
