@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
-from moep_ds.errors import UserError
+from moep_ds.errors import SharedUserError, UserError
 
 log = logging.getLogger("moep_ds")
 
@@ -28,7 +29,8 @@ def run_guarded(fn, *args) -> int:
     try:
         return fn(*args) or 0
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if not isinstance(err, SharedUserError) or os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr)
         return 2
 
 
@@ -59,3 +61,20 @@ def _pretrain(args: argparse.Namespace) -> int:
 def pretrain_main(argv: list[str] | None = None) -> int:
     args = pretrain_parser().parse_args(argv)
     return run_guarded(_pretrain, args)
+
+
+def analyze_main(argv: list[str] | None = None) -> int:
+    """`moep-analyze RUN_DIR`: expert-utilisation summary and plots of a run (training/analyze.py)."""
+    parser = argparse.ArgumentParser(description="Expert-utilisation summary and plots of a moep_ds run.")
+    parser.add_argument("run_dir")
+    parser.add_argument("--no_plots", action="store_true")
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        from moep_ds.training.analyze import analyze, markdown
+
+        summary = analyze(args.run_dir, plots=not args.no_plots)
+        print(markdown(summary), end="")
+        return 0
+
+    return run_guarded(body)

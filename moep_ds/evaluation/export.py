@@ -24,7 +24,7 @@ import torch
 
 from moep_ds.cli import run_command
 from moep_ds.errors import UserError
-from moep_ds.evaluation.model_dir import consolidated_state_dict, save_model_dir
+from moep_ds.checkpointing.model_dir import consolidated_state_dict, save_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from moep_ds.evaluation.model_dir import load_model_dir
+    from moep_ds.checkpointing.model_dir import load_model_dir
 
     model, cfg, tokenizer, meta = load_model_dir(args.checkpoint, args.set)
     source = Path(meta.pop("model_dir"))

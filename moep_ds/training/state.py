@@ -11,8 +11,12 @@ import torch
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_optimizer_state,
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_optimizer_state,
 )
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -100,3 +104,20 @@ def set_optimizer_step_count(optimizer, params: list[torch.nn.Parameter], step: 
             inner.state.setdefault(p, {})
     for state in inner.state.values():
         state["step"] = torch.tensor(float(step))
+
+
+def local_partition(param: torch.nn.Parameter, key: str) -> torch.Tensor:
+    """This rank's ZeRO-3 partition (padded) of the master weight (`key` "param") or of an Adam moment."""
+    if key == "param":
+        return safe_get_local_fp32_param(param)
+    return safe_get_local_optimizer_state(param, key)
+
+
+def set_local_partition(param: torch.nn.Parameter, key: str, value_part: torch.Tensor) -> None:
+    """Write the valid part `value_part` of this rank's ZeRO-3 partition (the padding keeps its value)."""
+    padded = local_partition(param, key).clone()
+    padded[: value_part.numel()] = value_part
+    if key == "param":
+        safe_set_local_fp32_param(param, padded)
+    else:
+        safe_set_local_optimizer_state(param, padded, key)

@@ -3,7 +3,7 @@ import pytest
 import yaml
 
 from moep_ds.errors import UserError
-from moep_ds.evaluation.model_dir import save_model_dir
+from moep_ds.checkpointing.model_dir import save_model_dir
 from moep_ds.evaluation.run_eval import main as eval_main
 from moep_ds.evaluation.tasks import TEMPLATES, render_tasks, resolve_data_dir
 
