@@ -85,7 +85,7 @@ class ShardSavePlanner(DefaultSavePlanner):
     """DCP's default planner, which looks FlatShards up (state dicts here are flat already)."""
 
     def __init__(self):
-        super().__init__(flatten_state_dict=False)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
@@ -93,8 +93,14 @@ class ShardSavePlanner(DefaultSavePlanner):
 
 
 class ShardLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner over a flat dict of FlatShards (its set-up would replace what is not a tensor)."""
+
     def __init__(self):
-        super().__init__(flatten_state_dict=False)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata=None, is_coordinator: bool = False) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
