@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,9 @@ def load(state: dict[str, FlatShard], path: Path) -> None:
     """Fill every piece of `state` in place from the checkpoint at `path` (no collectives: each rank reads
     what it asks for, so a rank can load alone, e.g. for export)."""
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(), no_dist=True)
     except Exception as err:  # DCP wraps per-item I/O errors; name the checkpoint and the first cause
         raise DamagedCheckpoint(f"checkpoint {str(path)!r} could not be read: {first_line(err)}") from None
 

@@ -131,11 +131,11 @@ def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=6, checkpoint={"every_steps": 2, "keep_last": 2})
     args = ["--config", str(recipe), "--ds_config", str(DS_CONFIGS / "zero2_fp32.json")]
     import os
-    os.environ["MOEP_TEST_KILL_AT_STEP"] = "4"
+    os.environ.update(MOEP_TEST_FAULT="kill", MOEP_TEST_FAULT_STEP="4")
     try:
         crashed = launch(2, SCRIPTS / "pretrain_fault.py", *args, check=False)
     finally:
-        del os.environ["MOEP_TEST_KILL_AT_STEP"]
+        del os.environ["MOEP_TEST_FAULT"], os.environ["MOEP_TEST_FAULT_STEP"]
     assert crashed.returncode != 0
     root = out / "checkpoints"
     assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000002"]
