@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException as DCPError  # a BaseException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -151,7 +152,7 @@ def load(state: dict[str, FlatShard], path: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(), no_dist=True)
-    except Exception as err:  # DCP wraps per-item I/O errors; name the checkpoint and the first cause
+    except (Exception, DCPError) as err:  # DCP wraps per-item I/O errors; name the checkpoint and the cause
         raise DamagedCheckpoint(f"checkpoint {str(path)!r} could not be read: {first_line(err)}") from None
 
 

@@ -174,7 +174,7 @@ class CheckpointWriter:
             return final
         try:
             sharded.save(pieces, tmp)
-        except Exception as err:  # DCP raises the same CheckpointException on every rank
+        except (Exception, sharded.DCPError) as err:  # DCP raises the same exception on every rank
             error = err
         self.check(error is None, error, tmp, final)
         if rank == 0:
@@ -209,7 +209,7 @@ class CheckpointWriter:
     def finish_async(self, upload, tmp: pathlib.Path, final: pathlib.Path) -> None:
         try:
             upload.result()
-        except Exception as err:
+        except (Exception, sharded.DCPError) as err:
             if dist.get_rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {sharded.first_line(err)}; "
