@@ -1,5 +1,6 @@
 """Sharded checkpoints on 2 CPU processes: resume across every pair of ZeRO stages (0-3), bit-identical when
-nothing changes, ZeRO-3 over 6 steps stopped at 3 with lifecycle replacements, and today's consolidated format.
+nothing changes, ZeRO-3 over 6 steps stopped at 3 with lifecycle replacements and asynchronous saves, and
+today's consolidated format.
 
 One launch trains the sources (a checkpoint at step 3 each), a second resumes every (source, target) pair."""
 import json
@@ -44,8 +45,10 @@ def matrix(tmp_path_factory):
                          "overrides": [f"train.output_dir={dest}", "train.exit_at_step=4"]})
             resumed[(s, t)] = dest
     part = tmp / "z3_part"
-    write_recipe(tmp / "z3_part.yaml", "mixed", part, max_steps=6, exit_at_step=3)
-    write_recipe(tmp / "z3_rest.yaml", "mixed", part, max_steps=6)
+    # with asynchronous saves (every 2 steps and at the requested exit, which waits for it)
+    async_every_2 = {"every_steps": 2, "async_save": True, "keep_last": 2}
+    write_recipe(tmp / "z3_part.yaml", "mixed", part, max_steps=6, exit_at_step=3, checkpoint=async_every_2)
+    write_recipe(tmp / "z3_rest.yaml", "mixed", part, max_steps=6, checkpoint=async_every_2)
     jobs += [{"recipe": str(tmp / "z3_part.yaml"), "ds_config": ds(3)},
              {"recipe": str(tmp / "z3_rest.yaml"), "ds_config": ds(3), "resume": "auto"}]
     resumed[(3, 3)] = part
@@ -80,6 +83,8 @@ def test_zero3_resume_is_bit_identical_with_lifecycle_replacements(matrix):
     assert part == full
     events = [l for l in (resumed[(3, 3)] / "expert_utilization.jsonl").read_text().splitlines() if '"event"' in l]
     assert any(json.loads(e)["step"] == 3 for e in events)  # replacements fired before the checkpoint
+    kept = sorted(p.name for p in (resumed[(3, 3)] / "checkpoints").iterdir())
+    assert kept == ["step_00000004", "step_00000006"]  # async saves completed, cleanup kept the last 2
 
 
 def test_consolidated_checkpoint_of_today_still_resumes_and_loads(matrix):
