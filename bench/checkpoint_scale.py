@@ -1,6 +1,6 @@
 """Checkpoint cost per rank: sharded DCP checkpoints (sync and async) side by side with the consolidated format.
 
-    python bench/checkpoint_scale.py --ranks 1 2 4 [--stage 3] [--set model.d_model=128 ...]
+    python bench/checkpoint_scale.py --ranks 1 2 4 --resume-on 2 [--stage 3] [--set model.d_model=128 ...]
 
 For each world size it launches torchrun with this file as the worker: the recipe (configs/nova_moe.yaml at
 full width, data.source=builtin, micro-batch 1 x 32 tokens) trains one step, then each format saves and loads
@@ -52,6 +52,25 @@ class PeakRSS:
         self.added = self.peak - self.base
 
 
+def resume_worker(args, cfg) -> None:
+    """Resume the largest run's sharded checkpoint at this (smaller) world size and train one step."""
+    import torch.distributed as dist
+
+    from moep_ds.training.trainer import Trainer
+
+    start = time.perf_counter()
+    trainer = Trainer(cfg, str(REPO / f"ds_configs/zero{args.stage}_fp32.json"), args.resume)
+    seconds = time.perf_counter() - start
+    trainer.engine.train()
+    losses, _ = trainer.train_step()
+    if dist.get_rank() == 0:
+        row = {"ranks": dist.get_world_size(), "resumed_step": trainer.step, "init_and_load_s": seconds, **losses}
+        (pathlib.Path(args.out) / "resume.json").write_text(json.dumps(row))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -66,6 +85,8 @@ def worker(args) -> None:
     cfg = load_config(REPO / "configs/nova_moe.yaml", [
         "data.source=builtin", "data.seq_len=32", "train.micro_batch_size=1", f"train.output_dir={out}",
         "train.max_steps=1", "train.log_every=1", *args.set])
+    if args.resume:
+        return resume_worker(args, cfg)
     trainer = Trainer(cfg, str(REPO / f"ds_configs/zero{args.stage}_fp32.json"), None)
     trainer.engine.train()
     trainer.train_step()
@@ -110,13 +131,26 @@ def worker(args) -> None:
     os._exit(0)
 
 
-def launch(ranks: int, stage: int, sets: list[str]) -> dict:
+def run_worker(ranks: int, stage: int, out: str, sets: list[str], *extra: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           __file__, "--worker", "--out", out, "--stage", str(stage), *extra, "--set", *sets]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{cmd} failed:\n{proc.stderr[-4000:]}")
+
+
+def launch(ranks: int, stage: int, sets: list[str], resume_on: int | None) -> dict:
+    """Rows of one world size; with `resume_on`, its sharded checkpoint also resumes at that world size."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               __file__, "--worker", "--out", tmp, "--stage", str(stage), "--set", *sets]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-        return json.loads((pathlib.Path(tmp) / "rows.json").read_text())
+        run_worker(ranks, stage, tmp, sets)
+        rows = json.loads((pathlib.Path(tmp) / "rows.json").read_text())
+        if resume_on:
+            out = pathlib.Path(tmp) / "resumed"
+            out.mkdir()
+            run_worker(resume_on, stage, str(out), sets, "--resume", f"{tmp}/checkpoints/step_00000001")
+            rows["resume"] = json.loads((out / "resume.json").read_text())
+        return rows
 
 
 def table(results: dict[int, dict]) -> str:
@@ -124,6 +158,8 @@ def table(results: dict[int, dict]) -> str:
              "|---:|---|---:|---:|---:|---:|---:|"]
     for ranks, rows in results.items():
         for name, r in rows.items():
+            if name == "resume":
+                continue
             lines.append(f"| {ranks} | {name} | {r['stall_s']:.2f} | {r['load_s']:.2f} | "
                          f"{r['peak_added_bytes'] / 2**20:,.0f} | {r['files']} | {r['largest_file_share']:.0%} |")
     return "\n".join(lines)
@@ -134,14 +170,21 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--set", nargs="*", default=[])
+    p.add_argument("--resume-on", type=int, help="resume the largest run's checkpoint at this many ranks")
     p.add_argument("--json")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--out")
+    p.add_argument("--resume", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    results = {n: launch(n, args.stage, args.set) for n in args.ranks}
+    largest = max(args.ranks)
+    results = {n: launch(n, args.stage, args.set, args.resume_on if n == largest else None) for n in args.ranks}
     print(table(results))
+    if "resume" in results[largest]:
+        r = results[largest]["resume"]
+        print(f"\n{largest}-rank checkpoint resumed on {r['ranks']} ranks at step {r['resumed_step']}: "
+              f"next loss {r['loss']:.4f}, build + load {r['init_and_load_s']:.1f} s")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 
