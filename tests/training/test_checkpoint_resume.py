@@ -7,6 +7,7 @@ import json
 import pathlib
 
 import pytest
+import torch
 
 from tiny import DS_CONFIGS, launch, losses, write_recipe
 
@@ -123,6 +124,14 @@ def test_sharded_checkpoint_files_and_model_dir(matrix):
     assert all(p.stat().st_mode & 0o777 == mode for p in ckpt.iterdir())  # the user's umask, as any file
     model, cfg, tokenizer, meta = load_model_dir(sources[3][1])  # a run directory: its newest checkpoint
     assert meta["step"] == 6 and tokenizer is not None
+    from moep_ds.evaluation.export import main as export
+
+    assert export([str(sources[3][1]), "--out", str(tmp / "export")]) == 0  # one process, weights only
+    exported = load_model_dir(tmp / "export")[0]
+    for (name, a), b in zip(model.state_dict().items(), exported.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    assert all(p.stat().st_mode & 0o777 == mode for p in (tmp / "export").iterdir())
 
 
 def test_masters_move_between_bf16_and_fp32(matrix):
