@@ -22,28 +22,6 @@ def last_line(proc) -> str:
     return proc.stderr.strip().splitlines()[-1]
 
 
-def test_damaged_newest_checkpoint_is_skipped_by_auto_and_named_for_a_path(tmp_path):
-    out = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=4, checkpoint={"every_steps": 2})
-    assert pretrain(recipe).returncode == 0
-    newest = out / "checkpoints" / "step_00000004"
-    shard = newest / "__0_0.distcp"
-    needed = _needed(newest)
-    shard.write_bytes(shard.read_bytes()[:100])  # truncated
-    proc = pretrain(recipe, "--resume", str(newest))
-    assert proc.returncode == 2
-    assert last_line(proc) == (f"error: checkpoint '{newest}' is damaged: '{shard}' is truncated "
-                               f"(100 of {needed} bytes)")
-    longer = write_recipe(tmp_path / "r5.yaml", "top2", out, max_steps=5, checkpoint={"every_steps": 2})
-    proc = pretrain(longer, "--resume", "auto")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    warnings = [l for l in proc.stderr.splitlines() if "skipping damaged checkpoint" in l]
-    assert len(warnings) == 1 and str(shard) in warnings[0]
-    assert "resumed from" in proc.stderr and "step_00000002" in proc.stderr
-    # logs follow the checkpoint: rows 3 and 4 of the first run were dropped, not duplicated
-    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5]
-
-
 def _needed(ckpt: pathlib.Path) -> int:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -51,7 +29,7 @@ def _needed(ckpt: pathlib.Path) -> int:
     return max(i.offset + i.length for i in md.storage_data.values() if i.relative_path == "__0_0.distcp")
 
 
-def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+def test_full_disk_during_a_save_then_a_damaged_newest_checkpoint(tmp_path):
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=4, checkpoint={"every_steps": 2})
     os.environ.update(MOEP_TEST_FAULT="enospc", MOEP_TEST_FAULT_STEP="4", MOEP_TEST_FAULT_RANK="1")
@@ -69,6 +47,26 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     proc = pretrain(recipe, "--resume", "auto")
     assert proc.returncode == 0 and "step_00000002" in proc.stderr, proc.stderr[-3000:]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+    check_damaged_newest_is_skipped_by_auto_and_named_for_a_path(tmp_path, out)
+
+
+def check_damaged_newest_is_skipped_by_auto_and_named_for_a_path(tmp_path, out):
+    """(Continues the run above, whose checkpoints are steps 2 and 4.)"""
+    newest = out / "checkpoints" / "step_00000004"
+    shard = newest / "__0_0.distcp"
+    needed = _needed(newest)
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    longer = write_recipe(tmp_path / "r5.yaml", "top2", out, max_steps=5, checkpoint={"every_steps": 2})
+    proc = pretrain(longer, "--resume", str(newest))
+    assert proc.returncode == 2
+    assert last_line(proc) == f"error: checkpoint '{newest}' is damaged: '{shard}' is truncated (100 of {needed} bytes)"
+    proc = pretrain(longer, "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [l for l in proc.stderr.splitlines() if "skipping damaged checkpoint" in l]
+    assert len(warnings) == 1 and str(shard) in warnings[0]
+    assert "resumed from" in proc.stderr and "step_00000002" in proc.stderr
+    # logs follow the checkpoint: rows 3 and 4 of the earlier runs were dropped, not duplicated
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5]
 
 
 def test_unwritable_output_dir_is_one_line_before_data_preparation(tmp_path):
