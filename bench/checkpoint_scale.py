@@ -113,7 +113,10 @@ def worker(args) -> None:
                       "largest_file_share": max(files.values()) / sum(files.values())}
 
     sharded_path = out / "checkpoints" / "step_00000001"
-    load_sharded = lambda: ckpt_io.load_engine_state(trainer.engine, trainer.model, sharded_path, trainer.ep_group)  # noqa: E731
+
+    def load_sharded():
+        ckpt_io.load_engine_state(trainer.engine, trainer.model, sharded_path, trainer.ep_group)
+
     measure("sharded (sync)", trainer.save, load_sharded, sharded_path)
     trainer.checkpoints = ckpt_io.CheckpointWriter(trainer.run_dir, keep_last=1, async_save=True)
     measure("sharded (async)", trainer.save, load_sharded, sharded_path)

@@ -13,7 +13,6 @@ The N-d shapes are kept in `tensors.json` beside DCP's `.metadata` and `__<rank>
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -171,7 +169,8 @@ def check_shapes(path: Path, expected: dict[str, tuple[int, ...]]) -> None:
     saved = read_shapes(path)
     for name, shape in expected.items():
         if name not in saved:
-            raise CheckpointError(f"checkpoint {str(path)!r} has no tensor {name!r} (shape {list(shape)}) of this model")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no tensor {name!r} (shape {list(shape)}) of this model")
         if list(saved[name]) != list(shape):
             raise CheckpointError(f"checkpoint {str(path)!r}: tensor {name!r} has shape {saved[name]} there but "
                                   f"{list(shape)} in this model")
@@ -187,7 +186,8 @@ def check_files(path: Path) -> None:
         metadata = dcp.FileSystemReader(path).read_metadata()
         json.loads((path / TENSORS_FILE).read_text())
     except Exception as err:
-        raise DamagedCheckpoint(f"checkpoint {str(path)!r} is damaged: unreadable metadata ({first_line(err)})") from None
+        raise DamagedCheckpoint(
+            f"checkpoint {str(path)!r} is damaged: unreadable metadata ({first_line(err)})") from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -202,13 +202,6 @@ def check_files(path: Path) -> None:
 
 def is_sharded(path: Path) -> bool:
     return (path / METADATA_FILE).is_file() or (path / TENSORS_FILE).is_file()
-
-
-def tensor_names(path: Path, prefix: str = MODEL_PREFIX) -> dict[str, tuple[int, ...]]:
-    """Saved tensors under `prefix` (names without it) and their flat sizes, from DCP's metadata."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    return {k.removeprefix(prefix): tuple(md.size) for k, md in metadata.state_dict_metadata.items()
-            if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
 
 
 def agree(ok: bool, group=None) -> bool:
@@ -228,7 +221,3 @@ def save_json(obj: Any, path: Path) -> None:
 
 def sizes_per_file(path: Path) -> dict[str, int]:
     return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
-
-
-def checkpoint_bytes(path: Path) -> int:
-    return sum(os.path.getsize(f) for f in path.rglob("*") if f.is_file())

@@ -78,8 +78,9 @@ def local_pieces(p: torch.nn.Parameter, optimizer, whole_replicas: bool) -> list
             return []
         views = {"param": frag.hp_fragment, **{k: frag.get_optim_state_fragment(k) for k in st.ADAM_KEYS}}
         return [(frag.lp_fragment_address.start, views)]
-    state = st.inner_optimizer(optimizer).state[p]
-    views = {"param": p.data.view(-1), **{k: state[k].view(-1) for k in st.ADAM_KEYS}}
+    state = st.inner_optimizer(optimizer).state.get(p, {})
+    # (fp16 without ZeRO keeps its moments on separate masters: those start from zero, as they always did)
+    views = {"param": p.data.view(-1), **{k: state[k].view(-1) for k in st.ADAM_KEYS if k in state}}
     start, stop = (0, p.numel()) if whole_replicas else replica_share(p.numel(), *replica_position(p))
     return [(start, {k: v[start:stop] for k, v in views.items()})] if stop > start else []
 

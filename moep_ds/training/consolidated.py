@@ -105,7 +105,8 @@ def load_consolidated_model(model, ckpt: pathlib.Path, ep_group=None) -> None:
             tensors[name] = local_experts(tensors[name], ep_group)
     missing = [k for k in own if k not in tensors and not (k == "head.weight" and model.cfg.tie_embeddings)]
     if missing:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {len(missing)} tensors of this model, e.g. {missing[0]!r}")
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} lacks {len(missing)} tensors of this model, e.g. {missing[0]!r}")
     model.load_state_dict(tensors, strict=False)
 
 

@@ -61,7 +61,8 @@ def check_output_dir(output_dir: str) -> pathlib.Path:
     except UserError as err:
         error = err
     if not sharded.agree(error is None):
-        raise SharedUserError(str(error) if error else f"train.output_dir ({output_dir!r}) is not writable on every rank")
+        raise SharedUserError(
+            str(error) if error else f"train.output_dir ({output_dir!r}) is not writable on every rank")
     return path
 
 

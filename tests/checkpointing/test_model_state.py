@@ -55,8 +55,8 @@ def test_experts_load_by_global_index_at_any_expert_parallel_rank(tmp_path):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_shape_change_and_damage_are_named(tmp_path):
     save_whole(tiny(0), tmp_path)
-    recipe = {"model": {**RECIPE["model"], "layers": [{**RECIPE["model"]["layers"][0],
-                                                       "moe": {**MOE, "expert": {"type": "swiglu", "hidden_size": 32}}}]}}
+    wider = {**MOE, "expert": {"type": "swiglu", "hidden_size": 32}}
+    recipe = {"model": {**RECIPE["model"], "layers": [{**RECIPE["model"]["layers"][0], "moe": wider}]}}
     other = build_model(config_from_dict(recipe).model)
     with pytest.raises(sharded.CheckpointError, match=r"tensor 'blocks.0.moe.experts.w1_EDF' has shape \[4, 16, 24\] "
                                                        r"there but \[4, 16, 32\] in this model$"):
