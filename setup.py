@@ -41,7 +41,7 @@ setup(
             "moep-eval = moep_ds.evaluation.run_eval:main",
             "moep-export = moep_ds.evaluation.export:main",
             "moep-generate = moep_ds.evaluation.generate:main",
-            "moep-analyze = moep_ds.training.analyze:main",
+            "moep-analyze = moep_ds.cli:analyze_main",
         ]
     },
     package_data={"moep_ds.evaluation": ["hf_template/*.py"]},

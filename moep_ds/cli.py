@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from moep_ds.errors import UserError
+from moep_ds.errors import SharedUserError, UserError
 from moep_ds.schema import ConfigError
 
 log = logging.getLogger("moep_ds")
@@ -56,7 +56,7 @@ def run_guarded(fn, *args) -> int:
         rank = launcher_rank()
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
-        elif not isinstance(err, ConfigError):
+        elif not isinstance(err, (ConfigError, SharedUserError)):  # every rank hits those alike
             print(f"[rank {rank}] error: {err}", file=sys.stderr)
         return 2
 
@@ -88,3 +88,20 @@ def _pretrain(args: argparse.Namespace) -> int:
 def pretrain_main(argv: list[str] | None = None) -> int:
     args = pretrain_parser().parse_args(argv)
     return run_guarded(_pretrain, args)
+
+
+def analyze_main(argv: list[str] | None = None) -> int:
+    """`moep-analyze RUN_DIR`: expert-utilisation summary and plots of a run (training/analyze.py)."""
+    parser = argparse.ArgumentParser(description="Expert-utilisation summary and plots of a moep_ds run.")
+    parser.add_argument("run_dir")
+    parser.add_argument("--no_plots", action="store_true")
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        from moep_ds.training.analyze import analyze, markdown
+
+        summary = analyze(args.run_dir, plots=not args.no_plots)
+        print(markdown(summary), end="")
+        return 0
+
+    return run_guarded(body)

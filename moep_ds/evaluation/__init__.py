@@ -1,6 +1,6 @@
 """Evaluation: lm-eval LM wrapper, Hugging Face export, generation, reports.
 
-    model_dir.py   the model directory layout (save_model_dir / load_model_dir), run -> newest checkpoint
+    (the model directory layout and its loaders are in moep_ds/checkpointing/, shared with training)
     harness.py     lm-eval model `moep_ds` (loglikelihood, loglikelihood_rolling, generate_until)
     tasks.py       eval/tasks/ YAML templates rendered against a data directory
     run_eval.py    `moep-eval`: simple_evaluate + results.json / results.md

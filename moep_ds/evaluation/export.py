@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,8 @@ import torch
 
 from moep_ds.cli import run_command
 from moep_ds.errors import UserError
-from moep_ds.evaluation.model_dir import consolidated_state_dict, save_model_dir
+from moep_ds.checkpointing import layout
+from moep_ds.checkpointing.model_dir import consolidated_state_dict, save_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +97,8 @@ def export_hf(
         from moep_ds.data.tokenizer import load_tokenizer
 
         eot_id = load_tokenizer(tokenizer_dir).eot_id
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+    with layout.atomic_dir(out) as tmp:
         write_hf_dir(model, cfg, tmp, Path(tokenizer_dir) if tokenizer_dir else None, eot_id, meta or {})
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -126,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from moep_ds.evaluation.model_dir import load_model_dir
+    from moep_ds.checkpointing.model_dir import load_model_dir
 
     model, cfg, tokenizer, meta = load_model_dir(args.checkpoint, args.set)
     source = Path(meta.pop("model_dir"))

@@ -164,7 +164,7 @@ def check_sampling_args(args: argparse.Namespace) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from moep_ds.evaluation.model_dir import load_model_dir
+    from moep_ds.checkpointing.model_dir import load_model_dir
 
     check_sampling_args(args)
     model, cfg, tokenizer, _ = load_model_dir(args.checkpoint, args.set)

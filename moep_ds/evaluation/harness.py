@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from moep_ds.errors import UserError
 from moep_ds.evaluation.generate import decode_steps, eval_mode
-from moep_ds.evaluation.model_dir import load_model_dir, routing_eval_modes, summarize_routing_modes
+from moep_ds.checkpointing.model_dir import load_model_dir, routing_eval_modes, summarize_routing_modes
 
 log = logging.getLogger(__name__)
 

@@ -90,7 +90,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from lm_eval import simple_evaluate
 
     from moep_ds.evaluation.harness import MoepLM
-    from moep_ds.evaluation.model_dir import load_model_dir, load_recipe
+    from moep_ds.checkpointing.model_dir import load_model_dir, load_recipe
 
     model_dir, cfg = load_recipe(args.checkpoint, args.set)  # a run directory resolves (and logs) once
     tasks = split_tasks(args.tasks) if args.tasks else (cfg.eval.tasks or DEFAULT_TASKS)
@@ -115,7 +115,7 @@ def run_name(checkpoint: str) -> str:
 
 def build_record(results: dict[str, Any], lm: Any, cfg: Any, meta: dict[str, Any], *, name: str,
                  settings: dict[str, Any]) -> dict[str, Any]:
-    from moep_ds.evaluation.model_dir import summarize_routing_modes
+    from moep_ds.checkpointing.model_dir import summarize_routing_modes
     from moep_ds.evaluation.report import flat_scores
     from moep_ds.models.accounting import count_params
 

@@ -7,7 +7,6 @@ summary.md, loss.png and one expert-load heatmap per routed layer (expert_load_<
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import pathlib
@@ -134,23 +133,3 @@ def analyze(run_dir: str | pathlib.Path, plots: bool = True) -> dict[str, Any]:
     if plots:
         plot(run_dir, out)
     return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    from moep_ds.cli import run_guarded
-
-    parser = argparse.ArgumentParser(description="Expert-utilisation summary and plots of a moep_ds run.")
-    parser.add_argument("run_dir")
-    parser.add_argument("--no_plots", action="store_true")
-    args = parser.parse_args(argv)
-
-    def body() -> int:
-        summary = analyze(args.run_dir, plots=not args.no_plots)
-        print(markdown(summary), end="")
-        return 0
-
-    return run_guarded(body)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,23 +1,29 @@
-"""Consolidated ("universal") checkpoints: resumable at any data-parallel or expert-parallel size.
+"""Sharded training checkpoints: each rank writes and reads only the optimizer state it owns, at any ZeRO stage.
 
 RUN_DIR/checkpoints/step_00000100/
-    model.safetensors    full fp32 parameters and buffers (experts consolidated over the expert-parallel group)
-    extra_state.pt       non-tensor module state (e.g. lifecycle event logs)
-    optimizer.pt         full fp32 Adam moments per parameter name, Adam's step count
-    trainer_state.json   step, data position, lr schedule, loss scaler, engine counters
-    rng_rank{r}.pt       each rank's RNG states
-    config.yaml, tokenizer files, meta.json, COMPLETE
+    .metadata, __<rank>_0.distcp   DCP: model/<name> fp32 masters and buffers, optim/<name>/<key> Adam moments,
+                                   all flattened to 1-D under canonical names (checkpointing/sharded.py)
+    tensors.json                   N-d shapes; extra_state.json: non-tensor module state (lifecycle event logs)
+    trainer_state.json             step, Adam's step, data position, lr schedule, loss scaler, engine counters
+    rng_rank{r}.pt                 each rank's RNG states (tensors and tuples: loads with weights_only=True)
+    config.yaml, meta.json, tokenizer files, COMPLETE
 
-A checkpoint is written under `.tmp-<tag>` and renamed once every rank has finished, so a crash at any
-point leaves the previous complete checkpoint as the newest one. DeepSpeed's own MoE checkpoint format
-needs one submodule per expert and cannot change the expert-parallel size, hence this format; the
-partitioned-state API (training/state.py) moves full tensors in and out of any ZeRO stage.
+What a rank owns: under ZeRO-1/2 (and DeepSpeed's bf16 optimizer) the fragments of each parameter in its flat
+partition (`param._hp_mapping`); under ZeRO-3 the valid part of its padded partition; without partitioning
+(ZeRO-0 fp32) an even share of every replicated tensor. Expert parameters are offset by the rank's place in
+the expert-parallel group. A load asks for the same pieces of the new layout, and DCP reads whatever saved
+pieces overlap them, so world size, expert-parallel size, ZeRO stage and master precision may all change.
+
+A checkpoint is written under `.tmp-<tag>` and renamed once every rank's files are durable (DCP fsyncs and
+gathers the ranks' results before its metadata is written), so a crash at any point leaves the previous
+complete checkpoint as the newest. With `train.checkpoint.async_save` the ranks copy their pieces to CPU and
+training goes on while DCP writes them on a gloo group of their own; the rename happens when the write is done.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
-import os
 import pathlib
 import random
 import shutil
@@ -27,148 +33,256 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
-from moep_ds.errors import UserError
-from moep_ds.evaluation.model_dir import COMPLETE_MARKER as COMPLETE
-from moep_ds.evaluation.model_dir import save_model_dir
+from moep_ds.checkpointing import layout, model_state, sharded
+from moep_ds.checkpointing.model_dir import write_recipe_files
+from moep_ds.checkpointing.model_state import ExpertLayout, canonical_name, is_expert_param
+from moep_ds.checkpointing.sharded import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
 from moep_ds.training import state as st
 
 log = logging.getLogger(__name__)
 
-
-class CheckpointError(UserError):
-    pass
+TRAINER_STATE_FILE = "trainer_state.json"
 
 
-def checkpoint_root(run_dir: str | pathlib.Path) -> pathlib.Path:
-    return pathlib.Path(run_dir) / "checkpoints"
+# ---- what this rank owns --------------------------------------------------------------------------------
 
 
-def complete_checkpoints(run_dir: str | pathlib.Path) -> list[pathlib.Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    done = [p for p in root.glob("step_*") if (p / COMPLETE).is_file()]
-    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+def replica_share(numel: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, stop) of replica `rank`'s even share of a tensor that `size` ranks hold whole."""
+    return rank * numel // size, (rank + 1) * numel // size
 
 
-def resolve_resume(resume: str | None, run_dir: str | pathlib.Path) -> pathlib.Path | None:
-    if resume is None:
-        return None
-    if resume == "auto":
-        found = complete_checkpoints(run_dir)
-        return found[-1] if found else None
-    path = pathlib.Path(resume)
-    if not (path / COMPLETE).is_file():
-        raise CheckpointError(f"--resume {resume!r} is not a complete checkpoint directory")
-    return path
+def replica_position(p: torch.nn.Parameter) -> tuple[int, int]:
+    """(rank, size) among the ranks holding the same whole copy of an unpartitioned parameter."""
+    if is_expert_param(p) and hasattr(p, "group_name"):
+        from deepspeed.utils import groups
+
+        group = groups._get_expert_data_parallel_group(p.group_name)
+        return dist.get_rank(group), dist.get_world_size(group)
+    return dist.get_rank(), dist.get_world_size()
 
 
-def is_expert_param(p: torch.nn.Parameter) -> bool:
-    return getattr(p, "allreduce", True) is False
+def local_pieces(p: torch.nn.Parameter, optimizer, whole_replicas: bool) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """[(flat offset within the local parameter, {"param": fp32 master view, key: moment view})] held here.
+
+    `whole_replicas`: a rank loading an unpartitioned parameter needs all of it; saving, it writes its share."""
+    if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition, padded at the end of the last one
+        part, start = p.ds_tensor.numel(), dist.get_rank(group=p.ds_process_group) * p.ds_tensor.numel()
+        valid = max(0, min(part, p.ds_numel - start))
+        views = {key: st.local_partition(p, key) for key in ("param", *st.ADAM_KEYS)}
+        return [(start, {k: v.narrow(0, 0, valid) for k, v in views.items()})] if valid else []
+    if hasattr(p, "_hp_mapping"):  # ZeRO-1/2, bf16 optimizer: a fragment of the rank's flat partition, or none
+        frag = p._hp_mapping
+        if frag is None:
+            return []
+        views = {"param": frag.hp_fragment, **{k: frag.get_optim_state_fragment(k) for k in st.ADAM_KEYS}}
+        return [(frag.lp_fragment_address.start, views)]
+    state = st.inner_optimizer(optimizer).state.get(p, {})
+    # (fp16 without ZeRO keeps its moments on separate masters: those start from zero, as they always did)
+    views = {"param": p.data.view(-1), **{k: state[k].view(-1) for k in st.ADAM_KEYS if k in state}}
+    start, stop = (0, p.numel()) if whole_replicas else replica_share(p.numel(), *replica_position(p))
+    return [(start, {k: v[start:stop] for k, v in views.items()})] if stop > start else []
 
 
-def named_unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """Parameters by their first name (a tied LM head is stored once, as the embedding)."""
-    return list(model.named_parameters())
+def engine_pieces(engine, model, ep: ExpertLayout, for_load: bool) -> dict[str, FlatShard]:
+    """Masters and moments this rank owns, as pieces of the global flat tensors (optimizer state must exist)."""
+    out = {}
+    for name, p in model.named_parameters():
+        name = canonical_name(name)
+        base, numel = model_state.expert_offset(p_numel(p), is_expert_param(p), ep)
+        for start, views in local_pieces(p, engine.optimizer, whole_replicas=for_load):
+            for key, view in views.items():
+                out[piece_name(name, key)] = FlatShard(view, base + start, numel)
+    return out
 
 
-def gather_experts(t: torch.Tensor, ep_group) -> torch.Tensor:
-    """Stacked local experts [E_local, ...] -> all experts [E, ...] (rank r of the group owns a contiguous slice)."""
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
-    dist.all_gather(parts, t.contiguous(), group=ep_group)
-    return torch.cat(parts, dim=0)
+def piece_name(name: str, key: str) -> str:
+    return MODEL_PREFIX + name if key == "param" else f"{OPTIM_PREFIX}{name}/{key}"
 
 
-def local_experts(t: torch.Tensor, ep_group) -> torch.Tensor:
-    size, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    n = t.shape[0] // size
-    return t[rank * n:(rank + 1) * n]
+def commit_partitions(model, pieces: dict[str, FlatShard]) -> None:
+    """Write loaded ZeRO-3 partitions back through DeepSpeed (they are copies when the optimizer is offloaded)."""
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_id"):
+            for key in ("param", *st.ADAM_KEYS):
+                piece = pieces.get(piece_name(canonical_name(name), key))
+                if piece is not None:
+                    st.set_local_partition(p, key, piece.local)
 
 
-def collect_full_state(engine, model, ep_group) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """Full fp32 params and Adam moments by parameter name (collective: every rank calls it)."""
-    params, moments = {}, {}
-    backend_device = next(model.parameters()).device
-    st.init_optimizer_state(engine.optimizer)
-    for name, p in named_unique_params(model):
-        values = {"param": st.get_fp32_param(p)}
-        for key in st.ADAM_KEYS:
-            v = st.get_optimizer_state(p, engine.optimizer, key)
-            values[key] = torch.zeros_like(values["param"]) if v is None else v
-        if ep_group is not None and is_expert_param(p):
-            values = {k: gather_experts(v.to(backend_device), ep_group).cpu() for k, v in values.items()}
-        params[name] = values.pop("param")
-        moments[name] = values
-    return params, moments
+def p_numel(p: torch.nn.Parameter) -> int:
+    return p.ds_numel if hasattr(p, "ds_id") else p.numel()
 
 
-def save_checkpoint(
-    engine, model, cfg, run_dir: pathlib.Path, step: int, trainer_state: dict[str, Any], *,
-    ep_group=None, tokenizer_dir: pathlib.Path | None = None, keep_last: int = 3, meta: dict | None = None,
-) -> pathlib.Path:
-    rank = dist.get_rank()
-    root = checkpoint_root(run_dir)
-    tag = f"step_{step:08d}"
-    tmp, final = root / f".tmp-{tag}", root / tag
-    if rank == 0:
-        for stale in root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    params, moments = collect_full_state(engine, model, ep_group)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        save_model_dir(model, cfg, tmp, tokenizer_dir=tokenizer_dir, meta={"step": step, **(meta or {})},
-                       params=params)
-        torch.save({"moments": moments, "step": st.optimizer_step_count(engine.optimizer)}, tmp / "optimizer.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-    dist.barrier()
-    if rank == 0:
-        (tmp / COMPLETE).touch()
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in complete_checkpoints(run_dir)[:-keep_last]:
+def param_shapes(model, ep: ExpertLayout) -> dict[str, tuple[int, ...]]:
+    shape = lambda p: p.ds_shape if hasattr(p, "ds_id") else p.shape  # noqa: E731
+    out = {canonical_name(n): model_state.global_shape(shape(p), is_expert_param(p), ep)
+           for n, p in model.named_parameters()}
+    out.update({n: tuple(b.shape) for n, b in model_state.buffers(model).items()})
+    return out
+
+
+def expert_layout(ep_group) -> ExpertLayout:
+    return ExpertLayout() if ep_group is None else ExpertLayout(dist.get_rank(ep_group), dist.get_world_size(ep_group))
+
+
+# ---- saving ---------------------------------------------------------------------------------------------
+
+
+class CheckpointWriter:
+    """Writes a run's checkpoints (collective: every rank calls `save` and `wait` at the same steps)."""
+
+    def __init__(self, run_dir: pathlib.Path, keep_last: int, async_save: bool = False):
+        self.root = layout.checkpoint_root(run_dir)
+        self.keep_last = keep_last
+        self.pending: concurrent.futures.Future | None = None
+        self.executor = concurrent.futures.ThreadPoolExecutor(1) if async_save else None
+        # DCP's asynchronous writer runs collectives from its own thread: they need a (CPU) group of their own
+        self.group = dist.new_group(backend="gloo") if async_save else None
+
+    def save(self, engine, model, cfg, step: int, trainer_state: dict[str, Any], *, ep_group=None,
+             tokenizer_dir: pathlib.Path | None = None, meta: dict | None = None) -> pathlib.Path:
+        self.wait()
+        rank = dist.get_rank()
+        tag = layout.checkpoint_tag(step)
+        tmp, final = self.root / f".tmp-{tag}", self.root / tag
+        error = None
+        try:
+            if rank == 0:
+                for stale in self.root.glob(".tmp-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir(parents=True)
+        except OSError as err:
+            error = err
+        self.check(sharded.agree(error is None), error, tmp, final)
+        ep = expert_layout(ep_group)
+        try:
+            torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+            if rank == 0:
+                sharded.save_json({**trainer_state, "optimizer_step": st.optimizer_step_count(engine.optimizer)},
+                                  tmp / TRAINER_STATE_FILE)
+                sharded.save_json({k: list(v) for k, v in param_shapes(model, ep).items()}, tmp / sharded.TENSORS_FILE)
+                sharded.save_json(model_state.extra_states(model), tmp / model_state.EXTRA_STATE_FILE)
+                write_recipe_files(cfg, tmp, tokenizer_dir, {"step": step, **(meta or {})})
+        except OSError as err:
+            error = err
+        self.check(sharded.agree(error is None), error, tmp, final)
+        pieces = self.pieces(engine, model, ep)
+        if self.executor is not None:
+            upload = sharded.async_save(pieces, tmp, self.group)
+            self.pending = self.executor.submit(self.finish_async, upload, tmp, final)
+            return final
+        try:
+            sharded.save(pieces, tmp)
+        except (Exception, sharded.DCPError) as err:  # DCP raises the same exception on every rank
+            error = err
+        self.check(error is None, error, tmp, final)
+        if rank == 0:
+            self.complete(tmp, final)
+        dist.barrier()
+        return final
+
+    @staticmethod
+    def pieces(engine, model, ep: ExpertLayout) -> dict[str, FlatShard]:
+        st.init_optimizer_state(engine.optimizer)
+        pieces = engine_pieces(engine, model, ep, for_load=False)
+        if dist.get_rank() == 0:  # buffers are the same on every rank
+            pieces.update({MODEL_PREFIX + n: sharded.whole(b) for n, b in model_state.buffers(model).items()})
+        return pieces
+
+    def check(self, ok: bool, error: BaseException | None, tmp: pathlib.Path, final: pathlib.Path) -> None:
+        if ok:
+            return
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = sharded.first_line(error) if error is not None else "a write failed on another rank"
+        raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {reason}; the previous checkpoints are kept")
+
+    def complete(self, tmp: pathlib.Path, final: pathlib.Path) -> None:
+        (tmp / layout.COMPLETE).touch()
+        layout.apply_umask(tmp)
+        layout.replace_dir(tmp, final)
+        for old in layout.complete_checkpoints(self.root)[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("saved checkpoint %s", final)
-    dist.barrier()
-    return final
+
+    def finish_async(self, upload, tmp: pathlib.Path, final: pathlib.Path) -> None:
+        try:
+            upload.result()
+        except (Exception, sharded.DCPError) as err:
+            if dist.get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {sharded.first_line(err)}; "
+                                  "the previous checkpoints are kept") from None
+        if dist.get_rank() == 0:
+            self.complete(tmp, final)
+
+    def wait(self) -> None:
+        """Block until a save in flight is complete (its error, if any, is raised here)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+
+# ---- loading --------------------------------------------------------------------------------------------
+
+
+def resume_candidates(resume: str | None, run_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Checkpoints to try, in order: `auto` = the complete ones, newest first; a path = that one only."""
+    if resume is None:
+        return []
+    if resume == "auto":
+        return list(reversed(layout.complete_checkpoints(run_dir)))
+    path = pathlib.Path(resume)
+    if not layout.is_complete(path):
+        raise CheckpointError(f"--resume {resume!r} is not a complete checkpoint directory")
+    return [path]
+
+
+def check_checkpoint(ckpt: pathlib.Path) -> None:
+    """DamagedCheckpoint naming the first unusable file (sharded or consolidated format)."""
+    if not sharded.is_sharded(ckpt):
+        from moep_ds.training.consolidated import check_consolidated
+
+        return check_consolidated(ckpt)
+    sharded.check_files(ckpt)
+    try:
+        json.loads((ckpt / TRAINER_STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise DamagedCheckpoint(f"checkpoint {str(ckpt)!r} is damaged: {str(ckpt / TRAINER_STATE_FILE)!r} "
+                                f"({sharded.first_line(err)})") from None
 
 
 def load_model_state(model, ckpt: pathlib.Path, ep_group=None) -> None:
-    """Load weights, buffers and extra state into the (unwrapped, not yet engine-owned) model."""
-    tensors = load_file(str(ckpt / "model.safetensors"))
-    extra_path = ckpt / "extra_state.pt"
-    if extra_path.is_file():
-        tensors.update(torch.load(extra_path, weights_only=False))
-    own = model.state_dict()
-    for name, p in model.named_parameters():
-        if ep_group is not None and is_expert_param(p) and name in tensors:
-            tensors[name] = local_experts(tensors[name], ep_group)
-    missing = [k for k in own if k not in tensors and not (k == "head.weight" and model.cfg.tie_embeddings)]
-    if missing:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {len(missing)} tensors of this model, e.g. {missing[0]!r}")
-    model.load_state_dict(tensors, strict=False)
+    """Weights, buffers and extra state into the (unwrapped, not yet engine-owned) model."""
+    if not sharded.is_sharded(ckpt):
+        from moep_ds.training.consolidated import load_consolidated_model
+
+        return load_consolidated_model(model, ckpt, ep_group)
+    model_state.load_module(model, ckpt, expert_layout(ep_group))
 
 
 def load_engine_state(engine, model, ckpt: pathlib.Path, ep_group=None) -> dict[str, Any]:
-    """Restore fp32 masters, Adam moments/step, schedule, loss scaler and counters; returns trainer state."""
-    tensors = load_file(str(ckpt / "model.safetensors"))
-    optim = torch.load(ckpt / "optimizer.pt", weights_only=False)
-    params = named_unique_params(model)
-    st.init_optimizer_state(engine.optimizer)
-    for name, p in params:
-        values = {"param": tensors[name], **optim["moments"][name]}
-        if ep_group is not None and is_expert_param(p):
-            values = {k: local_experts(v, ep_group) for k, v in values.items()}
-        st.set_fp32_param(p, values["param"])
-        for key in st.ADAM_KEYS:
-            st.set_optimizer_state(p, engine.optimizer, key, values[key])
-    st.set_optimizer_step_count(engine.optimizer, [p for _, p in params], optim["step"])
-    state = json.loads((ckpt / "trainer_state.json").read_text())
+    """Restore fp32 masters, Adam moments/step, schedule, loss scaler, counters and RNG; returns trainer state."""
+    if not sharded.is_sharded(ckpt):
+        from moep_ds.training.consolidated import load_consolidated_engine
+
+        state = load_consolidated_engine(engine, model, ckpt, ep_group)
+    else:
+        state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
+        st.init_optimizer_state(engine.optimizer)
+        pieces = engine_pieces(engine, model, expert_layout(ep_group), for_load=True)
+        with torch.no_grad():
+            sharded.load(pieces, ckpt)
+        commit_partitions(model, pieces)
+        st.set_optimizer_step_count(engine.optimizer, [p for p in model.parameters()], state["optimizer_step"])
+    restore_trainer_state(engine, state)
+    restore_rng(ckpt, dist.get_rank(), state)
+    return state
+
+
+def restore_trainer_state(engine, state: dict[str, Any]) -> None:
     if engine.lr_scheduler is not None:
         restore_schedule(engine.lr_scheduler, state["lr_scheduler"]["last_epoch"])
     scaler = getattr(engine.optimizer, "loss_scaler", None)
@@ -178,8 +292,6 @@ def load_engine_state(engine, model, ckpt: pathlib.Path, ep_group=None) -> dict[
     engine.global_steps = state["step"]
     engine.global_samples = state["global_samples"]
     engine.skipped_steps = state.get("skipped_steps", 0)
-    restore_rng(ckpt, dist.get_rank(), state)
-    return state
 
 
 def check_same_tokenizer(state: dict[str, Any], meta: dict[str, Any], ckpt: pathlib.Path) -> None:
@@ -208,7 +320,10 @@ def loss_scaler_state(engine) -> dict[str, Any] | None:
 
 
 def rng_state() -> dict[str, Any]:
-    out = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Tensors, tuples and numbers only (torch.load(weights_only=True) reads them back)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    out = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state()
     return out
@@ -217,11 +332,17 @@ def rng_state() -> dict[str, Any]:
 def restore_rng(ckpt: pathlib.Path, rank: int, state: dict[str, Any]) -> None:
     """Same world size: each rank continues its own RNG streams; otherwise streams are re-seeded per rank."""
     path = ckpt / f"rng_rank{rank}.pt"
+    rng = None
     if state.get("world_size") == dist.get_world_size() and path.is_file():
-        rng = torch.load(path, weights_only=False)
+        try:
+            rng = torch.load(path, weights_only=True)
+        except Exception:  # noqa: BLE001 - today's consolidated checkpoints pickled numpy arrays: re-seed those
+            log.warning("%s holds pickled objects; re-seeding the RNG streams instead", path)
+    if rng is not None:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        kind, keys, pos, has_gauss, gauss = rng["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     else:

@@ -42,6 +42,7 @@ class CheckpointConfig:
     every_minutes: PositiveFloat | None = None
     keep_last: PositiveInt = 3
     at_end: bool = True
+    async_save: bool = False  # write in the background (DCP async_save); training goes on meanwhile
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -65,14 +65,32 @@ def tensorboard_events(metrics: dict[str, float], scalars: dict[str, float],
     return events
 
 
+LOG_FILES = ("metrics.jsonl", "expert_utilization.jsonl")
+
+
+def drop_rows_after(run_dir: pathlib.Path, step: int) -> None:
+    """Logs follow the checkpoint: rows of steps after a resumed `step` were trained again (or never will be)."""
+    for name in LOG_FILES:
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            tmp = path.with_name(f".{name}.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(path)
+            log.info("dropped %d rows after step %d from %s", len(lines) - len(kept), step, path)
+
+
 class Monitor:
     def __init__(self, run_dir: pathlib.Path, engine, enabled: bool):
         self.enabled = enabled
         self.engine = engine
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
-            self.utilization = open(run_dir / "expert_utilization.jsonl", "a", buffering=1)
+            self.metrics = open(run_dir / LOG_FILES[0], "a", buffering=1)
+            self.utilization = open(run_dir / LOG_FILES[1], "a", buffering=1)
 
     def write_events(self, step: int, scalars: dict[str, float]) -> None:
         """TensorBoard scalars, keyed by their full tag (`train/loss`, `moe/layers.3.entropy`, ...)."""

@@ -11,8 +11,12 @@ import torch
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_optimizer_state,
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_optimizer_state,
 )
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -40,17 +44,25 @@ def link_optimizer_state(optimizer) -> None:
         optimizer._lazy_init_hp_params_optimizer_state()
 
 
+def optimizer_state_params(optimizer) -> list[torch.Tensor]:
+    """The tensors the torch optimizer keeps state for. ZeRO-3 puts its flat fp32 partitions into the torch
+    optimizer's parameter groups only while it steps, so those are taken from the ZeRO-3 optimizer itself."""
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if flats is not None:
+        return list(flats)
+    return [p for group in inner_optimizer(optimizer).param_groups for p in group["params"]]
+
+
 def init_optimizer_state(optimizer) -> None:
     """Create zero Adam state (as torch's AdamW would at its first step) so that a checkpoint's moments can be
-    written into an optimizer that has not stepped yet."""
+    written into an optimizer that has not stepped yet (a fresh ZeRO-3 engine has none)."""
     inner = inner_optimizer(optimizer)
-    for group in inner.param_groups:
-        for p in group["params"]:
-            state = inner.state[p]
-            if "exp_avg" not in state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    for p in optimizer_state_params(optimizer):
+        state = inner.state[p]
+        if "exp_avg" not in state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     link_optimizer_state(optimizer)
 
 
@@ -63,7 +75,9 @@ def set_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set the master weight (and the module's working copy, which DeepSpeed refreshes only at the next step)."""
     if is_partitioned(param):
         safe_set_full_fp32_param(param, value.to(param.device, torch.float32))
-    if not hasattr(param, "ds_id"):
+    if hasattr(param, "ds_id"):  # ZeRO-3 computes with its own partition, refreshed only by the next step
+        param.ds_tensor.data.copy_(safe_get_local_fp32_param(param).to(param.ds_tensor.dtype))
+    else:
         with torch.no_grad():
             param.copy_(value.to(param.device, param.dtype))
 
@@ -100,3 +114,20 @@ def set_optimizer_step_count(optimizer, params: list[torch.nn.Parameter], step: 
             inner.state.setdefault(p, {})
     for state in inner.state.values():
         state["step"] = torch.tensor(float(step))
+
+
+def local_partition(param: torch.nn.Parameter, key: str) -> torch.Tensor:
+    """This rank's ZeRO-3 partition (padded) of the master weight (`key` "param") or of an Adam moment."""
+    if key == "param":
+        return safe_get_local_fp32_param(param)
+    return safe_get_local_optimizer_state(param, key)
+
+
+def set_local_partition(param: torch.nn.Parameter, key: str, value_part: torch.Tensor) -> None:
+    """Write the valid part `value_part` of this rank's ZeRO-3 partition (the padding keeps its value)."""
+    padded = local_partition(param, key).clone()
+    padded[: value_part.numel()] = value_part
+    if key == "param":
+        safe_set_local_fp32_param(param, padded)
+    else:
+        safe_set_local_optimizer_state(param, padded, key)

@@ -19,9 +19,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from moep_ds.checkpointing import layout, sharded
 from moep_ds.config import Config
 from moep_ds.data.dataset import open_split
-from moep_ds.errors import UserError
+from moep_ds.errors import SharedUserError, UserError
 from moep_ds.data.prepare import check_meta, prepare
 from moep_ds.data.sampler import BatchLoader
 from moep_ds.models.accounting import count_params
@@ -32,7 +33,7 @@ from moep_ds.training.distributed import init_distributed, setup_logging
 from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import check_parallel_layout, moe_layer_classes, setup_expert_parallel
 from moep_ds.training.hooks import step_callbacks
-from moep_ds.training.monitor import Monitor
+from moep_ds.training.monitor import Monitor, drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,19 @@ def launcher_chain() -> list[int]:
     return chain
 
 
+def check_output_dir(output_dir: str) -> pathlib.Path:
+    """train.output_dir must be writable on every rank, checked before any data preparation."""
+    error = None
+    try:
+        path = layout.check_writable(output_dir, "train.output_dir")
+    except UserError as err:
+        error = err
+    if not sharded.agree(error is None):
+        raise SharedUserError(
+            str(error) if error else f"train.output_dir ({output_dir!r}) is not writable on every rank")
+    return path
+
+
 def prepare_data(cfg: Config, rank: int) -> tuple[pathlib.Path, dict]:
     """Rank 0 prepares (or reuses) the packed corpus; the others then find it complete."""
     if rank == 0:
@@ -144,8 +158,9 @@ class Trainer:
         ds.setdefault("tensorboard", {"enabled": True, "output_path": str(self.run_dir), "job_name": "tensorboard"})
         self.ds = ds
         check_parallel_layout(cfg, ds, self.world)
+        check_output_dir(cfg.train.output_dir)
         self.prepared, self.meta = prepare_data(cfg, self.rank)
-        self.resume_from = ckpt_io.resolve_resume(resume, self.run_dir)
+        self.resume = resume
         self.engine, self.model, self.ep_group = self.build_engine()
         self.callbacks = step_callbacks(self.engine, self.ep_group)
         self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
@@ -161,17 +176,44 @@ class Trainer:
             self.loader.load_state_dict(state["data"])
             self.step = state["step"]
             log.info("resumed from %s at step %d", self.resume_from, self.step)
+            if self.rank == 0:
+                drop_rows_after(self.run_dir, self.step)
+        self.checkpoints = ckpt_io.CheckpointWriter(self.run_dir, cfg.train.checkpoint.keep_last,
+                                                    async_save=cfg.train.checkpoint.async_save)
         self.monitor = Monitor(self.run_dir, self.engine, enabled=self.rank == 0)
         self.stop = StopRequest()
 
+    def new_model(self):
+        torch.manual_seed(self.cfg.train.seed)  # identical initial weights on every rank
+        model = build_model(self.cfg.model)
+        self.report = count_params(model, self.cfg.data.seq_len)
+        return model, setup_expert_parallel(model, self.cfg.train.expert_parallel_size)
+
+    def load_resumed_model(self):
+        """The model, with the weights of the checkpoint to resume from (`self.resume_from`, None for a fresh
+        start). `--resume auto` skips a damaged newest checkpoint: all ranks agree on each candidate before the
+        engine, the only holder of optimizer state, exists."""
+        model, ep_group = self.new_model()
+        self.resume_from = None
+        for ckpt in ckpt_io.resume_candidates(self.resume, self.run_dir):
+            error = None
+            try:
+                ckpt_io.check_checkpoint(ckpt)
+                ckpt_io.load_model_state(model, ckpt, ep_group)
+            except sharded.DamagedCheckpoint as err:
+                error = err
+            if sharded.agree(error is None):
+                self.resume_from = ckpt
+                return model, ep_group
+            if self.resume != "auto":
+                raise error or sharded.DamagedCheckpoint(f"checkpoint {str(ckpt)!r} could not be read on every rank")
+            log.warning("skipping damaged checkpoint %s: %s", ckpt, error or "unreadable on another rank")
+            model, ep_group = self.new_model()  # a failed read may have written part of the weights
+        return model, ep_group
+
     def build_engine(self):
         cfg = self.cfg
-        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-        model = build_model(cfg.model)
-        self.report = count_params(model, cfg.data.seq_len)
-        ep_group = setup_expert_parallel(model, cfg.train.expert_parallel_size)
-        if self.resume_from is not None:
-            ckpt_io.load_model_state(model, self.resume_from, ep_group)
+        model, ep_group = self.load_resumed_model()
         if zero_stage(self.ds) == 3 and moe_layer_classes(model):
             # Expert order depends on the data: gather each MoE module's parameters as one unit so that ranks
             # routing differently never wait on different parameter fetches.
@@ -236,9 +278,8 @@ class Trainer:
             "seed": self.cfg.train.seed,
             "tokenizer_sha256": self.meta.get("tokenizer_sha256"),
         }
-        ckpt_io.save_checkpoint(
-            self.engine, self.model, self.cfg, self.run_dir, self.step, state, ep_group=self.ep_group,
-            tokenizer_dir=self.prepared, keep_last=self.cfg.train.checkpoint.keep_last,
+        self.checkpoints.save(
+            self.engine, self.model, self.cfg, self.step, state, ep_group=self.ep_group, tokenizer_dir=self.prepared,
             meta={"tokens": self.step * self.tokens_per_step, **self.report.as_dict()},
         )
 
@@ -305,6 +346,7 @@ class Trainer:
             if stop:
                 log.warning("stopped at step %d on request; resume with --resume auto", self.step)
                 break
+        self.checkpoints.wait()  # a save in flight must be complete before the process may exit
         self.monitor.close()
         if self.rank == 0:
             summary = analyze(self.run_dir)

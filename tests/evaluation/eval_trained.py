@@ -9,7 +9,7 @@ import torch
 from moep_ds.data.builtin import PHENOMENA, generate_corpus, minimal_pairs
 from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.tokenizer import train_tokenizer
-from moep_ds.evaluation.model_dir import save_model_dir
+from moep_ds.checkpointing.model_dir import save_model_dir
 from moep_ds.models.causal_lm import build_model
 
 from eval_models import tiny_config

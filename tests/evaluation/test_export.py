@@ -9,7 +9,7 @@ import torch
 
 from moep_ds.evaluation.export import export_hf, main as export_main
 from moep_ds.evaluation.generate import generate
-from moep_ds.evaluation.model_dir import load_model_dir, save_model_dir
+from moep_ds.checkpointing.model_dir import load_model_dir, save_model_dir
 
 from eval_models import TINY_LAYERS, tiny_model
 

@@ -97,7 +97,7 @@ def test_moep_generate_cli(tmp_path, capsys):
     from moep_ds.data.config import TokenizerConfig
     from moep_ds.data.tokenizer import train_tokenizer
     from moep_ds.evaluation.generate import main as generate_main
-    from moep_ds.evaluation.model_dir import save_model_dir
+    from moep_ds.checkpointing.model_dir import save_model_dir
 
     tok = train_tokenizer(generate_corpus(20_000).split("\n\n"), TokenizerConfig(vocab_size=300), tmp_path / "tok")
     model, cfg = tiny_model("ssm_moe", vocab_size=tok.vocab_size)

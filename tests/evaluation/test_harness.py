@@ -14,8 +14,8 @@ from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.tokenizer import load_tokenizer, train_tokenizer
 from moep_ds.errors import UserError
 from moep_ds.evaluation.generate import generate
+from moep_ds.checkpointing.model_dir import save_model_dir
 from moep_ds.evaluation.harness import MoepLM, batch_by_length, continuation_logprobs, continuation_windows, right_pad
-from moep_ds.evaluation.model_dir import save_model_dir
 
 from eval_models import TINY_LAYERS, tiny_model
 from eval_trained import train_tiny, write_blimp_dir

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from moep_ds.errors import UserError
-from moep_ds.evaluation.model_dir import (
+from moep_ds.checkpointing.model_dir import (
     COMPLETE_MARKER, load_model_dir, resolve_model_dir, routing_eval_modes, save_model_dir, summarize_routing_modes,
 )
 

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from moep_ds.errors import UserError
-from moep_ds.training.analyze import analyze, main
+from moep_ds.cli import analyze_main as main
+from moep_ds.training.analyze import analyze
 
 
 def write_run(run, steps=20):

@@ -1,26 +1,46 @@
-"""pretrain.py with a fault injected: the process kills itself (SIGKILL) while writing checkpoint step N.
+"""pretrain.py with a fault injected while checkpoint step N is written, on rank r:
 
-    MOEP_TEST_KILL_AT_STEP=N MOEP_TEST_KILL_RANK=r torchrun ... pretrain_fault.py <pretrain args>
+    MOEP_TEST_FAULT=kill|enospc MOEP_TEST_FAULT_STEP=N MOEP_TEST_FAULT_RANK=r torchrun ... pretrain_fault.py <args>
+
+kill: the process kills itself (SIGKILL) once its shard is written; enospc: writing its shard fails with
+"No space left on device" (as DCP's file writer would on a full disk).
 """
+import errno
 import os
 import signal
 
+from moep_ds.checkpointing import layout, sharded
 from moep_ds.cli import pretrain_main
-from moep_ds.training import checkpoint
 
-KILL_STEP = int(os.environ["MOEP_TEST_KILL_AT_STEP"])
-KILL_RANK = int(os.environ.get("MOEP_TEST_KILL_RANK", "0"))
-original = checkpoint.collect_full_state
+FAULT = os.environ["MOEP_TEST_FAULT"]
+TAG = layout.checkpoint_tag(int(os.environ["MOEP_TEST_FAULT_STEP"]))
+RANK = int(os.environ.get("MOEP_TEST_FAULT_RANK", "0"))
+original_save, original_writer = sharded.save, sharded.writer
 
 
-def collect_then_die(engine, model, ep_group):
-    out = original(engine, model, ep_group)
-    if engine.global_steps == KILL_STEP and int(os.environ["RANK"]) == KILL_RANK:
+def here(path) -> bool:
+    return str(path).endswith(TAG) and int(os.environ.get("RANK", "0")) == RANK
+
+
+def save_then_die(state, path, group=None):
+    original_save(state, path, group)
+    if here(path):
         os.kill(os.getpid(), signal.SIGKILL)
-    return out
 
 
-checkpoint.collect_full_state = collect_then_die
+class FullDiskWriter(sharded.dcp.FileSystemWriter):
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+
+def writer(path):
+    return FullDiskWriter(path, single_file_per_rank=True) if here(path) else original_writer(path)
+
+
+if FAULT == "kill":
+    sharded.save = save_then_die
+else:
+    sharded.writer = writer
 
 if __name__ == "__main__":
     raise SystemExit(pretrain_main())

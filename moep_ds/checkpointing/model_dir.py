@@ -1,5 +1,6 @@
 """Model directories: the weights + recipe + tokenizer layout that checkpoints, exports and evaluation share.
-(`load_model_dir` also reads the Hugging Face directories that `moep-export --hf` writes.)
+(`load_model_dir` also reads the Hugging Face directories that `moep-export --hf` writes, and the sharded
+checkpoints of training, checkpointing/sharded.py, whose fp32 weights it reads without the optimizer state.)
 
     DIR/model.safetensors   consolidated fp32 state dict, keys = CausalLM.state_dict() keys
                             (`head.weight` omitted when the embeddings are tied)
@@ -8,21 +9,21 @@
     DIR/meta.json           {"step": int, "tokens": int, ...}
     DIR/extra_state.pt      non-tensor module state (the expert lifecycle's event log), when there is any
 
-A run directory (`train.output_dir`) holds `checkpoints/<tag>/` in this layout; a checkpoint counts once it
-contains the empty file `COMPLETE`. `load_model_dir(run_dir)` takes the complete one with the highest step.
+A run directory (`train.output_dir`) holds `checkpoints/step_<N>/` (checkpointing/layout.py: a checkpoint
+counts once it contains the empty file `COMPLETE`); `load_model_dir(run_dir)` takes the newest complete one.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moep_ds.checkpointing import layout, sharded
+from moep_ds.checkpointing.model_state import load_module
 from moep_ds.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
 META_FILE = "meta.json"
 EXTRA_FILE = "extra_state.pt"  # non-tensor module state, as the trainer's checkpoints keep it
-COMPLETE_MARKER = "COMPLETE"
+COMPLETE_MARKER = layout.COMPLETE
 TIED_HEAD_KEY = "head.weight"
 
 
@@ -69,35 +70,45 @@ def save_model_dir(
     directory (e.g. a checkpoint that also holds optimizer shards) each file is replaced atomically and other
     files are left alone; completeness of a checkpoint is its `COMPLETE` marker, written by the trainer.
     """
+    out = Path(out_dir)
+    if out.exists():
+        write_model_files(model, cfg, out, tokenizer_dir, meta, params)
+        return out
+    with layout.atomic_dir(out) as tmp:
+        write_model_files(model, cfg, tmp, tokenizer_dir, meta, params)
+    return out
+
+
+def write_model_files(model, cfg, out: Path, tokenizer_dir, meta, params) -> None:
+    """Each file is written beside its final name and renamed (other files of `out` are left alone)."""
     from safetensors.torch import save_file
 
+    def put(name: str, write) -> None:
+        tmp = out / f".{name}.tmp"
+        write(tmp)
+        layout.apply_umask(tmp)
+        os.replace(tmp, out / name)
+
+    put(WEIGHTS_FILE, lambda f: save_file(consolidated_state_dict(model, cfg.model.tie_embeddings, params), str(f),
+                                          metadata={"format": "pt"}))
+    if extra := extra_state(model):
+        put(EXTRA_FILE, lambda f: torch.save(extra, f))
+    write_recipe_files(cfg, out, tokenizer_dir, meta)
+
+
+def write_recipe_files(cfg: Any, out: Path, tokenizer_dir: str | os.PathLike | None, meta: dict | None) -> None:
+    """config.yaml, meta.json and the tokenizer files: what makes a weights directory loadable on its own."""
     from moep_ds.config import dump_config
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the renamed directory should read like any other
-    try:
-        save_file(consolidated_state_dict(model, cfg.model.tie_embeddings, params), str(tmp / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
-        if extra := extra_state(model):
-            torch.save(extra, tmp / EXTRA_FILE)
-        (tmp / CONFIG_FILE).write_text(dump_config(cfg), encoding="utf-8")
-        (tmp / META_FILE).write_text(json.dumps(meta or {}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if tokenizer_dir is not None:
-            from moep_ds.data.tokenizer import copy_tokenizer
+    (out / CONFIG_FILE).write_text(dump_config(cfg), encoding="utf-8")
+    (out / META_FILE).write_text(json.dumps(meta or {}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if tokenizer_dir is not None:
+        from moep_ds.data.tokenizer import copy_tokenizer
 
-            copy_tokenizer(tokenizer_dir, tmp)
-        if out.exists():
-            for f in tmp.iterdir():
-                os.replace(f, out / f.name)
-            tmp.rmdir()
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        copy_tokenizer(tokenizer_dir, out)
+        for f in out.iterdir():
+            if f.is_file():
+                layout.apply_umask(f)
 
 
 def read_meta(model_dir: Path) -> dict[str, Any]:
@@ -110,21 +121,8 @@ def read_meta(model_dir: Path) -> dict[str, Any]:
         raise UserError(f"{f} is not valid JSON: {err}") from None
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoint directories under `run_dir/checkpoints` (or `run_dir` itself if it is that folder)."""
-    roots = [run_dir / "checkpoints", run_dir]
-    found = []
-    for root in roots:
-        if root.is_dir():
-            found += [d for d in root.iterdir()
-                      if d.is_dir() and (d / COMPLETE_MARKER).is_file() and (d / WEIGHTS_FILE).is_file()]
-        if found:
-            break
-    return found
-
-
 def resolve_model_dir(path: str | os.PathLike) -> Path:
-    """A model directory itself, or the newest complete checkpoint (highest meta.json step) of a run directory."""
+    """A model directory (consolidated or sharded) itself, or the newest complete checkpoint of a run directory."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"checkpoint {str(p)!r} does not exist")
@@ -134,13 +132,16 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
         if not (p / CONFIG_FILE).is_file() and hf_export_recipe(p) is None:
             raise UserError(f"model directory {str(p)!r} has {WEIGHTS_FILE} but no {CONFIG_FILE}")
         return p
-    candidates = complete_checkpoints(p)
-    if not candidates:
+    if sharded.is_sharded(p):
+        if not (p / CONFIG_FILE).is_file():
+            raise UserError(f"checkpoint {str(p)!r} has no {CONFIG_FILE}")
+        return p
+    newest = layout.newest_checkpoint(p)
+    if newest is None:
         raise UserError(
             f"{str(p)!r} is neither a model directory (no {WEIGHTS_FILE}) nor a run directory with a complete "
-            f"checkpoint (checkpoints/<tag>/ holding {WEIGHTS_FILE} and {COMPLETE_MARKER})"
+            f"checkpoint (checkpoints/step_<N>/ holding {COMPLETE_MARKER})"
         )
-    newest = max(candidates, key=lambda d: (int(read_meta(d).get("step", -1)), d.name))
     log.info("using checkpoint %s (step %s) of run %s", newest.name, read_meta(newest).get("step"), p)
     return newest
 
@@ -189,18 +190,15 @@ def load_model_dir(path: str | os.PathLike, overrides: list[str] | None = None) 
     `overrides` (`a.b=v` strings) apply to the stored recipe, e.g. a router's eval_mode. meta gets
     "model_dir", the directory actually loaded.
     """
-    from safetensors.torch import load_file
-
     from moep_ds.models.causal_lm import build_model
 
     model_dir, cfg = load_recipe(path, overrides)
     model = build_model(cfg.model)
-    state: dict[str, Any] = load_file(str(model_dir / WEIGHTS_FILE))
-    if (model_dir / EXTRA_FILE).is_file():
-        state.update(torch.load(model_dir / EXTRA_FILE, weights_only=True))
-    if hf_export_recipe(model_dir) is not None:  # keys are model.<moep_ds key> there
-        state = {k.removeprefix("model."): v for k, v in state.items()}
-    load_state_dict_into(model, state, cfg.model.tie_embeddings, model_dir / WEIGHTS_FILE)
+    if sharded.is_sharded(model_dir):
+        sharded.check_files(model_dir)
+        load_module(model, model_dir)
+    else:
+        load_consolidated(model, model_dir, cfg)
     model.eval()
     tokenizer = None
     if (model_dir / "tokenizer.json").is_file():
@@ -209,6 +207,17 @@ def load_model_dir(path: str | os.PathLike, overrides: list[str] | None = None) 
         tokenizer = load_tokenizer(model_dir)
     meta = {**read_meta(model_dir), "model_dir": str(model_dir)}
     return model, cfg, tokenizer, meta
+
+
+def load_consolidated(model: torch.nn.Module, model_dir: Path, cfg: Any) -> None:
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = load_file(str(model_dir / WEIGHTS_FILE))
+    if (model_dir / EXTRA_FILE).is_file():
+        state.update(torch.load(model_dir / EXTRA_FILE, weights_only=True))
+    if hf_export_recipe(model_dir) is not None:  # keys are model.<moep_ds key> there
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+    load_state_dict_into(model, state, cfg.model.tie_embeddings, model_dir / WEIGHTS_FILE)
 
 
 def routing_eval_modes(model: torch.nn.Module) -> dict[str, str]:

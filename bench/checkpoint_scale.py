@@ -1,0 +1,196 @@
+"""Checkpoint cost per rank: sharded DCP checkpoints (sync and async) side by side with the consolidated format.
+
+    python bench/checkpoint_scale.py --ranks 1 2 4 --resume-on 2 [--stage 3] [--set model.d_model=128 ...]
+
+For each world size it launches torchrun with this file as the worker: the recipe (configs/nova_moe.yaml at
+full width, data.source=builtin, micro-batch 1 x 32 tokens) trains one step, then each format saves and loads
+once. Per format it reports the save stall (time until training could go on), the load time (masters and
+moments into the live engine), the peak resident memory a save adds to a rank over its level after the
+step (sampled every 5 ms; the largest over ranks), and the largest file's share of the checkpoint's bytes.
+Prints one markdown table; `--json` writes the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Largest resident set size seen while the block runs, minus the level at entry."""
+
+    def __enter__(self):
+        self.base = self.peak = rss()
+        self.running = True
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def sample(self):
+        while self.running:
+            self.peak = max(self.peak, rss())
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, rss())
+        self.added = self.peak - self.base
+
+
+def resume_worker(args, cfg) -> None:
+    """Resume the largest run's sharded checkpoint at this (smaller) world size and train one step."""
+    import torch.distributed as dist
+
+    from moep_ds.training.trainer import Trainer
+
+    start = time.perf_counter()
+    trainer = Trainer(cfg, str(REPO / f"ds_configs/zero{args.stage}_fp32.json"), args.resume)
+    seconds = time.perf_counter() - start
+    trainer.engine.train()
+    losses, _ = trainer.train_step()
+    if dist.get_rank() == 0:
+        row = {"ranks": dist.get_world_size(), "resumed_step": trainer.step, "init_and_load_s": seconds, **losses}
+        (pathlib.Path(args.out) / "resume.json").write_text(json.dumps(row))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moep_ds.checkpointing import sharded
+    from moep_ds.config import load_config
+    from moep_ds.training import checkpoint as ckpt_io
+    from moep_ds.training.consolidated import load_consolidated_engine, save_consolidated
+    from moep_ds.training.trainer import Trainer
+
+    out = pathlib.Path(args.out)
+    cfg = load_config(REPO / "configs/nova_moe.yaml", [
+        "data.source=builtin", "data.seq_len=32", "train.micro_batch_size=1", f"train.output_dir={out}",
+        "train.max_steps=1", "train.log_every=1", *args.set])
+    if args.resume:
+        return resume_worker(args, cfg)
+    trainer = Trainer(cfg, str(REPO / f"ds_configs/zero{args.stage}_fp32.json"), None)
+    trainer.engine.train()
+    trainer.train_step()
+    trainer.step = 1
+    rank = dist.get_rank()
+    rows = {}
+
+    def measure(name, save, load, path):
+        dist.barrier()
+        with PeakRSS() as mem:
+            start = time.perf_counter()
+            save()
+            stall = time.perf_counter() - start
+            trainer.checkpoints.wait()
+        dist.barrier()
+        start = time.perf_counter()
+        load()
+        load_s = time.perf_counter() - start
+        files = sharded.sizes_per_file(path)
+        peak = torch.tensor([float(mem.added)])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        rows[name] = {"stall_s": stall, "load_s": load_s, "peak_added_bytes": float(peak),
+                      "files": len(files), "total_bytes": sum(files.values()),
+                      "largest_file_share": max(files.values()) / sum(files.values())}
+
+    sharded_path = out / "checkpoints" / "step_00000001"
+
+    def load_sharded():
+        ckpt_io.load_engine_state(trainer.engine, trainer.model, sharded_path, trainer.ep_group)
+
+    measure("sharded (sync)", trainer.save, load_sharded, sharded_path)
+    trainer.checkpoints = ckpt_io.CheckpointWriter(trainer.run_dir, keep_last=1, async_save=True)
+    measure("sharded (async)", trainer.save, load_sharded, sharded_path)
+    consolidated = out / "consolidated"
+    state = json.loads((sharded_path / ckpt_io.TRAINER_STATE_FILE).read_text())
+    measure("consolidated (today)",
+            lambda: save_consolidated(trainer.engine, trainer.model, cfg, consolidated, state, trainer.ep_group),
+            lambda: load_consolidated_engine(trainer.engine, trainer.model, consolidated, trainer.ep_group),
+            consolidated)
+    rows = {k: {**v, "rank_rss_after_step": rss()} for k, v in rows.items()}
+    if rank == 0:
+        (out / "rows.json").write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def run_worker(ranks: int, stage: int, out: str, sets: list[str], *extra: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           __file__, "--worker", "--out", out, "--stage", str(stage), *extra, "--set", *sets]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{cmd} failed:\n{proc.stderr[-4000:]}")
+
+
+def launch(ranks: int, stage: int, sets: list[str], resume_on: int | None) -> dict:
+    """Rows of one world size; with `resume_on`, its sharded checkpoint also resumes at that world size."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_worker(ranks, stage, tmp, sets)
+        rows = json.loads((pathlib.Path(tmp) / "rows.json").read_text())
+        if resume_on:
+            out = pathlib.Path(tmp) / "resumed"
+            out.mkdir()
+            run_worker(resume_on, stage, str(out), sets, "--resume", f"{tmp}/checkpoints/step_00000001")
+            rows["resume"] = json.loads((out / "resume.json").read_text())
+        return rows
+
+
+def table(results: dict[int, dict]) -> str:
+    lines = ["| ranks | format | save stall s | load s | peak added / rank MiB | files | largest file share |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for ranks, rows in results.items():
+        for name, r in rows.items():
+            if name == "resume":
+                continue
+            lines.append(f"| {ranks} | {name} | {r['stall_s']:.2f} | {r['load_s']:.2f} | "
+                         f"{r['peak_added_bytes'] / 2**20:,.0f} | {r['files']} | {r['largest_file_share']:.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--set", nargs="*", default=[])
+    p.add_argument("--resume-on", type=int, help="resume the largest run's checkpoint at this many ranks")
+    p.add_argument("--json")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--out")
+    p.add_argument("--resume", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    largest = max(args.ranks)
+    results = {n: launch(n, args.stage, args.set, args.resume_on if n == largest else None) for n in args.ranks}
+    print(table(results))
+    if "resume" in results[largest]:
+        r = results[largest]["resume"]
+        print(f"\n{largest}-rank checkpoint resumed on {r['ranks']} ranks at step {r['resumed_step']}: "
+              f"next loss {r['loss']:.4f}, build + load {r['init_and_load_s']:.1f} s")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

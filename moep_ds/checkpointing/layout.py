@@ -1,0 +1,106 @@
+"""Run directories and their checkpoints: what "complete" and "newest" mean, and how directories appear atomically.
+
+    RUN_DIR/checkpoints/step_00000100/    a checkpoint; it counts once it holds the empty file COMPLETE
+    RUN_DIR/checkpoints/.tmp-step_.../    one being written (never read; removed by the next save)
+
+Every directory and file written here gets the permissions the user's umask gives (tempfile.mkdtemp and some
+writers create private files; a checkpoint should read like any other file of the run).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from moep_ds.errors import UserError
+
+COMPLETE = "COMPLETE"
+CHECKPOINTS = "checkpoints"
+STEP_PREFIX = "step_"
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def checkpoint_tag(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def step_of(checkpoint: Path) -> int:
+    """The step a checkpoint directory is named after (`step_<N>`), -1 for any other name."""
+    digits = checkpoint.name.removeprefix(STEP_PREFIX)
+    return int(digits) if checkpoint.name.startswith(STEP_PREFIX) and digits.isdigit() else -1
+
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / COMPLETE).is_file()
+
+
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of a run (`run_dir`, or its `checkpoints/` folder itself), oldest first."""
+    run_dir = Path(run_dir)
+    root = checkpoint_root(run_dir) if checkpoint_root(run_dir).is_dir() else run_dir
+    if not root.is_dir():
+        return []
+    found = [d for d in root.iterdir() if step_of(d) >= 0 and is_complete(d)]
+    return sorted(found, key=lambda d: (step_of(d), d.name))
+
+
+def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+def apply_umask(path: Path) -> None:
+    """Give `path` (recursively) the modes a plain open()/mkdir() would have given it."""
+    mask = umask()
+    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for p in paths:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Put the finished directory `tmp` at `final` (replacing an old one)."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike, *, tmp: Path | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling of `final` to write into; on success it becomes `final` in one rename (with
+    umask modes); on any error it is removed and `final` is left as it was."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if tmp is None:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    else:
+        tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        apply_umask(tmp)
+        replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_writable(directory: str | os.PathLike, field: str) -> Path:
+    """Create `directory` if needed and make sure files can be written there; one-line UserError otherwise."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", delete=True)
+        probe.close()
+    except OSError as err:
+        raise UserError(f"{field} ({str(path)!r}) is not writable: {err.strerror or err}") from None
+    return path

@@ -1,0 +1,93 @@
+"""A model's tensors under canonical names, as pieces of the global (unsharded) tensors.
+
+Canonical names are the single-device model's state-dict names: wrappers that torch.compile (`_orig_mod`) and
+activation checkpointing (`_checkpoint_wrapped_module`) insert are dropped, and expert tensors, stacked on
+dim 0 as [E_local, ...] and sharded contiguously over the expert-parallel group, are named and shaped as the
+full stack [E, ...] (an expert's global index is its row). A checkpoint therefore does not depend on the
+layout that wrote it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moep_ds.checkpointing import sharded
+from moep_ds.checkpointing.sharded import MODEL_PREFIX, FlatShard
+
+WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module")
+EXTRA_STATE_FILE = "extra_state.json"  # non-tensor module state (get_extra_state), canonical keys
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """This process's place in the expert-parallel group (rank, size); experts [rank*L, (rank+1)*L) are local."""
+
+    rank: int = 0
+    size: int = 1
+
+
+def canonical_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """DeepSpeed's mark of an expert parameter (stacked experts, sharded over the expert-parallel group)."""
+    return getattr(p, "allreduce", True) is False
+
+
+def expert_offset(local_numel: int, expert: bool, ep: ExpertLayout) -> tuple[int, int]:
+    """(offset of this rank's piece, numel of the global tensor), both flat."""
+    return (ep.rank * local_numel, local_numel * ep.size) if expert else (0, local_numel)
+
+
+def global_shape(shape: torch.Size, expert: bool, ep: ExpertLayout) -> tuple[int, ...]:
+    return (shape[0] * ep.size, *shape[1:]) if expert else tuple(shape)
+
+
+def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers by canonical name (tied parameters appear once, under named_parameters)."""
+    return {canonical_name(k): v for k, v in model.state_dict(keep_vars=True).items()
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)}
+
+
+def extra_states(model: nn.Module) -> dict[str, Any]:
+    return {canonical_name(k): v for k, v in model.state_dict().items() if not isinstance(v, torch.Tensor)}
+
+
+def shapes(model: nn.Module, ep: ExpertLayout = ExpertLayout()) -> dict[str, tuple[int, ...]]:
+    """Global shapes of every parameter and buffer, by canonical name."""
+    out = {canonical_name(n): global_shape(p.shape, is_expert_param(p), ep) for n, p in model.named_parameters()}
+    out.update({n: tuple(b.shape) for n, b in buffers(model).items()})
+    return out
+
+
+def module_pieces(model: nn.Module, ep: ExpertLayout = ExpertLayout()) -> dict[str, FlatShard]:
+    """Every parameter and buffer of `model` as it is held here (local experts at their offset): the target
+    of a load into the module itself, before an engine owns it."""
+    out = {}
+    for name, p in model.named_parameters():
+        offset, numel = expert_offset(p.numel(), is_expert_param(p), ep)
+        out[MODEL_PREFIX + canonical_name(name)] = FlatShard(p.data.view(-1), offset, numel)
+    out.update({MODEL_PREFIX + n: sharded.whole(b) for n, b in buffers(model).items()})
+    return out
+
+
+def load_extra_states(model: nn.Module, path: Path) -> None:
+    f = path / EXTRA_STATE_FILE
+    saved = json.loads(f.read_text()) if f.is_file() else {}
+    wanted = {k: canonical_name(k) for k, v in model.state_dict().items() if not isinstance(v, torch.Tensor)}
+    model.load_state_dict({k: saved[c] for k, c in wanted.items() if c in saved}, strict=False)
+
+
+def load_module(model: nn.Module, path: Path, ep: ExpertLayout = ExpertLayout()) -> None:
+    """Parameters (fp32 masters), buffers and extra state of a sharded checkpoint into `model`, in place; each
+    process reads only the pieces it holds (its experts), never the optimizer state."""
+    sharded.check_shapes(path, shapes(model, ep))
+    with torch.no_grad():
+        sharded.load(module_pieces(model, ep), path)
+    load_extra_states(model, path)

@@ -1,0 +1,127 @@
+"""Today's consolidated checkpoints (model.safetensors + optimizer.pt, full state on every rank): still resumed,
+evaluated and exported; `save_consolidated` is kept for comparison in bench/checkpoint_scale.py only.
+
+    model.safetensors    full fp32 parameters and buffers (experts consolidated over the expert-parallel group)
+    extra_state.pt       non-tensor module state (lifecycle event logs)
+    optimizer.pt         full fp32 Adam moments per parameter name, Adam's step count
+    trainer_state.json, rng_rank{r}.pt, config.yaml, tokenizer files, meta.json, COMPLETE
+
+Every rank gathers and reads the whole state here, which is what the sharded format (training/checkpoint.py)
+avoids; reading goes through safetensors and torch.load(weights_only=True).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from moep_ds.checkpointing import layout
+from moep_ds.checkpointing.model_dir import EXTRA_FILE, WEIGHTS_FILE, save_model_dir
+from moep_ds.checkpointing.model_state import is_expert_param
+from moep_ds.checkpointing.sharded import CheckpointError, DamagedCheckpoint, first_line
+from moep_ds.training import state as st
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def check_consolidated(ckpt: pathlib.Path) -> None:
+    for name in (WEIGHTS_FILE, OPTIMIZER_FILE, "trainer_state.json"):
+        if not (ckpt / name).is_file():
+            raise DamagedCheckpoint(f"checkpoint {str(ckpt)!r} is damaged: {str(ckpt / name)!r} is missing")
+    try:
+        with safe_open(str(ckpt / WEIGHTS_FILE), framework="pt") as f:
+            f.keys()
+        json.loads((ckpt / "trainer_state.json").read_text())
+    except Exception as err:  # noqa: BLE001 - any parse error means a damaged file
+        raise DamagedCheckpoint(f"checkpoint {str(ckpt)!r} is damaged: {first_line(err)}") from None
+
+
+def named_unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters by their first name (a tied LM head is stored once, as the embedding)."""
+    return list(model.named_parameters())
+
+
+def gather_experts(t: torch.Tensor, ep_group) -> torch.Tensor:
+    """Stacked local experts [E_local, ...] -> all experts [E, ...] (rank r of the group owns a contiguous slice)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
+    dist.all_gather(parts, t.contiguous(), group=ep_group)
+    return torch.cat(parts, dim=0)
+
+
+def local_experts(t: torch.Tensor, ep_group) -> torch.Tensor:
+    size, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    n = t.shape[0] // size
+    return t[rank * n:(rank + 1) * n]
+
+
+def collect_full_state(engine, model, ep_group) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Full fp32 params and Adam moments by parameter name (collective: every rank calls it)."""
+    params, moments = {}, {}
+    backend_device = next(model.parameters()).device
+    st.init_optimizer_state(engine.optimizer)
+    for name, p in named_unique_params(model):
+        values = {"param": st.get_fp32_param(p)}
+        for key in st.ADAM_KEYS:
+            v = st.get_optimizer_state(p, engine.optimizer, key)
+            values[key] = torch.zeros_like(values["param"]) if v is None else v
+        if ep_group is not None and is_expert_param(p):
+            values = {k: gather_experts(v.to(backend_device), ep_group).cpu() for k, v in values.items()}
+        params[name] = values.pop("param")
+        moments[name] = values
+    return params, moments
+
+
+def save_consolidated(engine, model, cfg, out: pathlib.Path, trainer_state: dict[str, Any], ep_group=None) -> None:
+    """Today's format, written to `out` (collective; every rank holds the full state meanwhile)."""
+    from moep_ds.training.checkpoint import rng_state
+
+    params, moments = collect_full_state(engine, model, ep_group)
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    torch.save(rng_state(), out / f"rng_rank{dist.get_rank()}.pt")
+    if dist.get_rank() == 0:
+        save_model_dir(model, cfg, out, meta={"step": trainer_state["step"]}, params=params)
+        torch.save({"moments": moments, "step": st.optimizer_step_count(engine.optimizer)}, out / OPTIMIZER_FILE)
+        (out / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        (out / layout.COMPLETE).touch()
+    dist.barrier()
+
+
+def load_consolidated_model(model, ckpt: pathlib.Path, ep_group=None) -> None:
+    """Load weights, buffers and extra state into the (unwrapped, not yet engine-owned) model."""
+    tensors = load_file(str(ckpt / WEIGHTS_FILE))
+    extra_path = ckpt / EXTRA_FILE
+    if extra_path.is_file():
+        tensors.update(torch.load(extra_path, weights_only=True))
+    own = model.state_dict()
+    for name, p in model.named_parameters():
+        if ep_group is not None and is_expert_param(p) and name in tensors:
+            tensors[name] = local_experts(tensors[name], ep_group)
+    missing = [k for k in own if k not in tensors and not (k == "head.weight" and model.cfg.tie_embeddings)]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} lacks {len(missing)} tensors of this model, e.g. {missing[0]!r}")
+    model.load_state_dict(tensors, strict=False)
+
+
+def load_consolidated_engine(engine, model, ckpt: pathlib.Path, ep_group=None) -> dict[str, Any]:
+    """Restore fp32 masters and Adam moments/step; returns the trainer state."""
+    tensors = load_file(str(ckpt / WEIGHTS_FILE))
+    optim = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True)
+    params = named_unique_params(model)
+    st.init_optimizer_state(engine.optimizer)
+    for name, p in params:
+        values = {"param": tensors[name], **optim["moments"][name]}
+        if ep_group is not None and is_expert_param(p):
+            values = {k: local_experts(v, ep_group) for k, v in values.items()}
+        st.set_fp32_param(p, values["param"])
+        for key in st.ADAM_KEYS:
+            st.set_optimizer_state(p, engine.optimizer, key, values[key])
+    st.set_optimizer_step_count(engine.optimizer, [p for _, p in params], optim["step"])
+    return json.loads((ckpt / "trainer_state.json").read_text())

@@ -1,0 +1,70 @@
+"""Canonical checkpoint names, expert-parallel offsets and sharded round trips in one process."""
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from moep_ds import build_model
+from moep_ds.checkpointing import model_state, sharded
+from moep_ds.checkpointing.model_state import ExpertLayout, canonical_name
+from moep_ds.config import config_from_dict
+from moep_ds.moe.layer import MoELayer, shard_experts
+
+MOE = {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 24},
+       "router": {"type": "topk", "k": 2, "load_balancing_weight": 0.01}}
+RECIPE = {"model": {"flavour": "llama", "vocab_size": 64, "d_model": 16, "max_seq_len": 16,
+                    "layers": [{"type": "ffn_moe", "attention": {"num_heads": 2}, "moe": MOE}]}}
+
+
+def tiny(seed: int):
+    torch.manual_seed(seed)
+    return build_model(config_from_dict(RECIPE).model)
+
+
+def save_whole(model, path):
+    """What the trainer writes, from one process: every tensor whole, plus the shapes."""
+    pieces = model_state.module_pieces(model)
+    sharded.dcp.save(pieces, storage_writer=sharded.writer(path), planner=sharded.ShardSavePlanner(), no_dist=True)
+    sharded.save_json({k: list(v) for k, v in model_state.shapes(model).items()}, path / sharded.TENSORS_FILE)
+
+
+def test_compile_and_activation_checkpoint_wrappers_do_not_change_names():
+    model = tiny(0)
+    names = set(model_state.shapes(model))
+    model.blocks[0] = checkpoint_wrapper(torch.compile(model.blocks[0]))  # wrapped, never run: no compilation
+    assert any("_orig_mod" in n for n, _ in model.named_parameters())
+    assert set(model_state.shapes(model)) == names
+    assert canonical_name("blocks.0._checkpoint_wrapped_module._orig_mod.moe.router.w") == "blocks.0.moe.router.w"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_experts_load_by_global_index_at_any_expert_parallel_rank(tmp_path):
+    source = tiny(0)
+    save_whole(source, tmp_path)
+    full = source.blocks[0].moe.experts.w1_EDF.detach().clone()
+    for rank in (0, 1):
+        target = tiny(1)
+        layer = next(m for m in target.modules() if isinstance(m, MoELayer))
+        shard_experts(layer, rank, 2)
+        for p in layer.experts.parameters():
+            p.allreduce = False
+        model_state.load_module(target, tmp_path, ExpertLayout(rank, 2))
+        torch.testing.assert_close(layer.experts.w1_EDF, full[2 * rank:2 * rank + 2], rtol=0, atol=0)
+        torch.testing.assert_close(target.blocks[0].moe.router.state_dict(), source.blocks[0].moe.router.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_shape_change_and_damage_are_named(tmp_path):
+    save_whole(tiny(0), tmp_path)
+    wider = {**MOE, "expert": {"type": "swiglu", "hidden_size": 32}}
+    recipe = {"model": {**RECIPE["model"], "layers": [{**RECIPE["model"]["layers"][0], "moe": wider}]}}
+    other = build_model(config_from_dict(recipe).model)
+    with pytest.raises(sharded.CheckpointError, match=r"tensor 'blocks.0.moe.experts.w1_EDF' has shape \[4, 16, 24\] "
+                                                       r"there but \[4, 16, 32\] in this model$"):
+        model_state.load_module(other, tmp_path)
+    data = next(tmp_path.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:10])
+    with pytest.raises(sharded.DamagedCheckpoint, match=rf"'{data}' is truncated \(10 of \d+ bytes\)$"):
+        sharded.check_files(tmp_path)
+    (tmp_path / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(sharded.DamagedCheckpoint, match="unreadable metadata"):
+        sharded.check_files(tmp_path)

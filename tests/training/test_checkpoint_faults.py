@@ -1,0 +1,79 @@
+"""Checkpoint faults, each with its one-line error or fallback (1 process unless a second rank matters):
+a damaged newest checkpoint (skipped by --resume auto, an error for --resume PATH), a full disk during a save,
+an unwritable output directory; logs follow the checkpoint."""
+import os
+import pathlib
+
+import pytest
+
+from tiny import DS_CONFIGS, REPO, launch, metrics, write_recipe
+
+pytestmark = pytest.mark.slow
+SCRIPTS = pathlib.Path(__file__).parent / "scripts"
+DS = str(DS_CONFIGS / "zero2_fp32.json")
+
+
+def pretrain(recipe, *args, script=REPO / "pretrain.py", nproc=1):
+    return launch(nproc, script, "--config", str(recipe), "--ds_config", DS, *args, check=False)
+
+
+def last_line(proc) -> str:
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def _needed(ckpt: pathlib.Path) -> int:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(ckpt).read_metadata()
+    return max(i.offset + i.length for i in md.storage_data.values() if i.relative_path == "__0_0.distcp")
+
+
+def test_full_disk_during_a_save_then_a_damaged_newest_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=4, checkpoint={"every_steps": 2})
+    os.environ.update(MOEP_TEST_FAULT="enospc", MOEP_TEST_FAULT_STEP="4", MOEP_TEST_FAULT_RANK="1")
+    try:
+        proc = pretrain(recipe, script=SCRIPTS / "pretrain_fault.py", nproc=2)
+    finally:
+        for key in ("MOEP_TEST_FAULT", "MOEP_TEST_FAULT_STEP", "MOEP_TEST_FAULT_RANK"):
+            del os.environ[key]
+    assert proc.returncode != 0
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: saving checkpoint '{out / 'checkpoints' / 'step_00000004'}' failed: ") and "No space left" in errors[0]
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]  # no temporary directory left
+    proc = pretrain(recipe, "--resume", "auto")
+    assert proc.returncode == 0 and "step_00000002" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+    check_damaged_newest_is_skipped_by_auto_and_named_for_a_path(tmp_path, out)
+
+
+def check_damaged_newest_is_skipped_by_auto_and_named_for_a_path(tmp_path, out):
+    """(Continues the run above, whose checkpoints are steps 2 and 4.)"""
+    newest = out / "checkpoints" / "step_00000004"
+    shard = newest / "__0_0.distcp"
+    needed = _needed(newest)
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    longer = write_recipe(tmp_path / "r5.yaml", "top2", out, max_steps=5, checkpoint={"every_steps": 2})
+    proc = pretrain(longer, "--resume", str(newest))
+    assert proc.returncode == 2
+    assert last_line(proc) == f"error: checkpoint '{newest}' is damaged: '{shard}' is truncated (100 of {needed} bytes)"
+    proc = pretrain(longer, "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [l for l in proc.stderr.splitlines() if "skipping damaged checkpoint" in l]
+    assert len(warnings) == 1 and str(shard) in warnings[0]
+    assert "resumed from" in proc.stderr and "step_00000002" in proc.stderr
+    # logs follow the checkpoint: rows 3 and 4 of the earlier runs were dropped, not duplicated
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5]
+
+
+def test_unwritable_output_dir_is_one_line_before_data_preparation(tmp_path):
+    """(A changed model shape is named in one line too: tests/checkpointing/test_model_state.py.)"""
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", tmp_path / "run", max_steps=2)
+    (tmp_path / "a_file").write_text("")
+    proc = pretrain(recipe, "--set", f"train.output_dir={tmp_path / 'a_file' / 'run'}")
+    assert proc.returncode == 2
+    assert last_line(proc) == f"error: train.output_dir ('{tmp_path / 'a_file' / 'run'}') is not writable: Not a directory"
+    assert "prepar" not in proc.stderr.lower()  # checked before any data preparation
