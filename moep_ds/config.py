@@ -41,6 +41,8 @@ class Config:
             fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
         ep = self.train.expert_parallel_size
         for layer_path, layer in layer_entries(self.model.layers, "model"):
+            if hasattr(layer, "check_expert_parallel"):  # blocks whose experts are their own (msit, paths)
+                layer.check_expert_parallel(layer_path, ep)
             moe = getattr(layer, "moe", None)
             if moe is not None and hasattr(moe, "check_expert_parallel"):
                 moe.check_expert_parallel(f"{layer_path}.moe", ep)

@@ -48,9 +48,10 @@ def naive_msit(block: MSITBlock, x_BTD: torch.Tensor, pos_BT: torch.Tensor) -> t
     k = int(1.5 * B * T / E + 0.5)
     u = g.reshape(B * T, D) @ block.experts.w_down.weight.T  # eq. 4
     acc = torch.zeros_like(u)
-    for i, branch in enumerate(block.experts.branches):
+    for i, w in enumerate(block.experts.windows):
+        branch = block.experts.branches.expert_module(i)  # expert i's slice of the stacked parameters
         chosen = set(r[:, i].topk(k).indices.tolist())  # eq. 3
-        attn, w = branch.attn, branch.attn.cfg.window
+        attn = branch.attn
         H, Dh = attn.num_heads, attn.head_dim
         qkv = branch.attn_norm(u) @ attn.w_qkv.weight.T
         q, kk, v = (z.reshape(B * T, H, Dh) for z in qkv.split(H * Dh, -1))

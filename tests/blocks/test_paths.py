@@ -78,7 +78,8 @@ def naive_paths(block: PathsBlock, x_BTD: torch.Tensor, pos_BT: torch.Tensor, k:
     z = torch.stack([sum(g * (block.contract.w_EOI[e] @ c[t]) for e, g in gates[t].items()) for t in range(B * T)])
     gates = naive_topk(torch.softmax(block.path_norm(z) @ block.path_router.weight.T, -1), k)
     y = z.clone()
-    for j, path in enumerate(block.paths.paths):
+    for j in range(block.paths.num_experts):
+        path = block.paths.paths.expert_module(j)  # path j's slice of the stacked parameters
         members = {t: z[t] for t in range(B * T) if j in gates[t]}
         for layer in path.layers:
             members = naive_path_layer(layer, members, pos_T, T)
