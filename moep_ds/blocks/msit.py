@@ -91,7 +91,7 @@ class MSITBlockConfig:
 
     def check_expert_parallel(self, path: str, expert_parallel_size: int) -> None:
         if len(self.experts.windows) % expert_parallel_size:
-            problem = f"(one expert per window) must be divisible by expert_parallel_size ({expert_parallel_size})"
+            problem = f"must have a length divisible by expert_parallel_size ({expert_parallel_size}): one expert per window"
             fail(f"{path}.experts.windows", self.experts.windows, problem)
 
 
