@@ -64,7 +64,7 @@ class StackedExperts(nn.Module):
         module = copy.deepcopy(self.expert)
         with torch.no_grad():
             for name, p in self.expert.named_parameters():
-                set_parameter(module, name, nn.Parameter(p[e].clone(), requires_grad=False))
+                set_parameter(module, name, nn.Parameter(p[e].clone(), requires_grad=p.requires_grad))
         return module
 
     def params_per_expert(self) -> int:
