@@ -1,5 +1,6 @@
 """Expert parallelism shards every routed block: the shipped MSIT and MoEP-paths recipes (tiny shapes, built-in
-corpus) train on 2 processes under ZeRO-2 fp32 with expert_parallel_size 2 exactly like expert_parallel_size 1."""
+corpus) train on 2 processes under ZeRO-2 fp32 with expert_parallel_size 2 exactly like expert_parallel_size 1,
+and an expert-parallel checkpoint of their stacked experts resumes at expert_parallel_size 1."""
 import json
 import pathlib
 
@@ -12,7 +13,7 @@ SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 COMMON = [  # tiny shapes on the built-in corpus, 5 logged steps, no checkpoints
     "data.source=builtin", "data.tokenizer.vocab_size=512", "model.vocab_size=512", "model.max_seq_len=32",
     "data.seq_len=32", "train.max_steps=5", "train.log_every=1", "train.micro_batch_size=4",
-    "train.global_batch_size=8", "train.checkpoint.every_steps=null", "train.checkpoint.at_end=false",
+    "train.global_batch_size=8", "train.checkpoint.every_steps=3", "train.checkpoint.at_end=false",
     "train.eval_every=null",
 ]
 RECIPES = {
@@ -33,6 +34,11 @@ def runs(tmp_path_factory):
             sets = [*COMMON, *shape, f"train.output_dir={out[name, ep]}", f"train.expert_parallel_size={ep}"]
             jobs.append({"recipe": str(REPO / "configs" / f"{name}.yaml"), "overrides": sets,
                          "ds_config": str(DS_CONFIGS / "zero2_fp32.json")})
+        out[name, "resumed"] = tmp / f"{name}_ep2_resumed_at_ep1"
+        sets = [*COMMON, *shape, f"train.output_dir={out[name, 'resumed']}", "train.expert_parallel_size=1"]
+        jobs.append({"recipe": str(REPO / "configs" / f"{name}.yaml"), "overrides": sets,
+                     "ds_config": str(DS_CONFIGS / "zero2_fp32.json"),
+                     "resume": str(out[name, 2] / "checkpoints" / "step_00000003")})
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     launch(2, SCRIPTS / "run_many.py", str(tmp / "jobs.json"))
     return out
@@ -45,3 +51,11 @@ def test_first_five_losses_equal_at_expert_parallel_1_and_2(runs, name):
     for step in range(1, 6):
         assert ep2[step] == pytest.approx(ep1[step], rel=1e-4), (name, step, ep1, ep2)
     assert ep1[5] != ep1[1]  # it trained
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_expert_parallel_checkpoint_resumes_at_expert_parallel_1(runs, name):
+    ep2, resumed = losses(runs[name, 2]), losses(runs[name, "resumed"])
+    assert sorted(resumed) == [4, 5]
+    for step in (4, 5):
+        assert resumed[step] == pytest.approx(ep2[step], rel=1e-4), (name, step, ep2, resumed)
