@@ -14,8 +14,9 @@ multi-scale sliding-window branches that run on a thin width.
 Branch i sees only its selected tokens; its attention is causal over their ORIGINAL positions within the
 same sequence, pos(t) - w_i < pos(s) <= pos(t), with RoPE at those positions, in O(N w_i)
 (moep_ds/layers/routed_attention.py). The branches are experts of the dispatcher protocol (moe/dispatch.py),
-stacked [E, ...] (moe/stacked.py), so expert parallelism shards them like FFN experts. W_up is linear and shared, so it is applied once after the gated
-scatter-add (sum_i r W_up y = W_up sum_i r y) instead of once per (token, expert) assignment.
+stacked [E, ...] (moe/stacked.py), so expert parallelism shards them like FFN experts. W_up is linear and
+shared, so it is applied once after the gated scatter-add (sum_i r W_up y = W_up sum_i r y) instead of once
+per (token, expert) assignment.
 
 Parameters of the `msit_babylm` preset (d 256, F 384, vocab 16384, 6 blocks, LayerNorms with bias,
 bias-free linear maps, SwiGLU hidden 8d/3 rounded to a multiple of 8: 680 global, 1024 in a branch):
@@ -91,7 +92,8 @@ class MSITBlockConfig:
 
     def check_expert_parallel(self, path: str, expert_parallel_size: int) -> None:
         if len(self.experts.windows) % expert_parallel_size:
-            problem = f"must have a length divisible by expert_parallel_size ({expert_parallel_size}): one expert per window"
+            ep = expert_parallel_size
+            problem = f"must have a length divisible by expert_parallel_size ({ep}): one expert per window"
             fail(f"{path}.experts.windows", self.experts.windows, problem)
 
 

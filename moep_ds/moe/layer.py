@@ -14,7 +14,6 @@ import dataclasses
 from typing import Annotated, Any
 
 import torch
-from torch import nn
 
 from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.dispatch import ExpertBatch, ExpertStage, shard_experts

@@ -114,7 +114,8 @@ def test_without_full_layer_the_block_starts_at_the_contraction():
 
 def test_full_layer_false_drops_exactly_one_full_width_layer():
     with_full = meta_param_report(load_config(CONFIGS / "moep_gpt2.yaml").model)
-    without = meta_param_report(load_config(CONFIGS / "moep_gpt2.yaml", overrides=["model.layers[0].full_layer=false"]).model)
+    recipe = load_config(CONFIGS / "moep_gpt2.yaml", overrides=["model.layers[0].full_layer=false"])
+    without = meta_param_report(recipe.model)
     d, hidden = 512, 4 * 512  # gpt2 flavour: LayerNorms with bias, attention and GELU MLP with biases
     dense_layer = 2 * 2 * d + (4 * d * d + 4 * d) + (2 * d * hidden + hidden + d)
     assert with_full.params_total - without.params_total == dense_layer
