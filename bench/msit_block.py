@@ -29,12 +29,18 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moep_ds.blocks.msit import MSITBlockConfig, MSITExpertConfig, MSITExperts, expert_slices
+from moep_ds.blocks.msit import MSITBlockConfig, MSITExpertConfig, MSITExperts
 from moep_ds.layers.norm import NormConfig
 from moep_ds.layers.routed_attention import routed_attention
 from moep_ds.registry import ROUTERS
 from moep_ds.routing.expert_choice import ExpertChoiceConfig
 from moep_ds.routing.plan import RoutingPlan
+
+
+def expert_slices(plan: RoutingPlan) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Per expert: its token indices and combine weights."""
+    counts = plan.counts()
+    return plan.token_idx_S.split(counts), plan.weight_S.split(counts)
 
 
 def dense_mask(sel_BT: torch.Tensor, window: int) -> torch.Tensor:
@@ -74,11 +80,11 @@ def attention_kernel(method: str, q, k, v, flat_N, B, T, window):
     return score_order_attention(q, k, v)
 
 
-def branch_dense_masked(branch, u_BTF, sel_BT, pos_BT):
+def branch_dense_masked(branch, window, u_BTF, sel_BT, pos_BT):
     """One MSIT branch over every token, attention masked to the selected ones."""
     attn = branch.attn
     q, k, v = (x.transpose(1, 2) for x in attn.project(branch.attn_norm(u_BTF), pos_BT))
-    a = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(sel_BT, attn.cfg.window))
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(sel_BT, window))
     b = u_BTF + attn.w_o(a.transpose(1, 2).flatten(-2))
     return branch.out_norm(b + branch.ffn(branch.ffn_norm(b)))
 
@@ -90,18 +96,18 @@ def branch_score_order(branch, u_KF, pos_K):
     return branch.out_norm(b + branch.ffn(branch.ffn_norm(b)))
 
 
-def expert_stage(method: str, experts: MSITExperts, g_BTD, plan: RoutingPlan, pos_BT):
-    """Eqs. 4-6 with the chosen way of running the branches."""
+def expert_stage(method: str, experts: MSITExperts, branches, g_BTD, plan: RoutingPlan, pos_BT):
+    """Eqs. 4-6 with the chosen way of running the branches (the baselines on standalone copies of them)."""
     if method == "routed":
         return experts(g_BTD, plan, pos_BT)
     B, T, D = g_BTD.shape
     u_TF = experts.w_down(g_BTD.reshape(B * T, D))
     acc_TF = torch.zeros_like(u_TF)
-    for branch, idx_K, weight_K in zip(experts.branches, *expert_slices(plan)):
+    for branch, window, idx_K, weight_K in zip(branches, experts.windows, *expert_slices(plan)):
         weight_K = weight_K.to(u_TF.dtype)[:, None]
         if method == "dense_masked":
             sel_BT = torch.zeros(B * T, dtype=torch.bool, device=g_BTD.device).index_fill(0, idx_K, True).view(B, T)
-            y_TF = branch_dense_masked(branch, u_TF.view(B, T, -1), sel_BT, pos_BT).reshape(B * T, -1)
+            y_TF = branch_dense_masked(branch, window, u_TF.view(B, T, -1), sel_BT, pos_BT).reshape(B * T, -1)
             weight_T = torch.zeros_like(u_TF[:, :1]).index_copy(0, idx_K, weight_K)
             acc_TF = acc_TF + y_TF * weight_T
         else:
@@ -152,7 +158,8 @@ def main() -> None:
     router = ROUTERS.build(cfg.router, d_model=D, num_experts=E).to(device)
     with torch.no_grad():  # spread affinities: the selection of a trained router, not of a near-uniform one
         router.weight.normal_(std=1.0)
-    experts = MSITExperts(cfg.experts, NormConfig(), D, token_share=args.capacity / E).to(device, dtype)
+    experts = MSITExperts(cfg.experts, NormConfig(), D, active_experts_per_token=args.capacity).to(device, dtype)
+    branches = [experts.branches.expert_module(i) for i in range(E)]
     g_BTD = torch.randn(B, T, D, device=device, dtype=dtype, requires_grad=True)
     pos_BT = torch.arange(T, device=device).expand(B, T)
     plan = router(g_BTD.detach())
@@ -169,11 +176,11 @@ def main() -> None:
         torch.stack([o.float().square().mean() for o in outs]).sum().backward()
 
     def run_stage(method):
-        expert_stage(method, experts, g_BTD, plan, pos_BT).float().square().mean().backward()
+        expert_stage(method, experts, branches, g_BTD, plan, pos_BT).float().square().mean().backward()
 
     with torch.no_grad():  # the routed computation has the dense-masked semantics
-        err = (expert_stage("routed", experts, g_BTD, plan, pos_BT).float()
-               - expert_stage("dense_masked", experts, g_BTD, plan, pos_BT).float()).abs().max().item()
+        err = (expert_stage("routed", experts, branches, g_BTD, plan, pos_BT).float()
+               - expert_stage("dense_masked", experts, branches, g_BTD, plan, pos_BT).float()).abs().max().item()
 
     print(f"MSIT expert stage fwd+bwd: B={B} T={T} d={D} d_thin={args.d_thin} heads={args.heads} E={E} "
           f"K={len(sorted_K[0])} per expert, windows={args.windows}, {device.type} {str(dtype).split('.')[-1]} "

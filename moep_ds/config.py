@@ -40,12 +40,18 @@ class Config:
     def validate(self, path: str) -> None:
         if self.data.seq_len > self.model.max_seq_len:
             fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
-        ep = self.train.expert_parallel_size
+        ep, routed = self.train.expert_parallel_size, False
         for layer_path, layer in layer_entries(self.model.layers, "model"):
             check_lifecycle_placement(layer, layer_path)
+            if hasattr(layer, "check_expert_parallel"):  # blocks whose experts are their own (msit, paths)
+                layer.check_expert_parallel(layer_path, ep)
+                routed = True
             moe = getattr(layer, "moe", None)
             if moe is not None and hasattr(moe, "check_expert_parallel"):
                 moe.check_expert_parallel(f"{layer_path}.moe", ep)
+                routed = True
+        if ep > 1 and not routed:
+            fail("train.expert_parallel_size", ep, "must be 1: the model has no routed experts to shard")
 
 
 class _Loader(yaml.SafeLoader):

@@ -213,3 +213,16 @@ def test_yaml_exponent_floats():
 @pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_every_recipe_loads(recipe):
     load_config(CONFIGS / recipe)
+
+
+@pytest.mark.parametrize("recipe,sets,message", [
+    ("gpt2_small", [], r"^train.expert_parallel_size \(2\) must be 1: the model has no routed experts to shard$"),
+    ("quickstart", ["model.layers[0].experts.windows=[8, 4, 2]"],
+     r"^model.layers\[0\].experts.windows \(\[8, 4, 2\]\) must have a length divisible by expert_parallel_size \(2\)"),
+    ("moep_gpt2", ["model.layers[0].num_paths=3", "model.layers[0].path_router.k=1"],
+     r"^model.layers\[0\].num_paths \(3\) must be divisible by expert_parallel_size \(2\)$"),
+])
+def test_expert_parallel_layout_is_checked_when_the_config_is_read(recipe, sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(CONFIGS / f"{recipe}.yaml", overrides=[*sets, "train.expert_parallel_size=2"])
+    load_config(CONFIGS / f"{recipe}.yaml", overrides=sets)  # fine at expert_parallel_size 1

@@ -13,8 +13,10 @@ multi-scale sliding-window branches that run on a thin width.
 
 Branch i sees only its selected tokens; its attention is causal over their ORIGINAL positions within the
 same sequence, pos(t) - w_i < pos(s) <= pos(t), with RoPE at those positions, in O(N w_i)
-(moep_ds/layers/routed_attention.py). W_up is linear and shared, so it is applied once after the gated
-scatter-add (sum_i r W_up y = W_up sum_i r y) instead of once per (token, expert) assignment.
+(moep_ds/layers/routed_attention.py). The branches are experts of the dispatcher protocol (moe/dispatch.py),
+stacked [E, ...] (moe/stacked.py), so expert parallelism shards them like FFN experts. W_up is linear and
+shared, so it is applied once after the gated scatter-add (sum_i r W_up y = W_up sum_i r y) instead of once
+per (token, expert) assignment.
 
 Parameters of the `msit_babylm` preset (d 256, F 384, vocab 16384, 6 blocks, LayerNorms with bias,
 bias-free linear maps, SwiGLU hidden 8d/3 rounded to a multiple of 8: 680 global, 1024 in a branch):
@@ -38,11 +40,15 @@ from torch import nn
 
 from moep_ds.blocks.base import Block, BlockOutput
 from moep_ds.blocks.dense import DenseBlock, DenseBlockConfig
-from moep_ds.layers.attention import AttentionConfig, KVCache
+from moep_ds.layers.attention import AttentionConfig, KVCache, attention_flops
 from moep_ds.layers.ffn import FFNConfig, build_ffn
 from moep_ds.layers.norm import NormConfig, build_norm
 from moep_ds.layers.rope import RopeConfig
 from moep_ds.layers.routed_attention import RoutedKVCache, RoutedSelfAttention
+from moep_ds.moe.dispatch import (
+    ExpertBatch, ExpertStage, combine_dense, dense_routing, in_token_order, sequence_ids,
+)
+from moep_ds.moe.stacked import StackedExperts
 from moep_ds.registry import BLOCKS, NORMS, ROUTERS
 from moep_ds.routing.expert_choice import ExpertChoiceConfig
 from moep_ds.routing.plan import RoutingPlan
@@ -75,7 +81,7 @@ class MSITBlockConfig:
     ffn: FFNConfig = dataclasses.field(default_factory=FFNConfig)
     norm: Annotated[Any, OneOf(NORMS)] = dataclasses.field(default_factory=NormConfig)
     router: Annotated[Any, OneOf(ROUTERS)] = dataclasses.field(
-        default_factory=lambda: ExpertChoiceConfig(capacity_factor=2.0)
+        default_factory=lambda: ExpertChoiceConfig(capacity_factor=2.0, active_experts="capacity")
     )
     experts: MSITExpertConfig = dataclasses.field(default_factory=MSITExpertConfig)
 
@@ -84,83 +90,92 @@ class MSITBlockConfig:
         if hasattr(self.router, "check_num_experts"):
             self.router.check_num_experts(f"{path}.router", len(self.experts.windows))
 
+    def check_expert_parallel(self, path: str, expert_parallel_size: int) -> None:
+        if len(self.experts.windows) % expert_parallel_size:
+            ep = expert_parallel_size
+            problem = f"must have a length divisible by expert_parallel_size ({ep}): one expert per window"
+            fail(f"{path}.experts.windows", self.experts.windows, problem)
+
 
 class MSITBranch(nn.Module):
-    """One expert (eq. 5): pre-LN routed sliding-window attention, pre-LN SwiGLU, post-block LayerNorm."""
+    """One expert (eq. 5): pre-LN routed sliding-window attention, pre-LN SwiGLU, post-block LayerNorm.
 
-    def __init__(self, cfg: MSITExpertConfig, norm: NormConfig, window: int):
+    forward(u_NF, pos_N, seq_N, window=w) on the expert's tokens (each sequence's contiguous, by position);
+    decoding: forward(u_BTF, positions_BT, window=w, routed=routed_BT, cache=RoutedKVCache) on every new token.
+    """
+
+    def __init__(self, cfg: MSITExpertConfig, norm: NormConfig):
         super().__init__()
-        attention = AttentionConfig(num_heads=cfg.num_heads, window=window, rope=cfg.rope, bias=cfg.bias)
+        # The window is the expert's, passed per call: the branches share one stacked module.
+        attention = AttentionConfig(num_heads=cfg.num_heads, rope=cfg.rope, bias=cfg.bias)
         self.attn_norm = build_norm(norm, cfg.d_thin)
         self.attn = RoutedSelfAttention(attention, cfg.d_thin)
         self.ffn_norm = build_norm(norm, cfg.d_thin)
         self.ffn = build_ffn(cfg.ffn, cfg.d_thin)
         self.out_norm = build_norm(norm, cfg.d_thin)
 
-    def forward(self, u_NF: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
-        b_NF = u_NF + self.attn(self.attn_norm(u_NF), seq_N, pos_N)
-        return self.out_norm(b_NF + self.ffn(self.ffn_norm(b_NF)))
+    def forward(self, u: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor | None = None, *, window: int,
+                routed: torch.Tensor | None = None, cache: RoutedKVCache | None = None) -> torch.Tensor:
+        h = self.attn_norm(u)
+        a = self.attn.attend(h, seq, pos, window) if cache is None else self.attn.forward_cached(h, routed, pos, cache)
+        b = u + a
+        return self.out_norm(b + self.ffn(self.ffn_norm(b)))
 
-    def forward_cached(self, u_BTF, routed_BT, positions_BT, cache: RoutedKVCache) -> torch.Tensor:
-        b_BTF = u_BTF + self.attn.forward_cached(self.attn_norm(u_BTF), routed_BT, positions_BT, cache)
-        return self.out_norm(b_BTF + self.ffn(self.ffn_norm(b_BTF)))
 
+class MSITExperts(ExpertStage):
+    """Eqs. 4-6: shared W_down, the branches (experts, stacked [E, ...]) on their selected tokens through the
+    dispatcher, gated scatter-add, shared W_up."""
 
-class MSITExperts(nn.Module):
-    """Eqs. 4-6: shared W_down, the branches on their selected tokens, gated scatter-add, shared W_up."""
-
-    def __init__(self, cfg: MSITExpertConfig, norm: NormConfig, d_model: int, token_share: float):
-        super().__init__()
+    def __init__(self, cfg: MSITExpertConfig, norm: NormConfig, d_model: int, active_experts_per_token: float):
+        super().__init__(len(cfg.windows))
         self.w_down = nn.Linear(d_model, cfg.d_thin, bias=False)
-        self.branches = nn.ModuleList(MSITBranch(cfg, norm, w) for w in cfg.windows)
+        self.branches = StackedExperts([MSITBranch(cfg, norm) for _ in cfg.windows])
         self.w_up = nn.Linear(cfg.d_thin, d_model, bias=False)
-        self.token_share = token_share
-        for branch in self.branches:
-            branch.attn.token_share = token_share
+        self.windows = list(cfg.windows)  # of every expert, by global index
+        self.token_share = active_experts_per_token / self.num_experts
+
+    @property
+    def experts(self) -> StackedExperts:
+        return self.branches
 
     def forward(self, g_BTD: torch.Tensor, plan: RoutingPlan, positions_BT: torch.Tensor) -> torch.Tensor:
         B, T, _ = g_BTD.shape
         u_TF = self.w_down(g_BTD.reshape(B * T, -1))  # once per token, not once per assignment
-        pos_T = positions_BT.reshape(B * T)
-        acc_TF = torch.zeros_like(u_TF)
-        for branch, idx_N, weight_N in zip(self.branches, *expert_slices(plan)):
-            # Flat index b*T + t sorts an expert's tokens by (sequence, position), as the attention requires.
-            idx_N, order = idx_N.sort()
-            y_NF = branch(u_TF[idx_N], idx_N // T, pos_T[idx_N])
-            acc_TF = acc_TF.index_add(0, idx_N, y_NF * weight_N[order, None].to(y_NF.dtype))
+        seq_T = sequence_ids(B, T, g_BTD.device)
+        acc_TF = self.dispatch(u_TF, in_token_order(plan), seq_T, positions_BT.reshape(B * T))
         return self.w_up(acc_TF).view(B, T, -1)
+
+    def run_experts(self, batch: ExpertBatch) -> torch.Tensor:
+        """Branch e on its tokens (each sequence's contiguous, by position)."""
+        self.check_batch(batch)
+        parts = zip(batch.x_SD.split(batch.counts), batch.positions_S.split(batch.counts),
+                    batch.seq_ids_S.split(batch.counts), self.branches.per_expert())
+        windows = self.windows[self.first_local_expert :]
+        return torch.cat([self.branches.call(p, u, pos, seq, window=w) for (u, pos, seq, p), w in zip(parts, windows)])
 
     def forward_cached(self, g_BTD, plan: RoutingPlan, positions_BT, caches: list[RoutedKVCache]) -> torch.Tensor:
         """Decoding: every new token runs through every branch against its cache; unselected ones get 0."""
+        self.check_unsharded("decoding with a cache")
         B, T, _ = g_BTD.shape
         u_BTF = self.w_down(g_BTD)
-        acc_BTF = torch.zeros_like(u_BTF)
-        for branch, cache, idx_N, weight_N in zip(self.branches, caches, *expert_slices(plan)):
-            weight_BT = torch.zeros(B * T, dtype=weight_N.dtype, device=g_BTD.device).index_put((idx_N,), weight_N)
-            routed_BT = torch.zeros(B * T, dtype=torch.bool, device=g_BTD.device).index_fill(0, idx_N, True)
-            weight_BT, routed_BT = weight_BT.view(B, T), routed_BT.view(B, T)
-            y_BTF = branch.forward_cached(u_BTF, routed_BT, positions_BT, cache)
-            acc_BTF = acc_BTF + torch.where(routed_BT[..., None], y_BTF * weight_BT[..., None].to(y_BTF.dtype), 0.0)
-        return self.w_up(acc_BTF)
+        routed_EBT, weight_EBT = dense_routing(plan, B, T)
+        y_EBTF = [self.branches.call(p, u_BTF, positions_BT, window=w, routed=routed, cache=cache)
+                  for p, w, routed, cache in zip(self.branches.per_expert(), self.windows, routed_EBT, caches)]
+        return self.w_up(combine_dense(y_EBTF, routed_EBT, weight_EBT))
+
+    def new_caches(self) -> list[RoutedKVCache]:
+        return [RoutedKVCache(window=w) for w in self.windows]
 
     def num_active_params(self) -> int:
-        """Per token: W_down, W_up and on average c of the E branches (a share c/E of tokens per branch)."""
+        """Per token: W_down, W_up and the router's active experts of the E branches (a share of each)."""
         shared = self.w_down.weight.numel() + self.w_up.weight.numel()
-        branches = sum(p.numel() for p in self.branches.parameters())
+        branches = self.num_experts * self.branches.params_per_expert()
         return shared + round(self.token_share * branches)
 
-
-def expert_slices(plan: RoutingPlan) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Per expert: its token indices and combine weights (one host sync for the counts)."""
-    counts = plan.counts()
-    return plan.token_idx_S.split(counts), plan.weight_S.split(counts)
-
-
-def experts_per_token(router_cfg: Any, num_experts: int) -> float:
-    """Expected number of experts a token passes through: c for expert choice, k for top-k."""
-    if isinstance(router_cfg, ExpertChoiceConfig):
-        return min(router_cfg.capacity_factor, num_experts)
-    return float(getattr(router_cfg, "k", 1))
+    def attention_flop_terms(self, seq_len: int) -> list[float]:
+        """Per branch: a share s of tokens is routed to it, each seeing about s of its windowed context."""
+        attn = self.branches.expert.attn
+        return [self.token_share**2 * attention_flops(attn.num_heads, attn.head_dim, seq_len, w) for w in self.windows]
 
 
 @dataclasses.dataclass
@@ -183,8 +198,7 @@ class MSITBlock(Block):
         self.global_block = DenseBlock(dense, d_model=d_model, layer_idx=layer_idx)
         self.router_norm = build_norm(cfg.norm, d_model)
         self.router = ROUTERS.build(cfg.router, d_model=d_model, num_experts=num_experts)
-        share = experts_per_token(cfg.router, num_experts) / num_experts
-        self.experts = MSITExperts(cfg.experts, cfg.norm, d_model, token_share=share)
+        self.experts = MSITExperts(cfg.experts, cfg.norm, d_model, self.router.active_experts_per_token())
         self.out_norm = build_norm(cfg.norm, d_model)
 
     def forward(self, x_BTD: torch.Tensor, *, positions_BT: torch.Tensor, cache: Any = None) -> BlockOutput:
@@ -207,9 +221,9 @@ class MSITBlock(Block):
                              "'threshold'")
 
     def new_cache(self) -> MSITCache:
-        return MSITCache(KVCache(), [branch.attn.new_cache() for branch in self.experts.branches])
+        return MSITCache(KVCache(), self.experts.new_caches())
 
 
 __all__ = [
-    "MSITBlockConfig", "MSITExpertConfig", "MSITBlock", "MSITBranch", "MSITExperts", "MSITCache", "expert_slices",
+    "MSITBlockConfig", "MSITExpertConfig", "MSITBlock", "MSITBranch", "MSITExperts", "MSITCache",
 ]

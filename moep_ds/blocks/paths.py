@@ -4,7 +4,7 @@ blocks, an MoE expansion back, and a second full-width layer.
 # B batch, T tokens (B*T flattened where a plan indexes them), D full width d_L, P path width d_P,
 # E projection experts, N paths, K experts/paths per token, M tokens routed to one path
 
-    h1 = Layer_pre(x)                                   full-width dense block
+    h1 = Layer_pre(x)                                   full-width dense block (none with full_layer: false)
     z  = sum_{e in top-K(c)} c_e W^down_e LN(h1)        contraction: E linear experts D -> P, top-K gated
     y  = z + sum_{j in top-K(p)} p_j (Path_j(z) - z)    N path blocks at P; path j sees only its tokens
     h2 = h1 + sum_{e in top-K(u)} u_e W^up_e LN(y)      expansion: E linear experts P -> D, top-K gated
@@ -19,6 +19,9 @@ Each of the three routers returns the Switch / GShard load-balancing loss alpha 
 is minimised by uniform routing. (The public MoEP description states an entropy term whose sign, as
 written, rewards collapsing onto one path; the balancing loss here is the standard, correctly signed one.)
 Top-K token choice without a capacity (dropless) is causal and batch-invariant, at training and evaluation.
+
+The projection experts and the paths are experts of the dispatcher protocol (moe/dispatch.py; paths stacked
+[N, ...] by moe/stacked.py), so expert parallelism shards all three stages like FFN experts.
 """
 from __future__ import annotations
 
@@ -30,11 +33,14 @@ from torch import nn
 
 from moep_ds.blocks.base import Block, BlockOutput
 from moep_ds.blocks.dense import DenseBlock, DenseBlockConfig
-from moep_ds.blocks.msit import expert_slices
 from moep_ds.layers.attention import AttentionConfig, KVCache
 from moep_ds.layers.ffn import FFNConfig, build_ffn
 from moep_ds.layers.norm import NormConfig, build_norm
 from moep_ds.layers.routed_attention import RoutedKVCache, RoutedSelfAttention
+from moep_ds.moe.dispatch import (
+    ExpertBatch, ExpertStage, combine_dense, dense_routing, in_token_order, sequence_ids,
+)
+from moep_ds.moe.stacked import StackedExperts, keep_expert_slice_
 from moep_ds.registry import BLOCKS, NORMS, ROUTERS
 from moep_ds.routing.plan import RoutingPlan
 from moep_ds.routing.topk import TopKConfig
@@ -50,6 +56,9 @@ class PathsBlockConfig:
     ffn: FFNConfig = dataclasses.field(default_factory=FFNConfig)
     norm: Annotated[Any, OneOf(NORMS)] = dataclasses.field(default_factory=NormConfig)
     parallel_residual: bool = False
+    # false: no leading full-width layer (the block starts at the contraction), so that a recipe can alternate
+    # dense blocks and path stages, or let consecutive path stages share one full-width layer.
+    full_layer: bool = True
     # The paths.
     d_path: PositiveInt
     num_paths: PositiveInt = 4
@@ -68,6 +77,12 @@ class PathsBlockConfig:
                                 ("projection_router", self.projection_router, self.num_projection_experts)):
             if hasattr(router, "check_num_experts"):
                 router.check_num_experts(f"{path}.{name}", n)
+
+    def check_expert_parallel(self, path: str, expert_parallel_size: int) -> None:
+        for name in ("num_paths", "num_projection_experts"):
+            if getattr(self, name) % expert_parallel_size:
+                problem = f"must be divisible by expert_parallel_size ({expert_parallel_size})"
+                fail(f"{path}.{name}", getattr(self, name), problem)
 
     def resolved_path_attention(self, d_model: int, path: str = "") -> AttentionConfig:
         if self.path_attention is not None:
@@ -96,11 +111,11 @@ class PathLayer(nn.Module):
         self.ffn_norm = build_norm(norm, d)
         self.ffn = build_ffn(ffn, d)
 
-    def forward(self, x_MP: torch.Tensor, seq_M: torch.Tensor, pos_M: torch.Tensor) -> torch.Tensor:
-        return self.residual(x_MP, self.attn(self.attn_norm(x_MP), seq_M, pos_M))
-
-    def forward_cached(self, x_BTP, routed_BT, positions_BT, cache: RoutedKVCache) -> torch.Tensor:
-        return self.residual(x_BTP, self.attn.forward_cached(self.attn_norm(x_BTP), routed_BT, positions_BT, cache))
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor | None = None, *,
+                routed: torch.Tensor | None = None, cache: RoutedKVCache | None = None) -> torch.Tensor:
+        h = self.attn_norm(x)
+        a = self.attn(h, seq, pos) if cache is None else self.attn.forward_cached(h, routed, pos, cache)
+        return self.residual(x, a)
 
     def residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         if self.parallel_residual:
@@ -110,7 +125,8 @@ class PathLayer(nn.Module):
 
 
 class Path(nn.Module):
-    """`path_depth` PathLayers; runs on one path's tokens [M, P] (sorted by sequence, position)."""
+    """`path_depth` PathLayers: one expert. forward(z_MP, pos_M, seq_M) on the path's tokens (each sequence's
+    contiguous, by position); decoding: forward(z_BTP, positions_BT, routed=routed_BT, cache=[per layer])."""
 
     def __init__(self, cfg: PathsBlockConfig, d_model: int):
         super().__init__()
@@ -119,27 +135,29 @@ class Path(nn.Module):
             PathLayer(attention, ffn, cfg.norm, cfg.d_path, cfg.parallel_residual) for _ in range(cfg.path_depth)
         )
 
-    def forward(self, z_MP: torch.Tensor, seq_M: torch.Tensor, pos_M: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            z_MP = layer(z_MP, seq_M, pos_M)
-        return z_MP
-
-    def forward_cached(self, z_BTP, routed_BT, positions_BT, caches: list[RoutedKVCache]) -> torch.Tensor:
-        for layer, cache in zip(self.layers, caches):
-            z_BTP = layer.forward_cached(z_BTP, routed_BT, positions_BT, cache)
-        return z_BTP
+    def forward(self, z: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor | None = None, *,
+                routed: torch.Tensor | None = None, cache: list[RoutedKVCache] | None = None) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            z = layer(z, pos, seq, routed=routed, cache=None if cache is None else cache[i])
+        return z
 
 
-class LinearExperts(nn.Module):
+class LinearExperts(ExpertStage):
     """E bias-free linear maps w_EOI (I -> O); each token's output is the gated sum over its experts."""
 
-    def __init__(self, num_experts: int, d_in: int, d_out: int, active_share: float, residual_output: bool):
-        super().__init__()
+    def __init__(self, num_experts: int, d_in: int, d_out: int, active_experts_per_token: float,
+                 residual_output: bool):
+        super().__init__(num_experts)
         self.w_EOI = nn.Parameter(torch.empty(num_experts, d_out, d_in))
-        self.active_share = active_share
+        self.num_local_experts = num_experts
+        self.active_share = active_experts_per_token / num_experts
         self.residual_output = residual_output
         if not self.w_EOI.is_meta:
             self.init_weights(std=0.02)
+
+    @property
+    def experts(self) -> LinearExperts:  # every parameter here is an expert's
+        return self
 
     @torch.no_grad()
     def init_weights(self, std: float, out_scale: float = 1.0) -> None:
@@ -147,55 +165,72 @@ class LinearExperts(nn.Module):
         nn.init.normal_(self.w_EOI, std=std * out_scale if self.residual_output else std)
 
     def forward(self, x_TI: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-        out_TO = x_TI.new_zeros(x_TI.shape[0], self.w_EOI.shape[1])
-        for w_OI, idx_S, weight_S in zip(self.w_EOI, *expert_slices(plan)):
-            out_TO = out_TO.index_add(0, idx_S, (x_TI[idx_S] @ w_OI.t()) * weight_S[:, None].to(x_TI.dtype))
-        return out_TO
+        return self.dispatch(x_TI, plan)
+
+    def run_experts(self, batch: ExpertBatch) -> torch.Tensor:
+        self.check_batch(batch)
+        x_EMI = batch.x_SD.split(batch.counts)
+        return torch.cat([x_MI @ w_OI.t() for x_MI, w_OI in zip(x_EMI, self.w_EOI.unbind(0))])
+
+    def keep_experts_(self, start: int, count: int) -> None:
+        keep_expert_slice_(self, start, count, self.num_local_experts)
+        self.num_local_experts = count
 
     def num_active_params(self) -> int:
         return round(self.active_share * self.w_EOI.numel())
 
 
-class ParallelPaths(nn.Module):
-    """y = z + sum over a token's top-K paths j of p_j (Path_j(z) - z)."""
+class ParallelPaths(ExpertStage):
+    """y = z + sum over a token's top-K paths j of p_j (Path_j(z) - z); the paths are experts, stacked [N, ...]."""
 
-    def __init__(self, cfg: PathsBlockConfig, d_model: int):
-        super().__init__()
-        self.paths = nn.ModuleList(Path(cfg, d_model) for _ in range(cfg.num_paths))
-        self.active_share = getattr(cfg.path_router, "k", 1) / cfg.num_paths
-        for path in self.paths:
-            for layer in path.layers:
-                layer.attn.token_share = self.active_share
+    def __init__(self, cfg: PathsBlockConfig, d_model: int, active_experts_per_token: float):
+        super().__init__(cfg.num_paths)
+        self.paths = StackedExperts([Path(cfg, d_model) for _ in range(cfg.num_paths)])
+        self.active_share = active_experts_per_token / cfg.num_paths
+        for layer in self.paths.expert.layers:
+            layer.attn.token_share = self.active_share
+
+    @property
+    def experts(self) -> StackedExperts:
+        return self.paths
 
     def forward(self, z_BTP: torch.Tensor, plan: RoutingPlan, positions_BT: torch.Tensor) -> torch.Tensor:
         B, T, P = z_BTP.shape
-        z_TP, pos_T = z_BTP.reshape(B * T, P), positions_BT.reshape(B * T)
-        y_TP = z_TP
-        for path, idx_M, weight_M in zip(self.paths, *expert_slices(plan)):
-            idx_M, order = idx_M.sort()  # flat index b*T + t: sorted by (sequence, position)
-            z_MP = z_TP[idx_M]
-            delta_MP = path(z_MP, idx_M // T, pos_T[idx_M]) - z_MP
-            y_TP = y_TP.index_add(0, idx_M, delta_MP * weight_M[order, None].to(z_MP.dtype))
-        return y_TP.view(B, T, P)
+        z_TP = z_BTP.reshape(B * T, P)
+        delta_TP = self.dispatch(z_TP, in_token_order(plan), sequence_ids(B, T, z_BTP.device), positions_BT.reshape(-1))
+        return (z_TP + delta_TP).view(B, T, P)
+
+    def run_experts(self, batch: ExpertBatch) -> torch.Tensor:
+        """Path_j(z) - z on path j's tokens."""
+        self.check_batch(batch)
+        parts = zip(batch.x_SD.split(batch.counts), batch.positions_S.split(batch.counts),
+                    batch.seq_ids_S.split(batch.counts), self.paths.per_expert())
+        return torch.cat([self.paths.call(p, z, pos, seq) - z for z, pos, seq, p in parts])
 
     def forward_cached(self, z_BTP, plan: RoutingPlan, positions_BT, caches: list[list[RoutedKVCache]]):
         """Decoding: every new token runs through every path against its caches; unrouted ones get 0."""
+        self.check_unsharded("decoding with a cache")
         B, T, _ = z_BTP.shape
-        y_BTP = z_BTP
-        for path, path_caches, idx_M, weight_M in zip(self.paths, caches, *expert_slices(plan)):
-            weight_BT = z_BTP.new_zeros(B * T).index_put((idx_M,), weight_M.to(z_BTP.dtype)).view(B, T)
-            routed_BT = torch.zeros(B * T, dtype=torch.bool, device=z_BTP.device).index_fill(0, idx_M, True).view(B, T)
-            delta_BTP = path.forward_cached(z_BTP, routed_BT, positions_BT, path_caches) - z_BTP
-            y_BTP = y_BTP + torch.where(routed_BT[..., None], delta_BTP * weight_BT[..., None], 0.0)
-        return y_BTP
+        routed_EBT, weight_EBT = dense_routing(plan, B, T)
+        delta_EBTP = [self.paths.call(p, z_BTP, positions_BT, routed=routed, cache=cache) - z_BTP
+                      for p, routed, cache in zip(self.paths.per_expert(), routed_EBT, caches)]
+        return z_BTP + combine_dense(delta_EBTP, routed_EBT, weight_EBT)
+
+    def new_caches(self) -> list[list[RoutedKVCache]]:
+        return [[layer.attn.new_cache() for layer in self.paths.expert.layers] for _ in range(self.num_experts)]
 
     def num_active_params(self) -> int:
-        return round(self.active_share * sum(p.numel() for p in self.paths.parameters()))
+        return round(self.active_share * self.num_experts * self.paths.params_per_expert())
+
+    def attention_flop_terms(self, seq_len: int) -> list[float]:
+        """Every path's layers (token_share of the router's active paths, set on the shared attention)."""
+        one_path = [layer.attn.attention_flops_per_token(seq_len) for layer in self.paths.expert.layers]
+        return one_path * self.num_experts
 
 
 @dataclasses.dataclass
 class PathsCache:
-    pre: KVCache
+    pre: KVCache | None
     paths: list[list[RoutedKVCache]]  # [path][layer]
     post: KVCache
 
@@ -207,22 +242,25 @@ class PathsBlock(Block):
         full = DenseBlockConfig(
             attention=cfg.attention, ffn=cfg.ffn, norm=cfg.norm, parallel_residual=cfg.parallel_residual
         )
-        E, share = cfg.num_projection_experts, getattr(cfg.projection_router, "k", 1) / cfg.num_projection_experts
-        self.pre = DenseBlock(full, d_model=d_model, layer_idx=layer_idx)
+        E = cfg.num_projection_experts
+        self.pre = DenseBlock(full, d_model=d_model, layer_idx=layer_idx) if cfg.full_layer else None
         self.contract_norm = build_norm(cfg.norm, d_model)
         self.contract_router = ROUTERS.build(cfg.projection_router, d_model=d_model, num_experts=E)
-        self.contract = LinearExperts(E, d_model, cfg.d_path, share, residual_output=False)
+        active = self.contract_router.active_experts_per_token()  # the expansion's router has the same config
+        self.contract = LinearExperts(E, d_model, cfg.d_path, active, residual_output=False)
         self.path_norm = build_norm(cfg.norm, cfg.d_path)
         self.path_router = ROUTERS.build(cfg.path_router, d_model=cfg.d_path, num_experts=cfg.num_paths)
-        self.paths = ParallelPaths(cfg, d_model)
+        self.paths = ParallelPaths(cfg, d_model, self.path_router.active_experts_per_token())
         self.expand_norm = build_norm(cfg.norm, cfg.d_path)
         self.expand_router = ROUTERS.build(cfg.projection_router, d_model=cfg.d_path, num_experts=E)
-        self.expand = LinearExperts(E, cfg.d_path, d_model, share, residual_output=True)
+        self.expand = LinearExperts(E, cfg.d_path, d_model, active, residual_output=True)
         self.post = DenseBlock(full, d_model=d_model, layer_idx=layer_idx)
 
     def forward(self, x_BTD: torch.Tensor, *, positions_BT: torch.Tensor, cache: Any = None) -> BlockOutput:
         B, T, D = x_BTD.shape
-        h1_BTD = self.pre(x_BTD, positions_BT=positions_BT, cache=None if cache is None else cache.pre).x
+        h1_BTD = x_BTD
+        if self.pre is not None:
+            h1_BTD = self.pre(x_BTD, positions_BT=positions_BT, cache=None if cache is None else cache.pre).x
         c_BTD = self.contract_norm(h1_BTD)
         contract_plan = self.contract_router(c_BTD)
         z_BTP = self.contract(c_BTD.reshape(B * T, D), contract_plan).view(B, T, -1)
@@ -241,8 +279,7 @@ class PathsBlock(Block):
         return BlockOutput(out.x, aux, stats)
 
     def new_cache(self) -> PathsCache:
-        paths = [[layer.attn.new_cache() for layer in path.layers] for path in self.paths.paths]
-        return PathsCache(KVCache(), paths, KVCache())
+        return PathsCache(None if self.pre is None else KVCache(), self.paths.new_caches(), KVCache())
 
 
 __all__ = ["PathsBlockConfig", "PathsBlock", "PathLayer", "Path", "ParallelPaths", "LinearExperts", "PathsCache"]

@@ -124,8 +124,13 @@ class CausalSelfAttention(nn.Module):
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Forward+backward FLOPs of the score and value matmuls per token (PaLM's 12·H·Dh·T convention)."""
-        ctx = min(seq_len, self.cfg.window) if self.cfg.window else seq_len
-        return 12.0 * self.num_heads * self.head_dim * ctx
+        return attention_flops(self.num_heads, self.head_dim, seq_len, self.cfg.window)
+
+
+def attention_flops(num_heads: int, head_dim: int, seq_len: int, window: int | None) -> float:
+    """Forward+backward FLOPs per token of the score and value matmuls: 12 H Dh x context (PaLM)."""
+    ctx = min(seq_len, window) if window else seq_len
+    return 12.0 * num_heads * head_dim * ctx
 
 
 def build_attention(cfg: AttentionConfig, d_model: int) -> nn.Module:

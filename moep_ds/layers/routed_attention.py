@@ -196,9 +196,13 @@ class RoutedSelfAttention(CausalSelfAttention):
         return x.repeat_interleave(self.num_heads // self.num_kv_heads, dim)
 
     def forward(self, x_ND: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
+        return self.attend(x_ND, seq_N, pos_N, self.cfg.window)
+
+    def attend(self, x_ND: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor, window: int | None) -> torch.Tensor:
+        """`forward` with a given window (stacked experts share one module but differ in window: MSIT)."""
         q_NHd, k_NGd, v_NGd = self.project(x_ND, pos_N)
         k_NHd, v_NHd = self.expand_kv(k_NGd, 1), self.expand_kv(v_NGd, 1)
-        o_NHd = routed_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, self.cfg.window)
+        o_NHd = routed_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, window)
         return self.w_o(o_NHd.flatten(-2))
 
     def forward_cached(
@@ -210,8 +214,8 @@ class RoutedSelfAttention(CausalSelfAttention):
         S = k_BSGd.shape[1]
         delta_BTS = positions_BT[:, :, None] - pos_BS[:, None, :]
         mask_BTS = routed_BS[:, None, :] & (delta_BTS >= 0)
-        if self.cfg.window is not None:
-            mask_BTS &= delta_BTS < self.cfg.window
+        if cache.window is not None:  # the cache's: stacked experts share this module but not their window
+            mask_BTS &= delta_BTS < cache.window
         # Each query also sees its own key, so the rows of unrouted queries are not empty (no NaN).
         mask_BTS |= torch.arange(S, device=x_BTD.device) == torch.arange(S - T, S, device=x_BTD.device)[:, None]
         o_BHTd = F.scaled_dot_product_attention(

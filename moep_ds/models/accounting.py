@@ -4,7 +4,7 @@
 - non-embedding: total minus token/position embedding tables and an untied LM head (the Kaplan / Pythia
   convention).
 - active: parameters one token passes through; a module that defines `num_active_params()` (an MoE layer:
-  k of E experts, or one expert for expert choice) reports its own subtree.
+  the router's active experts per token of E) reports its own subtree.
 - flops_per_token: training (forward + backward) FLOPs, 6 x active matmul parameters (embedding lookups
   excluded, the LM head included) plus each attention module's `attention_flops_per_token(seq_len)`.
 """
@@ -43,6 +43,16 @@ def active_params(module: nn.Module, seen: set[int], root: bool = True) -> int:
     return count + sum(active_params(child, seen, root=False) for child in module.children())
 
 
+def attention_flop_terms(module: nn.Module, seq_len: int) -> list[float]:
+    """Each attention's FLOPs per token, in module order. A module with `attention_flop_terms` (stacked experts:
+    one module computes E experts) reports its subtree; one with `attention_flops_per_token` is one term."""
+    if hasattr(module, "attention_flop_terms"):
+        return module.attention_flop_terms(seq_len)
+    if hasattr(module, "attention_flops_per_token"):
+        return [module.attention_flops_per_token(seq_len)]
+    return [term for child in module.children() for term in attention_flop_terms(child, seq_len)]
+
+
 def embedding_params(model: CausalLM) -> int:
     tables = [model.embed.weight]
     if model.pos_embed is not None:
@@ -59,9 +69,7 @@ def count_params(model: CausalLM, seq_len: int | None = None) -> ParamReport:
     lookups = model.embed.weight.numel() + (model.pos_embed.weight.numel() if model.pos_embed is not None else 0)
     # A tied head is a matmul even though its weight is the embedding table.
     matmul_active = active - lookups + (model.head.weight.numel() if model.cfg.tie_embeddings else 0)
-    attention = sum(
-        m.attention_flops_per_token(seq_len) for m in model.modules() if hasattr(m, "attention_flops_per_token")
-    )
+    attention = sum(attention_flop_terms(model, seq_len))
     return ParamReport(
         params_total=total,
         params_non_embedding=total - embedding_params(model),

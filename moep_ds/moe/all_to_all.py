@@ -28,6 +28,9 @@ from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, combine_tokens, gather
 from moep_ds.routing.plan import RoutingPlan
 
 
+SEQ_ID_STRIDE = 2**32  # more sequences than any rank holds in a micro-batch
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with split sizes; backward sends the gradients back the same way."""
 
@@ -64,7 +67,12 @@ class _Route:
 
 
 class AllToAllDispatcher(Dispatcher):
-    """Dispatcher over an expert-parallel group (gloo or nccl). Sequence ids arrive as seq_id * R + source rank."""
+    """Dispatcher over an expert-parallel group (gloo or nccl).
+
+    Sequence ids arrive as source rank * SEQ_ID_STRIDE + seq_id: unique across the group, and, since received
+    rows are grouped by source rank, non-decreasing within an expert whenever the plan lists each expert's
+    tokens in token order (what routed attention over original positions needs; moe/dispatch.in_token_order).
+    """
 
     def __init__(self, group: Any, num_experts: int):
         self.group = group
@@ -111,7 +119,7 @@ class AllToAllDispatcher(Dispatcher):
         T = plan.num_tokens
         zeros = torch.zeros(T, dtype=torch.int64, device=plan.token_idx_S.device)
         # Sequence ids are local to their source rank; make them unique across the group.
-        seq_T = (zeros if seq_ids_T is None else seq_ids_T.to(torch.int64)) * self.ep_size + self.ep_rank
+        seq_T = (zeros if seq_ids_T is None else seq_ids_T.to(torch.int64)) + self.ep_rank * SEQ_ID_STRIDE
         pos_T = zeros if positions_T is None else positions_T.to(torch.int64)
         meta_S2 = torch.stack([seq_T, pos_T], dim=1).index_select(0, plan.token_idx_S)
         meta_U2 = all_to_all(meta_S2, self.group, recv_splits, send_splits).index_select(0, perm_U)
@@ -127,4 +135,4 @@ class AllToAllDispatcher(Dispatcher):
         return combine_tokens(y_back, plan, out_dtype)
 
 
-__all__ = ["AllToAllDispatcher", "source_to_expert_order"]
+__all__ = ["SEQ_ID_STRIDE", "AllToAllDispatcher", "source_to_expert_order"]

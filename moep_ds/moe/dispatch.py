@@ -9,7 +9,12 @@
     combine:  y_TD[t] = sum over assignments s of token t: weight_s * y_SD[s]   (fp32 accumulation)
 
 LocalDispatcher runs every expert on this process; AllToAllDispatcher (moe/all_to_all.py) implements the same
-contract across an expert-parallel process group.
+contract across an expert-parallel process group. Every routed block's experts (FFN experts, MSIT branches,
+MoEP paths and projections) sit behind one: an `ExpertStage` says what its experts compute on an
+ExpertBatch, the dispatcher decides where they run, and expert parallelism shards any stage alike.
+
+Decoding with a KV cache is the exception: every new token runs through every (local) expert against that
+expert's cache, and `dense_routing` / `combine_dense` give each token its weight or nothing.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from moep_ds.routing.plan import RoutingPlan
 
@@ -94,4 +100,93 @@ class LocalDispatcher(Dispatcher):
         return combine_tokens(y_SD, plan, out_dtype)
 
 
-__all__ = ["Dispatcher", "ExpertBatch", "LocalDispatcher", "RunExperts", "combine_tokens", "gather_tokens"]
+def in_token_order(plan: RoutingPlan) -> RoutingPlan:
+    """The same plan with each expert's tokens in token order (flat index b*T + t: by sequence, then position).
+
+    Experts that attend over the original sequence need each sequence's tokens contiguous and by position;
+    a dispatcher keeps the plan's order within (source rank, expert), so sorting the plan once suffices.
+    """
+    key_S = plan.expert_idx_S() * plan.num_tokens + plan.token_idx_S
+    order_S = torch.argsort(key_S)
+    return dataclasses.replace(plan, token_idx_S=plan.token_idx_S[order_S], weight_S=plan.weight_S[order_S])
+
+
+def sequence_ids(batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[B*T] the sequence of each flattened token."""
+    return torch.arange(batch_size, device=device).repeat_interleave(seq_len)
+
+
+def dense_routing(plan: RoutingPlan, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoding: the plan as masks, routed_EBT (token t of sequence b goes to expert e) and weight_EBT."""
+    E, B, T = plan.num_experts, batch_size, seq_len
+    flat_S = plan.expert_idx_S() * plan.num_tokens + plan.token_idx_S
+    routed = torch.zeros(E * B * T, dtype=torch.bool, device=flat_S.device).index_fill(0, flat_S, True)
+    weight = plan.weight_S.new_zeros(E * B * T).index_put((flat_S,), plan.weight_S)
+    return routed.view(E, B, T), weight.view(E, B, T)
+
+
+def combine_dense(y_EBTX: list[torch.Tensor], routed_EBT: torch.Tensor, weight_EBT: torch.Tensor) -> torch.Tensor:
+    """sum_e weight[e] * y[e] over the tokens routed to e; others get exactly 0 (their rows are not used)."""
+    out = torch.zeros_like(y_EBTX[0])
+    for y, routed, weight in zip(y_EBTX, routed_EBT, weight_EBT):
+        out = out + torch.where(routed[..., None], y * weight[..., None].to(y.dtype), 0.0)
+    return out
+
+
+class ExpertStage(nn.Module):
+    """Experts behind a dispatcher: y_TD = sum over each token's experts of weight * expert(x).
+
+    Subclasses hold their expert parameters in `experts` (`num_local_experts`, `keep_experts_(start, count)`;
+    every parameter stacked [E_local, ...]) and define `run_experts(ExpertBatch) -> y_SD`. Expert parallelism
+    (training/expert_parallel.py) shards `experts`, marks its parameters and sets an AllToAllDispatcher.
+    """
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.first_local_expert = 0  # global index of local expert 0
+        self.dispatcher: Dispatcher = LocalDispatcher()
+
+    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        plan: RoutingPlan,
+        seq_ids_T: torch.Tensor | None = None,
+        positions_T: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.dispatcher(x_TD, plan, self.run_experts, seq_ids_T, positions_T)
+
+    def run_experts(self, batch: ExpertBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_batch(self, batch: ExpertBatch) -> None:
+        if len(batch.counts) != self.experts.num_local_experts:
+            raise RuntimeError(
+                f"the dispatcher delivers tokens for {len(batch.counts)} experts but this layer holds "
+                f"{self.experts.num_local_experts}; after shard_experts set an AllToAllDispatcher"
+            )
+
+    def check_unsharded(self, what: str) -> None:
+        if self.experts.num_local_experts != self.num_experts:
+            raise RuntimeError(f"{what} needs every expert on this process ({self.experts.num_local_experts} "
+                               f"of {self.num_experts} held)")
+
+
+def shard_experts(stage: ExpertStage, ep_rank: int, ep_size: int) -> None:
+    """Keep only expert-parallel rank `ep_rank`'s experts [ep_rank*L, (ep_rank+1)*L) of `stage` (in place)."""
+    if stage.num_experts % ep_size:
+        raise ValueError(f"num_experts ({stage.num_experts}) must be divisible by expert_parallel_size ({ep_size})")
+    if stage.experts.num_local_experts != stage.num_experts:
+        raise ValueError(f"layer is already sharded ({stage.experts.num_local_experts} of {stage.num_experts} experts)")
+    local = stage.num_experts // ep_size
+    stage.experts.keep_experts_(ep_rank * local, local)
+    stage.first_local_expert = ep_rank * local
+
+
+__all__ = [
+    "Dispatcher", "ExpertBatch", "ExpertStage", "LocalDispatcher", "RunExperts", "combine_dense", "combine_tokens",
+    "dense_routing", "gather_tokens", "in_token_order", "sequence_ids", "shard_experts",
+]

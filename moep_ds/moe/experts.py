@@ -80,7 +80,6 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"expert type ({cfg.type!r}) must be one of {', '.join(EXPERT_ACTIVATIONS)}")
         hidden = ffn_hidden_size(cfg, d_model)
         self.kind = cfg.type
-        self.first_expert = 0  # global index of local expert 0 (expert parallelism keeps a contiguous slice)
         self.num_local_experts = num_experts
         E, D, Fh = num_experts, d_model, hidden
         self.w1_EDF = nn.Parameter(torch.empty(E, D, Fh))
@@ -122,7 +121,6 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"experts [{start}, {start + count}) are not within the {self.num_local_experts} held")
         for name, p in list(self.named_parameters()):
             setattr(self, name, nn.Parameter(p[start : start + count].clone(), requires_grad=p.requires_grad))
-        self.first_expert += start
         self.num_local_experts = count
 
     def extra_repr(self) -> str:

@@ -14,10 +14,9 @@ import dataclasses
 from typing import Annotated, Any
 
 import torch
-from torch import nn
 
 from moep_ds.layers.ffn import FFNConfig
-from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, LocalDispatcher
+from moep_ds.moe.dispatch import ExpertBatch, ExpertStage, shard_experts
 from moep_ds.moe.experts import EXPERT_ACTIVATIONS, GroupedExperts
 from moep_ds.registry import FFNS, ROUTERS
 from moep_ds.routing.lifecycle import ExpertLifecycle, ExpertRows, LifecycleConfig, LifecycleManaged
@@ -49,37 +48,28 @@ class MoEOutput:
     stats: dict[str, torch.Tensor]
 
 
-class MoELayer(nn.Module, LifecycleManaged):
+class MoELayer(ExpertStage, LifecycleManaged):
     """Router + dispatcher + experts. `.experts` holds only expert parameters (`num_local_experts` of them).
 
     A router with a lifecycle manager (MoE-Stream) makes this layer a managed one: the manager sees the expert
     outputs (`track_impact`) and the trainer's lifecycle callback rewrites `expert_rows()` on replacement."""
 
     def __init__(self, cfg: MoEConfig, *, d_model: int):
-        super().__init__()
-        self.num_experts = cfg.num_experts
+        super().__init__(cfg.num_experts)
         self.router = ROUTERS.build(cfg.router, d_model=d_model, num_experts=cfg.num_experts)
         self.experts = GroupedExperts(cfg.expert, d_model=d_model, num_experts=cfg.num_experts)
-        self.dispatcher: Dispatcher = LocalDispatcher()
-
-    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
-        self.dispatcher = dispatcher
 
     def forward(self, x_BTD: torch.Tensor) -> MoEOutput:
         B, T, D = x_BTD.shape
         plan = self.router(x_BTD)
-        y_TD = self.dispatcher(x_BTD.reshape(B * T, D), plan, self.run_experts)
+        y_TD = self.dispatch(x_BTD.reshape(B * T, D), plan)
         return MoEOutput(y_TD.view(B, T, D), plan.aux_losses, plan.stats)
 
     def run_experts(self, batch: ExpertBatch) -> torch.Tensor:
-        if len(batch.counts) != self.experts.num_local_experts:
-            raise RuntimeError(
-                f"the dispatcher delivers tokens for {len(batch.counts)} experts but this layer holds "
-                f"{self.experts.num_local_experts}; after shard_experts set an AllToAllDispatcher"
-            )
+        self.check_batch(batch)
         y_SD = self.experts(batch.x_SD, batch.counts)
         lifecycle = self.expert_lifecycle()
-        return y_SD if lifecycle is None else lifecycle.track_impact(y_SD, batch.counts, self.experts.first_expert)
+        return y_SD if lifecycle is None else lifecycle.track_impact(y_SD, batch.counts, self.first_local_expert)
 
     def expert_lifecycle(self) -> ExpertLifecycle | None:
         return self.router.lifecycle
@@ -88,7 +78,7 @@ class MoELayer(nn.Module, LifecycleManaged):
         """Every stacked expert weight (this rank's experts) and the router weight's rows (all experts)."""
         router_rows = [p for p in self.router.parameters() if full_shape(p)[:1] == (self.num_experts,)]
         return ExpertRows(list(self.experts.parameters()), router_rows,
-                          self.experts.first_expert, self.experts.num_local_experts)
+                          self.first_local_expert, self.experts.num_local_experts)
 
     def num_active_params(self) -> int:
         """Router parameters + experts active per token (the router says how many) x parameters of one expert."""
@@ -121,16 +111,6 @@ def check_lifecycle_placement(cfg: Any, path: str) -> None:
     elif isinstance(cfg, list):
         for i, item in enumerate(cfg):
             check_lifecycle_placement(item, f"{path}[{i}]")
-
-
-def shard_experts(layer: MoELayer, ep_rank: int, ep_size: int) -> None:
-    """Keep only expert-parallel rank `ep_rank`'s experts [ep_rank*L, (ep_rank+1)*L) of `layer` (in place)."""
-    if layer.num_experts % ep_size:
-        raise ValueError(f"num_experts ({layer.num_experts}) must be divisible by expert_parallel_size ({ep_size})")
-    if layer.experts.num_local_experts != layer.num_experts:
-        raise ValueError(f"layer is already sharded ({layer.experts.num_local_experts} of {layer.num_experts} experts)")
-    local = layer.num_experts // ep_size
-    layer.experts.keep_experts_(ep_rank * local, local)
 
 
 __all__ = ["MoEConfig", "MoELayer", "MoEOutput", "check_lifecycle_placement", "full_shape", "shard_experts"]

@@ -37,6 +37,10 @@ class ExpertChoiceConfig:
     scope: Literal["batch", "sequence"] = "batch"
     eval_mode: Literal["threshold", "topk"] = "threshold"
     threshold_ema_decay: Annotated[float, Between(0.0, 1.0, hi_open=True)] = 0.99
+    # Experts a token counts as passing through in parameter/FLOP accounting (conventions differ): `one`,
+    # Nova-MoE's (nova_moe's 34,529,792 active parameters); `capacity`, min(c, E), the MoEP-MSIT method's
+    # (active parameters bounded by c; msit_babylm's 31,360,512). On average a token is processed by c experts.
+    active_experts: Literal["one", "capacity"] = "one"
 
 
 def expert_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float, rounding: str) -> int:
@@ -105,9 +109,10 @@ class ExpertChoiceRouter(Router):
         self.register_buffer("log_norm", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("num_threshold_updates", torch.zeros((), dtype=torch.int64))
 
-    def active_experts_per_token(self) -> int:
-        """One: Nova-MoE's convention (nova_moe's 34,529,792 active parameters), although a token is processed
-        by capacity_factor experts on average, and by anywhere from 0 to E experts."""
+    def active_experts_per_token(self) -> float:
+        """The `active_experts` setting: 1, or min(c, E) (a token is processed by 0 to E experts, c on average)."""
+        if self.cfg.active_experts == "capacity":
+            return min(self.cfg.capacity_factor, self.num_experts)
         return 1
 
     def forward(self, x_BTD: torch.Tensor) -> RoutingPlan:

@@ -48,8 +48,9 @@ class Router(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> RoutingPlan:
         raise NotImplementedError
 
-    def active_experts_per_token(self) -> int:
-        """How many experts count as active per token in parameter/FLOP accounting."""
+    def active_experts_per_token(self) -> float:
+        """How many experts count as active per token in parameter/FLOP accounting: the one place every block
+        (FFN MoE, MSIT, MoEP paths and projections) and `--dry_run` take this number from."""
         raise NotImplementedError
 
 

@@ -1,9 +1,10 @@
 """Expert parallelism: DeepSpeed's expert groups, sharded experts, all-to-all dispatch, MoE parameter marks.
 
-The DeepSpeed engine treats a module as MoE (expert gradients averaged over the expert-data-parallel
-group, MoE optimizer groups) only if it is an instance of `deepspeed.moe.layer.MoE`. Model code stays
-free of deepspeed: at engine build time each of our MoE layers is given a class that also derives from
-DeepSpeed's MoE, with the attributes the engine reads.
+Every routed stage (moe/dispatch.py `ExpertStage`: FFN-MoE layers, MSIT branches, MoEP paths and their
+projection experts) is sharded alike. The DeepSpeed engine treats a module as MoE (expert gradients
+averaged over the expert-data-parallel group, MoE optimizer groups) only if it is an instance of
+`deepspeed.moe.layer.MoE`. Model code stays free of deepspeed: at engine build time each stage is given a
+class that also derives from DeepSpeed's MoE, with the attributes the engine reads.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from moep_ds.errors import UserError
 from moep_ds.moe.all_to_all import AllToAllDispatcher
-from moep_ds.moe.layer import MoELayer, shard_experts
+from moep_ds.moe.dispatch import ExpertStage, shard_experts
 from moep_ds.registry import ROUTERS
 from moep_ds.training.ds_config import zero_stage
 
@@ -23,8 +24,8 @@ class ParallelLayoutError(UserError):
     pass
 
 
-def moe_layers(model: nn.Module) -> list[MoELayer]:
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+def expert_stages(model: nn.Module) -> list[ExpertStage]:
+    return [m for m in model.modules() if isinstance(m, ExpertStage)]
 
 
 def routed_module_classes(model: nn.Module) -> list[type]:
@@ -65,15 +66,15 @@ def engine_view_class(cls: type) -> type:
 
 
 def setup_expert_parallel(model: nn.Module, ep_size: int):
-    """Shard every MoE layer's experts over `ep_size` ranks and wire the all-to-all dispatcher.
+    """Shard every routed stage's experts over `ep_size` ranks and wire the all-to-all dispatcher.
     Returns the expert-parallel process group (None at ep_size 1, where experts are ordinary parameters)."""
     if ep_size == 1:
         return None
     from deepspeed.utils import groups
 
-    layers = moe_layers(model)
+    layers = expert_stages(model)
     if not layers:
-        raise ParallelLayoutError(f"train.expert_parallel_size ({ep_size}) > 1 but the model has no MoE layers")
+        raise ParallelLayoutError(f"train.expert_parallel_size ({ep_size}) > 1 but the model has no routed experts")
     name = f"ep_size_{ep_size}"
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(ep_size)

@@ -48,9 +48,10 @@ def naive_msit(block: MSITBlock, x_BTD: torch.Tensor, pos_BT: torch.Tensor) -> t
     k = int(1.5 * B * T / E + 0.5)
     u = g.reshape(B * T, D) @ block.experts.w_down.weight.T  # eq. 4
     acc = torch.zeros_like(u)
-    for i, branch in enumerate(block.experts.branches):
+    for i, w in enumerate(block.experts.windows):
+        branch = block.experts.branches.expert_module(i)  # expert i's slice of the stacked parameters
         chosen = set(r[:, i].topk(k).indices.tolist())  # eq. 3
-        attn, w = branch.attn, branch.attn.cfg.window
+        attn = branch.attn
         H, Dh = attn.num_heads, attn.head_dim
         qkv = branch.attn_norm(u) @ attn.w_qkv.weight.T
         q, kk, v = (z.reshape(B * T, H, Dh) for z in qkv.split(H * Dh, -1))
@@ -158,6 +159,11 @@ def test_msit_babylm_parameter_counts():
     block = cfg.model.layers[0]
     assert (block.repeat, cfg.model.d_model, block.attention.num_heads, block.experts.d_thin) == (6, 256, 4, 384)
     assert (block.experts.num_heads, block.experts.windows, block.router.capacity_factor) == (6, [64, 16, 8, 4], 2.0)
+    # active: the router's count of experts per token, c = 2 of the 4 branches (the MSIT method's bound)
+    assert block.router.active_experts == "capacity" and report.params_active == 31_360_512
+    one = meta_param_report(load_config(RECIPE, overrides=["model.layers[0].router.active_experts=one"]).model)
+    branch = 1_771_776  # per expert (arithmetic in moep_ds/blocks/msit.py)
+    assert report.params_active - one.params_active == 6 * (2 * branch - branch)
 
 
 @pytest.mark.parametrize(
@@ -166,6 +172,8 @@ def test_msit_babylm_parameter_counts():
         ("model.layers[0].experts.windows=[]", r"model.layers\[0\].experts.windows \(\[\]\) must list one window"),
         ("model.layers[0].experts.num_heads=5", r"experts.num_heads \(5\) must divide d_thin \(384\)"),
         ("model.layers[0].experts.windows=[4, 0]", r"model.layers\[0\].experts.windows\[1\] \(0\) must be > 0"),
+        ("train.expert_parallel_size=3", r"^model.layers\[0\].experts.windows \(\[64, 16, 8, 4\]\) must have a length "
+         r"divisible by expert_parallel_size \(3\): one expert per window$"),
     ],
 )
 def test_config_errors_name_the_path(override, message):

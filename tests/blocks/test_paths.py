@@ -28,10 +28,11 @@ MOEP_RECIPES = ["moep_gpt2", "moep_llama", "moep_gemma", "pythia_1b_moep"]
 ALPHA = 0.01
 
 
-def tiny_block(k=2, parallel=False) -> PathsBlock:
+def tiny_block(k=2, parallel=False, full_layer=True) -> PathsBlock:
     cfg = PathsBlockConfig(
         attention=AttentionConfig(num_heads=3, rope=RopeConfig()),
         parallel_residual=parallel,
+        full_layer=full_layer,
         d_path=16,
         num_paths=3,
         path_depth=2,
@@ -72,13 +73,15 @@ def naive_path_layer(layer, z: dict[int, torch.Tensor], pos_T: torch.Tensor, T: 
 def naive_paths(block: PathsBlock, x_BTD: torch.Tensor, pos_BT: torch.Tensor, k: int) -> torch.Tensor:
     B, T, D = x_BTD.shape
     pos_T = pos_BT.reshape(-1)
-    h1 = block.pre(x_BTD, positions_BT=pos_BT).x.reshape(B * T, D)  # the dense block is tested on its own
+    h1 = x_BTD if block.pre is None else block.pre(x_BTD, positions_BT=pos_BT).x  # dense block: tested on its own
+    h1 = h1.reshape(B * T, D)
     c = block.contract_norm(h1)
     gates = naive_topk(torch.softmax(c @ block.contract_router.weight.T, -1), k)
     z = torch.stack([sum(g * (block.contract.w_EOI[e] @ c[t]) for e, g in gates[t].items()) for t in range(B * T)])
     gates = naive_topk(torch.softmax(block.path_norm(z) @ block.path_router.weight.T, -1), k)
     y = z.clone()
-    for j, path in enumerate(block.paths.paths):
+    for j in range(block.paths.num_experts):
+        path = block.paths.paths.expert_module(j)  # path j's slice of the stacked parameters
         members = {t: z[t] for t in range(B * T) if j in gates[t]}
         for layer in path.layers:
             members = naive_path_layer(layer, members, pos_T, T)
@@ -99,6 +102,23 @@ def test_block_matches_naive_equations(k, parallel):
     out = block(x_BTD, positions_BT=pos_BT)
     torch.testing.assert_close(out.x, naive_paths(block, x_BTD, pos_BT, k))
     assert set(out.aux_losses) == {f"{n}.load_balancing_loss" for n in ("contraction", "paths", "expansion")}
+
+
+def test_without_full_layer_the_block_starts_at_the_contraction():
+    block = tiny_block(k=2, full_layer=False)
+    assert block.pre is None and not [n for n, _ in block.named_parameters() if n.startswith("pre.")]
+    x_BTD = torch.randn(2, 9, 24, dtype=torch.float64)
+    pos_BT = torch.arange(9).expand(2, 9) + torch.tensor([[0], [5]])
+    torch.testing.assert_close(block(x_BTD, positions_BT=pos_BT).x, naive_paths(block, x_BTD, pos_BT, 2))
+
+
+def test_full_layer_false_drops_exactly_one_full_width_layer():
+    with_full = meta_param_report(load_config(CONFIGS / "moep_gpt2.yaml").model)
+    recipe = load_config(CONFIGS / "moep_gpt2.yaml", overrides=["model.layers[0].full_layer=false"])
+    without = meta_param_report(recipe.model)
+    d, hidden = 512, 4 * 512  # gpt2 flavour: LayerNorms with bias, attention and GELU MLP with biases
+    dense_layer = 2 * 2 * d + (4 * d * d + 4 * d) + (2 * d * hidden + hidden + d)
+    assert with_full.params_total - without.params_total == dense_layer
 
 
 def test_balancing_loss_is_minimal_at_uniform_routing():
@@ -149,15 +169,19 @@ def test_every_path_and_projection_expert_gets_gradients():
         assert (w.grad.flatten(1).abs().sum(1) > 0).all()
 
 
-def tiny_recipe_model(name: str):
-    cfg = load_config(CONFIGS / f"{name}.yaml", overrides=TINY)
+def tiny_recipe_model(name: str, overrides=()):
+    cfg = load_config(CONFIGS / f"{name}.yaml", overrides=[*TINY, *overrides])
     torch.manual_seed(0)
     return build_model(cfg.model).double().eval()
 
 
-@pytest.mark.parametrize("name", MOEP_RECIPES)
-def test_recipe_eval_is_causal_batch_invariant_and_caches(name):
-    model = tiny_recipe_model(name)
+ALTERNATING = [  # issue 15's alternating reading: path stages without a leading full-width layer, repeated
+    "model.layers[0].full_layer=false", "model.layers[0].repeat=2"]
+
+
+@pytest.mark.parametrize("name,overrides", [*((n, ()) for n in MOEP_RECIPES), ("moep_gpt2", ALTERNATING)])
+def test_recipe_eval_is_causal_batch_invariant_and_caches(name, overrides):
+    model = tiny_recipe_model(name, overrides)
     ids = torch.randint(0, 64, (3, 18))
     full = model(ids).logits
     torch.testing.assert_close(model(ids[2:3]).logits[0], full[2])  # batch-invariant
@@ -191,3 +215,7 @@ def test_config_errors_name_the_path():
         load_config(CONFIGS / "moep_llama.yaml", overrides=["model.layers[0].d_path=100"])
     with pytest.raises(ConfigError, match=r"model.layers\[0\].path_router.k \(5\) must be <= num_experts \(4\)"):
         load_config(CONFIGS / "moep_llama.yaml", overrides=["model.layers[0].path_router.k=5"])
+    sets = ["train.expert_parallel_size=4", "model.layers[0].num_projection_experts=2"]
+    with pytest.raises(ConfigError, match=r"^model.layers\[0\].num_projection_experts \(2\) must be divisible by "
+                                          r"expert_parallel_size \(4\)$"):
+        load_config(CONFIGS / "moep_llama.yaml", overrides=sets)

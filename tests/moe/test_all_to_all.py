@@ -7,7 +7,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moep_ds.layers.ffn import FFNConfig
-from moep_ds.moe.all_to_all import AllToAllDispatcher, source_to_expert_order
+from moep_ds.moe.all_to_all import SEQ_ID_STRIDE, AllToAllDispatcher, source_to_expert_order
+from moep_ds.moe.dispatch import in_token_order
 from moep_ds.moe.layer import MoEConfig, MoELayer, shard_experts
 from moep_ds.routing.expert_choice import ExpertChoiceConfig
 from moep_ds.routing.topk import TopKConfig
@@ -39,14 +40,16 @@ def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def received_tokens_are_right(layer: MoELayer, x_local: torch.Tensor, x_global: torch.Tensor, rank: int) -> bool:
-    """Tokens arrive with sequence ids (seq * R + source rank) and positions that name them in the global batch."""
+    """Tokens arrive with sequence ids (source rank * stride + seq) and positions that name them in the global
+    batch; with the plan in token order, sequence ids do not decrease within an expert."""
     B = x_local.shape[0]
     plan = layer.router(x_local)
     seq = torch.arange(B).repeat_interleave(T)
     pos = torch.arange(T).repeat(B)
-    batch, _ = layer.dispatcher.dispatch(x_local.reshape(B * T, D), plan, seq, pos)
-    source_b = batch.seq_ids_S % WORLD * B + batch.seq_ids_S // WORLD
-    return torch.equal(batch.x_SD, x_global[source_b, batch.positions_S]) and batch.x_SD.shape[0] > 0
+    batch, _ = layer.dispatcher.dispatch(x_local.reshape(B * T, D), in_token_order(plan), seq, pos)
+    source_b = batch.seq_ids_S // SEQ_ID_STRIDE * B + batch.seq_ids_S % SEQ_ID_STRIDE
+    ordered = all((ids.diff() >= 0).all() for ids in batch.seq_ids_S.split(batch.counts))
+    return torch.equal(batch.x_SD, x_global[source_b, batch.positions_S]) and batch.x_SD.shape[0] > 0 and ordered
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:

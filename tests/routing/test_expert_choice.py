@@ -195,3 +195,11 @@ def test_config_errors(raw, message):
     with pytest.raises(ConfigError) as err:
         parse(ExpertChoiceConfig, raw, "router")
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("setting,c,E,expected", [("one", 2.0, 4, 1), ("capacity", 2.0, 4, 2.0),
+                                                  ("capacity", 1.25, 8, 1.25), ("capacity", 6.0, 4, 4)])
+def test_the_router_decides_active_experts_per_token(setting, c, E, expected):
+    """Nova-MoE counts one expert per token; the MSIT method counts c (at most E): a setting of the router."""
+    cfg = ExpertChoiceConfig(capacity_factor=c, active_experts=setting)
+    assert ExpertChoiceRouter(cfg, d_model=4, num_experts=E).active_experts_per_token() == expected

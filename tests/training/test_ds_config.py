@@ -61,9 +61,11 @@ def test_warmup_then_cosine_to_floor():
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
 
 
-def tiny_cfg(**train_kw):
-    raw = {"model": {"flavour": "gpt2", "vocab_size": 32, "d_model": 16, "max_seq_len": 8,
-                     "layers": [{"type": "dense", "attention": {"num_heads": 2}}]},
+DENSE = [{"type": "dense", "attention": {"num_heads": 2}}]
+
+
+def tiny_cfg(layers=DENSE, **train_kw):
+    raw = {"model": {"flavour": "gpt2", "vocab_size": 32, "d_model": 16, "max_seq_len": 8, "layers": layers},
            "train": {"max_steps": 2, **train_kw}}
     return config_from_dict(raw)
 
@@ -81,7 +83,8 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
 
 
 def test_expert_parallel_layout_errors():
-    cfg = tiny_cfg(expert_parallel_size=2)
+    msit = [{"type": "msit", "attention": {"num_heads": 2}, "experts": {"d_thin": 8, "num_heads": 2, "windows": [4, 2]}}]
+    cfg = tiny_cfg(msit, expert_parallel_size=2)
     with pytest.raises(ParallelLayoutError, match=r"^train.expert_parallel_size \(2\) must divide the world size \(3\)$"):
         check_parallel_layout(cfg, {"zero_optimization": {"stage": 2}}, 3)
     with pytest.raises(ParallelLayoutError, match=r"not supported with ZeRO stage 3"):
