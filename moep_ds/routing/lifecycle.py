@@ -35,6 +35,7 @@ from typing import Annotated, Any, Callable, Protocol
 import torch
 from torch import nn
 
+from moep_ds.recompute import is_recomputing
 from moep_ds.schema import Between, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class ExpertLifecycle(nn.Module):
 
     def observe_plan(self, plan: Any) -> Any:
         """Count the plan's tokens per expert (training only); returns the plan."""
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and not is_recomputing():  # not twice under act. ckpt
             with torch.no_grad():
                 E = self.num_experts
                 self.step_sums[:E] += plan.counts_E.to(torch.float64)
