@@ -2,6 +2,7 @@
 (moep_ds/recompute.py): same losses, gradients and running statistics as the plain model, same parameter names."""
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
@@ -12,7 +13,9 @@ from moep_ds import build_model
 from moep_ds.config import config_from_dict
 from moep_ds.recompute import is_recomputing
 from moep_ds.training.blocks import apply_block_options, checkpointed
-from tiny import recipe
+from tiny import DS_CONFIGS, launch, losses, recipe, write_recipe
+
+SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 
 
 def tiny(layers: str, seed: int = 0):
@@ -107,3 +110,18 @@ def test_compile_keeps_names_and_losses():
     losses_compiled, _ = train(compiled, 2)
     assert losses_compiled == pytest.approx(losses_plain, abs=1e-5, rel=0)
     assert running_statistics(compiled)["blocks.1.moe.router.num_threshold_updates"].item() == 2
+
+
+@pytest.mark.slow
+def test_trainer_with_activation_checkpointing_under_zero3_on_two_processes(tmp_path):
+    """The recipe switch under ZeRO-3 (parameters fetched again for the recomputation): the same losses as without
+    it, every routed block type."""
+    jobs = []
+    for ckpt in (False, True):
+        out = tmp_path / f"ckpt_{ckpt}"
+        path = write_recipe(tmp_path / f"ckpt_{ckpt}.yaml", "mixed", out, max_steps=3, activation_checkpointing=ckpt)
+        jobs.append({"recipe": str(path), "ds_config": str(DS_CONFIGS / "zero3_fp32.json")})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    launch(2, SCRIPTS / "run_many.py", str(tmp_path / "jobs.json"))
+    plain, ckpt = losses(tmp_path / "ckpt_False"), losses(tmp_path / "ckpt_True")
+    assert len(plain) == 3 and ckpt == plain
