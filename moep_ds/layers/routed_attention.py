@@ -73,10 +73,11 @@ def routed_attention(
 
 @functools.cache
 def compiled_flex_attention() -> Callable[..., torch.Tensor]:
-    """FlexAttention compiled once per process (dynamic shapes: the number of routed tokens varies)."""
+    """FlexAttention compiled once per process (the number of routed tokens varies: after the first recompile,
+    torch.compile's automatic dynamic shapes make it a symbolic size)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(flex_attention)
 
 
 def routed_flex_attention(
