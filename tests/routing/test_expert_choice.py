@@ -195,3 +195,17 @@ def test_config_errors(raw, message):
     with pytest.raises(ConfigError) as err:
         parse(ExpertChoiceConfig, raw, "router")
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("scope", ["batch", "sequence"])
+def test_training_plan_counts_are_static(scope):
+    """Expert choice knows its counts in advance: dispatch reads them without a device-to-host copy."""
+    r = router(scope=scope, capacity_factor=1.5)
+    r.train()
+    plan = r(torch.randn(3, 8, D, dtype=torch.float64))
+    groups, n = (3, 8) if scope == "sequence" else (1, 24)
+    k = expert_choice_capacity(n, E, 1.5, "nearest")
+    assert plan.static_counts == (groups * k,) * E
+    assert plan.counts() == plan.counts_E.tolist() == list(plan.static_counts)
+    r.eval()  # threshold mode: counts depend on the data
+    assert r(torch.randn(3, 8, D, dtype=torch.float64)).static_counts is None
