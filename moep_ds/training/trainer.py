@@ -147,6 +147,7 @@ class Trainer:
         for _ in range(self.accum):
             input_ids, labels = self.loader.next_micro_batch()
             out = self.engine(input_ids.to(self.device), labels=labels.to(self.device))
+            out.logits = None  # [B, T, V] is not needed by backward: free it before backward's peak
             self.engine.backward(out.loss)
             self.engine.step()
             sums["loss"] += out.loss.detach().float() / self.accum
