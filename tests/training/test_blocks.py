@@ -103,11 +103,15 @@ def test_activation_checkpointing_saves_activation_memory():
 
 
 def test_compile_keeps_names_and_losses():
+    from torch._dynamo.utils import counters
+
     plain, compiled = tiny("nova_moe"), tiny("nova_moe")
     apply_block_options(compiled, activation_checkpointing=False, compile=True)
     assert list(compiled.state_dict()) == list(plain.state_dict())
     losses_plain, _ = train(plain, 2)
+    graphs = counters["stats"]["unique_graphs"]
     losses_compiled, _ = train(compiled, 2)
+    assert counters["stats"]["unique_graphs"] > graphs  # the blocks did run compiled
     assert losses_compiled == pytest.approx(losses_plain, abs=1e-5, rel=0)
     assert running_statistics(compiled)["blocks.1.moe.router.num_threshold_updates"].item() == 2
 
