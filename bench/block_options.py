@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peak RSS on / off = {ratio:.2f} (target <= 0.50: {'met' if ratio <= 0.5 else 'MISSED'}); losses "
               f"{'identical' if on['losses'] == off['losses'] else 'DIFFER'} over {args.steps} steps")
     else:
+        speed = on["tokens_per_s"] / off["tokens_per_s"]
         print(f"max |loss on - loss off| over {args.steps} steps = {diff:.2e} (target <= 1e-5: "
-              f"{'met' if diff <= 1e-5 else 'MISSED'}); tok/s on / off = {on['tokens_per_s'] / off['tokens_per_s']:.2f}")
+              f"{'met' if diff <= 1e-5 else 'MISSED'}); tok/s on / off = {speed:.2f}")
     return 0
 
 

@@ -149,7 +149,8 @@ def bench_recipe(name: str, variant: str, args: argparse.Namespace, device: torc
     tflops = tokens_per_s * report.flops_per_token / 1e12
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     engine.destroy()
-    return {"variant": variant, "params": report.params_total, "active": report.params_active, "batch": batch, "seq": seq,
+    return {"variant": variant, "params": report.params_total, "active": report.params_active, "batch": batch,
+            "seq": seq,
             "tokens_per_s": tokens_per_s, "tflops": tflops, "mfu": tflops / peak, "memory_gib": memory}
 
 
@@ -164,7 +165,8 @@ def row(name: str, r: dict, nominal: float | None, dry_run: bool) -> str:
     memory = f"{r['memory_gib']:.1f}" if r["memory_gib"] is not None else "-"
     target = TARGET_MFU[name]
     verdict = "n/a (dry run)" if dry_run else "met" if r["mfu"] >= target else "MISSED"
-    return (f"| {name} | {r['variant']} | {r['params'] / 1e6:.1f}M / {r['active'] / 1e6:.1f}M | {r['batch']} x {r['seq']} | "
+    return (f"| {name} | {r['variant']} | {r['params'] / 1e6:.1f}M / {r['active'] / 1e6:.1f}M | "
+            f"{r['batch']} x {r['seq']} | "
             f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {100 * r['mfu']:.1f}% | {mfu_nominal} | {memory} | "
             f">= {100 * target:.0f}%: {verdict} |")
 
@@ -179,7 +181,8 @@ def header(device: torch.device, peak: float, peak_n: int, nominal: float | None
         f"# gpu_mfu: {date} | {gpu} | torch {torch.__version__} | deepspeed {deepspeed.__version__}",
         f"# ZeRO-2 bf16, {args.steps} timed steps after {args.warmup} warm-up; measured bf16 matmul peak "
         f"{peak:.1f} TFLOP/s (N={peak_n}){f'; nominal {nominal:.0f} TFLOP/s' if nominal else ''}",
-        "| recipe | variant | params total / active | B x T | tokens/s | TFLOP/s | MFU (measured peak) | MFU (nominal) | "
+        "| recipe | variant | params total / active | B x T | tokens/s | TFLOP/s | MFU (measured peak) | "
+        "MFU (nominal) | "
         "peak mem GiB | target |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
