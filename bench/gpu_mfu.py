@@ -5,7 +5,10 @@
 For each recipe: build the model on the GPU, wrap it with `deepspeed.initialize` exactly as the Trainer does
 (AdamW parameter groups from moep_ds.training.optim, ds_configs/zero2_bf16.json reconciled with the recipe),
 run --warmup untimed steps, then --steps timed steps (forward, backward, optimizer step) on random token
-batches. Reported per recipe:
+batches. Each recipe runs in --variants: `eager`, `ckpt` (train.activation_checkpointing), `compile`
+(train.compile), `ckpt+compile`, applied per block as the Trainer does (moep_ds.training.blocks); the default is
+eager and ckpt+compile for the 1B recipes, eager for msit_babylm (compilation costs a minute or two per row).
+Reported per recipe and variant:
   tokens/s   B x T x steps / wall time of the timed steps (synchronised before and after)
   TFLOP/s    tokens/s x flops_per_token (moep_ds.models.accounting: 6 x active matmul parameters + attention,
              i.e. model FLOPs; activation recomputation and routing overhead are not counted as useful work)
@@ -39,6 +42,9 @@ RECIPES = ["pythia_1b_dense", "pythia_1b_moep", "pythia_1b_ffn_moe", "msit_babyl
 MICRO_BATCH = {"pythia_1b_dense": 8, "pythia_1b_moep": 8, "pythia_1b_ffn_moe": 8, "msit_babylm": 64}
 TARGET_MFU = {"pythia_1b_dense": 0.45, "pythia_1b_moep": 0.35, "pythia_1b_ffn_moe": 0.35, "msit_babylm": 0.35}
 
+VARIANTS = {"eager": (False, False), "ckpt": (True, False), "compile": (False, True), "ckpt+compile": (True, True)}
+DEFAULT_VARIANTS = {"pythia_1b_dense": ["eager", "ckpt+compile"], "pythia_1b_moep": ["eager", "ckpt+compile"],
+                    "pythia_1b_ffn_moe": ["eager", "ckpt+compile"], "msit_babylm": ["eager"]}
 TOY = ["model.vocab_size=512", "model.d_model=64", "model.max_seq_len=64", "model.layers[0].repeat=2"]
 DRY_RUN_OVERRIDES = {  # same block types and routers, toy dimensions
     "pythia_1b_dense": TOY,
@@ -85,11 +91,13 @@ def nominal_peak_tflops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)
 
 
-def build_engine(cfg, device: torch.device):
-    """The Trainer's engine setup (model, AdamW groups, ZeRO-2 bf16) on one rank, without the data pipeline."""
+def build_engine(cfg, device: torch.device, variant: str):
+    """The Trainer's engine setup (model, block options, AdamW groups, ZeRO-2 bf16) on one rank, without the
+    data pipeline."""
     import deepspeed
 
     from moep_ds.models.causal_lm import build_model
+    from moep_ds.training.blocks import apply_block_options
     from moep_ds.training.ds_config import read_ds_config, reconcile
     from moep_ds.training.optim import build_optimizer, param_groups
 
@@ -98,6 +106,8 @@ def build_engine(cfg, device: torch.device):
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):
         model = build_model(cfg.model)
+    ckpt, compile_ = VARIANTS[variant]
+    apply_block_options(model, activation_checkpointing=ckpt, compile=compile_)
     optimizer = build_optimizer(param_groups(model, cfg.train.optimizer), cfg.train.optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, dist_init_required=False)
     return engine
@@ -118,7 +128,7 @@ def timed_steps(engine, batches_BT1: list[torch.Tensor], warmup: int, steps: int
     return time.perf_counter() - start
 
 
-def bench_recipe(name: str, args: argparse.Namespace, device: torch.device, peak: float) -> dict:
+def bench_recipe(name: str, variant: str, args: argparse.Namespace, device: torch.device, peak: float) -> dict:
     from moep_ds.config import load_config
     from moep_ds.models.accounting import meta_param_report
 
@@ -130,7 +140,7 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device, peak
     report = meta_param_report(cfg.model, seq)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    engine = build_engine(cfg, device)
+    engine = build_engine(cfg, device, variant)
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(cfg.model.vocab_size, (batch, seq + 1), generator=generator).to(device)
                for _ in range(4)]
@@ -139,7 +149,8 @@ def bench_recipe(name: str, args: argparse.Namespace, device: torch.device, peak
     tflops = tokens_per_s * report.flops_per_token / 1e12
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     engine.destroy()
-    return {"params": report.params_total, "active": report.params_active, "batch": batch, "seq": seq,
+    return {"variant": variant, "params": report.params_total, "active": report.params_active, "batch": batch,
+            "seq": seq,
             "tokens_per_s": tokens_per_s, "tflops": tflops, "mfu": tflops / peak, "memory_gib": memory}
 
 
@@ -154,7 +165,8 @@ def row(name: str, r: dict, nominal: float | None, dry_run: bool) -> str:
     memory = f"{r['memory_gib']:.1f}" if r["memory_gib"] is not None else "-"
     target = TARGET_MFU[name]
     verdict = "n/a (dry run)" if dry_run else "met" if r["mfu"] >= target else "MISSED"
-    return (f"| {name} | {r['params'] / 1e6:.1f}M / {r['active'] / 1e6:.1f}M | {r['batch']} x {r['seq']} | "
+    return (f"| {name} | {r['variant']} | {r['params'] / 1e6:.1f}M / {r['active'] / 1e6:.1f}M | "
+            f"{r['batch']} x {r['seq']} | "
             f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {100 * r['mfu']:.1f}% | {mfu_nominal} | {memory} | "
             f">= {100 * target:.0f}%: {verdict} |")
 
@@ -169,9 +181,10 @@ def header(device: torch.device, peak: float, peak_n: int, nominal: float | None
         f"# gpu_mfu: {date} | {gpu} | torch {torch.__version__} | deepspeed {deepspeed.__version__}",
         f"# ZeRO-2 bf16, {args.steps} timed steps after {args.warmup} warm-up; measured bf16 matmul peak "
         f"{peak:.1f} TFLOP/s (N={peak_n}){f'; nominal {nominal:.0f} TFLOP/s' if nominal else ''}",
-        "| recipe | params total / active | B x T | tokens/s | TFLOP/s | MFU (measured peak) | MFU (nominal) | "
+        "| recipe | variant | params total / active | B x T | tokens/s | TFLOP/s | MFU (measured peak) | "
+        "MFU (nominal) | "
         "peak mem GiB | target |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
 
 
@@ -180,6 +193,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", nargs="+", default=RECIPES, choices=RECIPES)
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 20; 2 with --dry_run)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --dry_run)")
+    p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
+                   help="block options per recipe (default: eager + ckpt+compile for the 1B recipes, eager for "
+                        "msit_babylm; ckpt with --dry_run)")
     p.add_argument("--micro_batch", type=int, default=None, help="override every recipe's micro-batch")
     p.add_argument("--dry_run", action="store_true", help="CPU, toy sizes: check the path, not the numbers")
     return p
@@ -204,15 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(header(device, peak, peak_n, nominal, args)), flush=True)
     failed = []
     for name in args.recipes:  # each row is printed as soon as it is measured: a killed run keeps its rows
-        start = time.perf_counter()
-        try:
-            print(row(name, bench_recipe(name, args, device, peak), nominal, args.dry_run), flush=True)
-        except Exception as err:  # one recipe failing (e.g. out of memory) must not lose the others' numbers
-            log.exception("%s failed", name)
-            print(f"| {name} | failed: {type(err).__name__}: {str(err).splitlines()[0][:120]} |", flush=True)
-            failed.append(name)
-        log.info("%s: %.1f s", name, time.perf_counter() - start)
-        free_memory(device)
+        variants = args.variants or (["ckpt"] if args.dry_run else DEFAULT_VARIANTS[name])
+        for variant in variants:
+            start = time.perf_counter()
+            try:
+                print(row(name, bench_recipe(name, variant, args, device, peak), nominal, args.dry_run), flush=True)
+            except Exception as err:  # one row failing (e.g. out of memory) must not lose the others' numbers
+                log.exception("%s %s failed", name, variant)
+                print(f"| {name} | {variant} | failed: {type(err).__name__}: {str(err).splitlines()[0][:120]} |",
+                      flush=True)
+                failed.append(name)
+            log.info("%s %s: %.1f s", name, variant, time.perf_counter() - start)
+            free_memory(device)
     return 1 if failed else 0
 
 

@@ -9,6 +9,9 @@ load from other processes on a shared machine distorts the rows as little and as
     ideal        one dense SwiGLU FFN of one expert's size on the c N tokens (E ceil(c N / E)) that the experts
                  process: their matmul FLOPs with no routing, gather or scatter, and one expert's weights only
   top-2 of E (Mixtral routing: renormalised, dropless; D=256, F=896, E=8 as configs/mixtral_tiny.yaml)
+    ours_top2    our MoE layer, kernel chosen as in training (uneven loads: torch's F.grouped_mm)
+    ours_top2_loop  the same layer with the per-expert loop kernel (moe/expert_loop.py), for comparison
+    ideal        one dense SwiGLU FFN of one expert's size on the 2N routed tokens: the FLOP-proportional bound
     hf_eager     transformers' MixtralSparseMoeBlock, experts_implementation="eager" (the block's own loop)
     hf_grouped   the same block with experts_implementation="grouped_mm" (what a Mixtral model selects)
     deepspeed    deepspeed.moe.layer.MoE(k=2), defaults (capacity_factor 1.0: overflow dropped, padded
@@ -16,7 +19,8 @@ load from other processes on a shared machine distorts the rows as little and as
                  selection, so the routing is comparable
     deepspeed_dropless  the same with drop_tokens=False (capacity = the largest expert load): ours' semantics
     naive_loop   a Python loop over experts: torch.where per expert, indexed stacked weights, index_add
-Ratios: ours / ideal for expert choice (target <= 1.10); other / ours (speed-up) for top-2 (target >= 1.5).
+Ratios: ours / ideal (targets: expert choice <= 1.10, top-2 <= 1.15); for top-2 other / ours (speed-up; target
+>= 1.10 for every library implementation).
 
     python bench/moe_layer.py                        # defaults above, N = 4096 tokens, 1 thread
     python bench/moe_layer.py --tokens 512 --repeats 3   # quick check
@@ -73,22 +77,23 @@ def time_rows(rows: dict[str, Step], repeats: int, clock: Callable[[], float]) -
 
 # --- expert choice vs the ideal dense bound ---------------------------------------------------------------
 
+def ideal_ffn(layer: MoELayer, x: torch.Tensor, g: torch.Tensor, n: int) -> Step:
+    """One dense SwiGLU FFN with one expert's weights on n tokens (the first of x, repeated as needed)."""
+    ex = layer.experts
+    reps = -(-n // x.shape[1])
+    x_ideal = x[0].detach().repeat(reps, 1)[:n].clone().requires_grad_()
+    g_ideal = g[0].repeat(reps, 1)[:n]
+    w1, w2, w3 = (w[0].detach().clone().requires_grad_() for w in (ex.w1_EDF, ex.w2_EFD, ex.w3_EDF))
+    return fwd_bwd(lambda x2: expert_ffn(x2, w1, w2, w3, None, None, None, "swiglu"), x_ideal, g_ideal, (w1, w2, w3))
+
+
 def expert_choice_rows(args, x: torch.Tensor, g: torch.Tensor) -> dict[str, Step]:
     router = ExpertChoiceConfig(capacity_factor=args.capacity_factor, rounding="ceil", score="softmax_tokens")
     layer = moe_layer(router, x.shape[-1], args.ec_hidden, args.experts)
-    ex = layer.experts
-    # the E ceil(c N / E) ~ c N tokens expert choice processes; the first N are the layer's input, the rest repeat it
-    n_ideal = sum(layer.router(x).counts())
-    x_ideal = x[0].detach().repeat(2, 1)[:n_ideal].clone().requires_grad_()
-    g_ideal = g[0].repeat(2, 1)[:n_ideal]
-    w1, w2, w3 = (w[0].detach().clone().requires_grad_() for w in (ex.w1_EDF, ex.w2_EFD, ex.w3_EDF))
-
-    def ideal(x2):
-        return expert_ffn(x2, w1, w2, w3, None, None, None, "swiglu")
-
+    # the E ceil(c N / E) ~ c N tokens expert choice processes
     return {
         "ours_expert_choice": fwd_bwd(lambda x_: layer(x_).y, x, g, layer.parameters()),
-        "ideal": fwd_bwd(ideal, x_ideal, g_ideal, (w1, w2, w3)),
+        "ideal": ideal_ffn(layer, x, g, sum(layer.router(x).counts())),
     }
 
 
@@ -158,12 +163,16 @@ def naive_loop(layer: MoELayer) -> Callable[[torch.Tensor], torch.Tensor]:
 def top2_rows(args, x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, Step], dict[str, float]]:
     router = TopKConfig(k=2, renormalize=True, load_balancing_weight=0.0)
     layer = moe_layer(router, x.shape[-1], args.top2_hidden, args.experts)
+    loop_layer = moe_layer(router, x.shape[-1], args.top2_hidden, args.experts)
+    loop_layer.load_state_dict(layer.state_dict())
+    loop_layer.experts.kernel = "loop"
     blocks = {"hf_eager": hf_block(layer, "eager"), "hf_grouped": hf_block(layer, "grouped_mm")}
     ds = deepspeed_block(layer, drop_tokens=True)
     ds_dropless = deepspeed_block(layer, drop_tokens=False)
     ours = lambda x_: layer(x_).y  # noqa: E731
     fns = {
         "ours_top2": (ours, layer.parameters()),
+        "ours_top2_loop": (lambda x_: loop_layer(x_).y, loop_layer.parameters()),
         "hf_eager": (blocks["hf_eager"], blocks["hf_eager"].parameters()),
         "hf_grouped": (blocks["hf_grouped"], blocks["hf_grouped"].parameters()),
         "deepspeed": (lambda x_: ds(x_)[0], ds.parameters()),
@@ -173,7 +182,9 @@ def top2_rows(args, x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, Step], 
     with torch.no_grad():  # same weights, same routing: the outputs agree (deepspeed: up to its dropped tokens)
         reference = ours(x)
         diffs = {name: (fn(x) - reference).abs().max().item() for name, (fn, _) in fns.items()}
-    return {name: fwd_bwd(fn, x, g, params) for name, (fn, params) in fns.items()}, diffs
+    steps = {name: fwd_bwd(fn, x, g, params) for name, (fn, params) in fns.items()}
+    steps["ideal"] = ideal_ffn(layer, x, g, 2 * x.shape[1])
+    return steps, diffs
 
 
 def main() -> None:
@@ -210,10 +221,14 @@ def print_table(args, ec: dict[str, float], top2: dict[str, float], diffs: dict[
     verdict = "ok" if ratio <= 1.10 else "missed"
     print(f"{f'expert choice (c={args.capacity_factor:g}) / ideal dense bound':<46} "
           f"{ec['ours_expert_choice'] * 1e3:8.1f} {ec['ideal'] * 1e3:9.1f} {ratio:6.3f}  {'<= 1.10 ' + verdict:<12}")
-    for name in ("hf_eager", "hf_grouped", "deepspeed", "deepspeed_dropless", "naive_loop"):
-        speedup = top2[name] / top2["ours_top2"]
-        target = "" if name == "naive_loop" else f">= 1.5 {'ok' if speedup >= 1.5 else 'missed'}"
-        print(f"{f'top-2: {name} / ours (speed-up)':<46} {top2['ours_top2'] * 1e3:8.1f} {top2[name] * 1e3:9.1f} "
+    ours = top2["ours_top2"]
+    ratio = ours / top2["ideal"]
+    print(f"{'top-2 / ideal dense bound (2N tokens)':<46} {ours * 1e3:8.1f} {top2['ideal'] * 1e3:9.1f} {ratio:6.3f}  "
+          f"{'<= 1.15 ' + ('ok' if ratio <= 1.15 else 'missed'):<12}")
+    for name in ("hf_eager", "hf_grouped", "deepspeed", "deepspeed_dropless", "ours_top2_loop", "naive_loop"):
+        speedup = top2[name] / ours
+        target = f">= 1.10 {'ok' if speedup >= 1.10 else 'missed'}" if name.startswith(("hf", "deepspeed")) else ""
+        print(f"{f'top-2: {name} / ours (speed-up)':<46} {ours * 1e3:8.1f} {top2[name] * 1e3:9.1f} "
               f"{speedup:6.3f}  {target:<12} {diffs[name]:.1e}")
 
 

@@ -15,10 +15,18 @@ w-1 before it, and a [C, L] mask (same sequence, causal, window by original posi
 
 Unbounded (MoEP paths): each sequence's run of routed tokens is padded to the longest run P and attended
 with a causal mask over original positions: O(S x P^2), P <= T (about T x k/E for top-k of E paths).
+
+On CUDA both run as one FlexAttention call instead (`routed_flex_attention`, kernel "flex"): the same mask as a
+block mask rebuilt from the routed tokens every call (routing is data-dependent), blocks outside every query's
+window skipped, a fused flash-style kernel in forward and backward (no [C, L] or [P, P] mask in memory). It needs
+torch.compile, which generates that kernel; the CPU keeps the SDPA paths above (FlexAttention has no CPU
+backward). `routed_attention(..., kernel="sdpa")` forces the SDPA paths on any device.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +49,7 @@ def routed_attention(
     seq_N: torch.Tensor,
     pos_N: torch.Tensor,
     window: int | None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Causal attention among routed tokens sorted by (sequence, position); window None = unbounded.
 
@@ -49,14 +58,50 @@ def routed_attention(
         seq_N: sequence id of each token (non-negative int), non-decreasing.
         pos_N: original position of each token, strictly increasing within a sequence.
         window: w (the query included) or None.
+        kernel: "flex" (FlexAttention, CUDA), "sdpa" (chunked / per-sequence SDPA), None: flex on CUDA.
     Returns:
         o_NHd: softmax(q k^T / sqrt(Dh) + mask) v.
     """
     if q_NHd.shape[0] == 0:
         return q_NHd.clone()
+    if (kernel or ("flex" if q_NHd.is_cuda else "sdpa")) == "flex":
+        return routed_flex_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, window)
     if window is None:
         return routed_causal_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N)
     return routed_window_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, window)
+
+
+@functools.cache
+def compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    """FlexAttention compiled once per process (the number of routed tokens varies: after the first recompile,
+    torch.compile's automatic dynamic shapes make it a symbolic size)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def routed_flex_attention(
+    q_NHd: torch.Tensor,
+    k_NHd: torch.Tensor,
+    v_NHd: torch.Tensor,
+    seq_N: torch.Tensor,
+    pos_N: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """`routed_attention` as one FlexAttention call with a block mask (same sequence, causal and window by original
+    position); the mask is built each call, on the tokens' device, from their sequence ids and positions."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - FlexAttention's signature
+        delta = pos_N[q_idx] - pos_N[kv_idx]
+        keep = (seq_N[q_idx] == seq_N[kv_idx]) & (delta >= 0)
+        return keep if window is None else keep & (delta < window)
+
+    N = q_NHd.shape[0]
+    block_mask = create_block_mask(mask_mod, None, None, N, N, device=q_NHd.device, _compile=True)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_NHd, k_NHd, v_NHd))  # [1, H, N, Dh]
+    o_1HNd = compiled_flex_attention()(q, k, v, block_mask=block_mask)
+    return o_1HNd.squeeze(0).transpose(0, 1)
 
 
 def routed_window_attention(
@@ -236,5 +281,6 @@ class RoutedSelfAttention(CausalSelfAttention):
 
 
 __all__ = [
-    "routed_attention", "routed_window_attention", "routed_causal_attention", "RoutedKVCache", "RoutedSelfAttention",
+    "routed_attention", "routed_window_attention", "routed_causal_attention", "routed_flex_attention", "RoutedKVCache",
+    "RoutedSelfAttention",
 ]

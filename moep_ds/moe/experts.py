@@ -7,11 +7,14 @@
     swiglu: y = W2 (silu(W1 x) * W3 x)          geglu: the same with tanh-approximated GELU (Gemma)
 
 Each expert is initialised and computed exactly like the dense FFN of the same kind (moep_ds.layers.ffn).
-Weights are stacked (w1_EDF, w3_EDF, w2_EFD) and applied to one expert-sorted token buffer. On accelerators
-each stage runs as a grouped matmul over all experts (moe/grouped_mm.py: one batched matmul when every expert
-has the same load, as in expert choice; per-expert slices otherwise). On CPU the experts run one after
-another through their whole FFN with a hand-written backward (moe/expert_loop.py), which keeps each expert's
-intermediates in cache.
+Weights are stacked (w1_EDF, w3_EDF, w2_EFD) and applied to one expert-sorted token buffer. Kernels
+(`GroupedExperts.kernel`; None picks by device and load, as measured with bench/moe_layer.py):
+  "library"  uneven loads: each stage is one torch.nn.functional.grouped_mm over all experts (CUDA bf16:
+             grouped GEMM; CPU fp32: measured faster than the loops below for top-2 loads)
+  "grouped"  each stage a grouped matmul (moe/grouped_mm.py): one batched matmul when every expert has the
+             same load, as in expert choice (accelerators), per-expert slices otherwise
+  "loop"     the experts one after another through their whole FFN with a hand-written backward
+             (moe/expert_loop.py), which keeps each expert's intermediates in cache (CPU, equal loads)
 """
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ from torch import nn
 from moep_ds.layers.ffn import GATED, FFNConfig, ffn_hidden_size
 from moep_ds.moe.activations import EXPERT_ACTIVATIONS
 from moep_ds.moe.expert_loop import expert_loop_ffn
-from moep_ds.moe.grouped_mm import grouped_mm
+from moep_ds.moe.grouped_mm import expert_offsets, grouped_mm, library_grouped_mm, library_supports
+
+KERNELS = ("library", "grouped", "loop")
 
 
 def expert_ffn(
@@ -52,20 +57,36 @@ def grouped_expert_ffn(
     b2_ED: torch.Tensor | None,
     b3_EF: torch.Tensor | None,
     kind: str,
+    *,
+    library: bool = False,
 ) -> torch.Tensor:
-    """All experts at once on tokens grouped by expert: expert_ffn with grouped matmuls."""
+    """All experts at once on tokens grouped by expert: expert_ffn with grouped matmuls (`library`: torch's
+    F.grouped_mm, else moe/grouped_mm.py)."""
 
     def per_token(b_EX: torch.Tensor) -> torch.Tensor:  # [E, X] -> [S, X], each token its expert's bias
         repeats = torch.tensor(counts, device=b_EX.device)
         return b_EX.repeat_interleave(repeats, dim=0, output_size=x_SD.shape[0])
 
-    h_SF = grouped_mm(x_SD, w1_EDF, counts)
+    if library:
+        offs_E = expert_offsets(counts, x_SD.device)
+        mm = lambda x, w: library_grouped_mm(x, w, offs_E)  # noqa: E731
+    else:
+        mm = lambda x, w: grouped_mm(x, w, counts)  # noqa: E731
+    h_SF = mm(x_SD, w1_EDF)
     h_SF = EXPERT_ACTIVATIONS[kind](h_SF if b1_EF is None else h_SF + per_token(b1_EF))
     if w3_EDF is not None:
-        up_SF = grouped_mm(x_SD, w3_EDF, counts)
+        up_SF = mm(x_SD, w3_EDF)
         h_SF = h_SF * (up_SF if b3_EF is None else up_SF + per_token(b3_EF))
-    y_SD = grouped_mm(h_SF, w2_EFD, counts)
+    y_SD = mm(h_SF, w2_EFD)
     return y_SD if b2_ED is None else y_SD + per_token(b2_ED)
+
+
+def choose_kernel(x_SD: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> str:
+    """Uneven loads: F.grouped_mm where it takes the operands; equal loads: one bmm per stage on accelerators,
+    the expert loop on CPU (where CPU bmm is slower)."""
+    if len(set(counts)) > 1 and library_supports(x_SD, w_EDF):
+        return "library"
+    return "loop" if x_SD.device.type == "cpu" else "grouped"
 
 
 class GroupedExperts(nn.Module):
@@ -81,6 +102,7 @@ class GroupedExperts(nn.Module):
         hidden = ffn_hidden_size(cfg, d_model)
         self.kind = cfg.type
         self.num_local_experts = num_experts
+        self.kernel: str | None = None  # one of KERNELS; None: chosen per call (`choose_kernel`)
         E, D, Fh = num_experts, d_model, hidden
         self.w1_EDF = nn.Parameter(torch.empty(E, D, Fh))
         self.w3_EDF = nn.Parameter(torch.empty(E, D, Fh)) if cfg.type in GATED else None
@@ -109,10 +131,13 @@ class GroupedExperts(nn.Module):
     def forward(self, x_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if len(counts) != self.num_local_experts:
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {self.num_local_experts}")
-        # CPU: expert by expert, each through its whole FFN (cache locality); accelerators: grouped matmuls
-        ffn = expert_loop_ffn if x_SD.device.type == "cpu" else grouped_expert_ffn
         # The custom autograd functions run outside autocast: compute in the weights' dtype.
-        return ffn(x_SD.to(self.w1_EDF.dtype), counts, *self.weights(), self.kind).to(x_SD.dtype)
+        x = x_SD.to(self.w1_EDF.dtype)
+        kernel = self.kernel or choose_kernel(x, self.w1_EDF, counts)
+        if kernel == "loop":
+            return expert_loop_ffn(x, counts, *self.weights(), self.kind).to(x_SD.dtype)
+        library = kernel == "library"
+        return grouped_expert_ffn(x, counts, *self.weights(), self.kind, library=library).to(x_SD.dtype)
 
     @torch.no_grad()
     def keep_experts_(self, start: int, count: int) -> None:
@@ -127,4 +152,4 @@ class GroupedExperts(nn.Module):
         return f"kind={self.kind}, num_local_experts={self.num_local_experts}, hidden={self.w1_EDF.shape[-1]}"
 
 
-__all__ = ["EXPERT_ACTIVATIONS", "GroupedExperts", "expert_ffn", "grouped_expert_ffn"]
+__all__ = ["EXPERT_ACTIVATIONS", "KERNELS", "GroupedExperts", "choose_kernel", "expert_ffn", "grouped_expert_ffn"]

@@ -9,15 +9,61 @@ ones (what it does for `w[e]`).
 
 Equal loads (expert choice) run as one bmm on accelerators. On CPU a loop of mm is used throughout: measured
 with bench/moe_layer.py, CPU bmm is up to 2x slower than per-expert mm for the weight gradient x^T g.
+
+Uneven loads can instead run as torch's library kernel `torch.nn.functional.grouped_mm` (one call per matmul over
+all experts, with its own backward; on CUDA a grouped GEMM, on CPU a loop in C++): `library_grouped_mm`. It
+needs int32 offsets, 16-byte-aligned row strides and, in backward, a contiguous incoming gradient (ensured
+here). The per-expert loop above stays the reference the tests compare against.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
 def use_bmm(x: torch.Tensor, counts: tuple[int, ...]) -> bool:
     return x.device.type != "cpu" and len(set(counts)) == 1
+
+
+def library_supports(x_SD: torch.Tensor, w_EDF: torch.Tensor) -> bool:
+    """Whether F.grouped_mm takes these operands: float32 on CPU, bf16 on CUDA (its grouped GEMM needs
+    compute capability 8.0+), rows of a multiple of 16 bytes."""
+    if x_SD.dtype != w_EDF.dtype or x_SD.dim() != 2 or w_EDF.dim() != 3:
+        return False
+    if x_SD.device.type == "cuda":
+        ok_dtype = x_SD.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_SD.device)[0] >= 8
+    else:
+        ok_dtype = x_SD.device.type == "cpu" and x_SD.dtype == torch.float32
+    size = x_SD.element_size()
+    return ok_dtype and (x_SD.shape[1] * size) % 16 == 0 and (w_EDF.shape[2] * size) % 16 == 0
+
+
+def expert_offsets(counts: tuple[int, ...] | list[int], device: torch.device) -> torch.Tensor:
+    """offs [E] int32: end row of each expert's group (host-to-device copy of known counts; no sync)."""
+    ends, total = [], 0
+    for n in counts:
+        total += n
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+
+
+class ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (F.grouped_mm's backward requires it)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return g.contiguous()
+
+
+def library_grouped_mm(x_SD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """[S, D] x [E, D, F] -> [S, F] with torch's grouped_mm; offs_E from `expert_offsets` (shared by the calls
+    of one expert FFN)."""
+    return ContiguousGrad.apply(F.grouped_mm(x_SD.contiguous(), w_EDF, offs=offs_E))
 
 
 def grouped_matmul(x_SD: torch.Tensor, w_EDF: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
@@ -76,4 +122,5 @@ def grouped_mm(x_SD: torch.Tensor, w_EDF: torch.Tensor, counts: list[int] | tupl
     return GroupedMatmul.apply(x_SD.contiguous(), w_EDF, tuple(counts))
 
 
-__all__ = ["grouped_mm", "grouped_matmul", "grouped_weight_grad"]
+__all__ = ["expert_offsets", "grouped_matmul", "grouped_mm", "grouped_weight_grad", "library_grouped_mm",
+           "library_supports"]

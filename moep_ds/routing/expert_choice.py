@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 
 import torch
 
+from moep_ds.recompute import is_recomputing
 from moep_ds.registry import ROUTERS
 from moep_ds.routing.plan import RoutingPlan, exact_fraction, round_capacity, routing_stats
 from moep_ds.routing.router import Router
@@ -97,7 +98,8 @@ class ExpertChoiceRouter(Router):
     `threshold` [E] EMA of the K-th largest affinity, `log_norm` [E] EMA of the softmax_tokens normaliser
     log sum_t exp(l[t, i]) over a group, `num_threshold_updates` (the first update copies, later ones average).
     Before any training step the thresholds are 0, so threshold mode sends every token to every expert.
-    Each training forward updates them once (activation recomputation would update twice).
+    Each training forward updates them once: not again when activation checkpointing recomputes the forward
+    (moep_ds/recompute.py).
     """
 
     fp32_buffers = ("threshold", "log_norm")
@@ -118,6 +120,7 @@ class ExpertChoiceRouter(Router):
     def forward(self, x_BTD: torch.Tensor) -> RoutingPlan:
         cfg, (B, T, D) = self.cfg, x_BTD.shape
         logits_TE = self.logits(x_BTD.reshape(B * T, D))
+        static_counts = None  # threshold mode: data-dependent counts
         if not self.training and cfg.eval_mode == "threshold":
             r_TE = threshold_affinities(logits_TE, cfg.score, self.log_norm)
             token_idx_S, weight_S, counts_E = select_above_threshold(r_TE, self.threshold)
@@ -127,10 +130,11 @@ class ExpertChoiceRouter(Router):
             k = expert_choice_capacity(logits_GNE.shape[1], self.num_experts, cfg.capacity_factor, cfg.rounding)
             r_GNE = expert_choice_affinities(logits_GNE, cfg.score)
             token_idx_S, weight_S, counts_E, kth_E = select_topk_tokens(r_GNE, k)
-            if self.training:
+            static_counts = (groups * k,) * self.num_experts
+            if self.training and not is_recomputing():  # activation checkpointing runs this forward twice
                 self.update_thresholds(kth_E, torch.logsumexp(logits_GNE.detach(), dim=1).mean(0))
         stats = routing_stats(logits_TE, token_idx_S, counts_E)
-        return RoutingPlan(token_idx_S, weight_S, counts_E, B * T, stats=stats)
+        return RoutingPlan(token_idx_S, weight_S, counts_E, B * T, stats=stats, static_counts=static_counts)
 
     @torch.no_grad()
     def update_thresholds(self, kth_E: torch.Tensor, log_norm_E: torch.Tensor) -> None:

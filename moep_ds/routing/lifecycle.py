@@ -37,6 +37,7 @@ from typing import Annotated, Any, Callable
 import torch
 from torch import nn
 
+from moep_ds.recompute import is_recomputing
 from moep_ds.schema import Between, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class ExpertLifecycle(nn.Module):
     def count_routed_tokens(self, counts_E: torch.Tensor) -> None:
         """The one place a forward pass adds to the running statistics: tokens routed to each expert by this
         rank's plan (training only). A pass that recomputes a forward (activation checkpointing) must skip it."""
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and not is_recomputing():  # not twice under act. ckpt
             with torch.no_grad():
                 self.step_sums[: self.num_experts] += counts_E.to(torch.float64)
 

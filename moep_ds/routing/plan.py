@@ -4,7 +4,8 @@
 
 A plan lists, expert by expert, the tokens each expert processes and the weight with which its output is
 added back to the token. Expert choice gives every expert the same count (so experts run as one batched
-matmul); top-k token choice gives uneven counts. Auxiliary losses are returned here, already weighted,
+matmul) and knows them in advance (`static_counts`: no device-to-host sync); top-k token choice gives uneven
+counts. Auxiliary losses are returned here, already weighted,
 never stored on the router.
 """
 from __future__ import annotations
@@ -26,6 +27,8 @@ class RoutingPlan:
     num_tokens: T, the number of routed tokens.
     aux_losses: name -> weighted scalar loss (summed into the model loss).
     stats: name -> detached statistic (tokens_per_expert [E], dropped_fraction, router_entropy).
+    static_counts: counts_E as Python ints when the router knows them without looking at the data (expert
+        choice: every expert takes G*k tokens), so that dispatch needs no device-to-host copy; else None.
     """
 
     token_idx_S: torch.Tensor
@@ -34,14 +37,16 @@ class RoutingPlan:
     num_tokens: int
     aux_losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     stats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    static_counts: tuple[int, ...] | None = None
 
     @property
     def num_experts(self) -> int:
         return self.counts_E.numel()
 
     def counts(self) -> list[int]:
-        """Tokens per expert as Python ints (one device-to-host copy)."""
-        return self.counts_E.tolist()
+        """Tokens per expert as Python ints (a device-to-host copy, which waits for the device, unless the
+        counts are static)."""
+        return list(self.static_counts) if self.static_counts is not None else self.counts_E.tolist()
 
     def expert_idx_S(self) -> torch.Tensor:
         """[S] expert of each assignment."""

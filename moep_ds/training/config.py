@@ -3,6 +3,8 @@
 The DeepSpeed JSON owns batch sizes, ZeRO stage, precision, clipping and offload. The optional
 `micro_batch_size`, `global_batch_size` and `grad_clip` here let a recipe state the values it was tuned
 for: they fill a DeepSpeed config that leaves them out ("auto") and must agree with one that sets them.
+Activation checkpointing and compilation belong to the recipe alone (a DeepSpeed JSON with its own
+`activation_checkpointing` or `compile` section is refused).
 """
 from __future__ import annotations
 
@@ -63,3 +65,6 @@ class TrainConfig:
     eval_every: PositiveInt | None = None
     eval_batches: PositiveInt = 8
     peak_tflops: PositiveFloat | None = None  # per device, for the MFU estimate; null: known GPUs only
+    # recompute each block's activations in backward (torch non-reentrant checkpoint; training/blocks.py)
+    activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each block in place (Module.compile(); parameter names unchanged)

@@ -3,6 +3,14 @@
 The JSON owns batch sizes, ZeRO stage, precision, clipping and offload; the recipe owns model, data,
 optimizer and schedule. The recipe may state micro/global batch size and clipping: those fill values the
 JSON leaves out (or sets to "auto") and must agree with values it sets. Any disagreement is an error.
+Activation checkpointing and compilation are the recipe's alone (train.activation_checkpointing,
+train.compile): a JSON with DeepSpeed's own `activation_checkpointing` or `compile` section is refused.
+
+Everything else `reconcile` adds only fills keys the JSON leaves out or sets to "auto"; a value the user wrote is
+never replaced (one that cannot work, such as contiguous_gradients false for ZeRO-2 with expert parallelism,
+is an error). `zero_optimization.contiguous_gradients: "auto"` (the shipped ZeRO-1/2 JSONs) means false, the
+faster setting for these models on one device (ds_configs/README.md), except under ZeRO-2 with expert
+parallelism, which DeepSpeed only runs with contiguous gradients.
 """
 from __future__ import annotations
 
@@ -54,14 +62,22 @@ def is_unset(value: Any) -> bool:
     return value is None or value == "auto"
 
 
+# DeepSpeed section -> the recipe field that owns it
+RECIPE_SECTIONS = {
+    "optimizer": "train.optimizer",
+    "scheduler": "train.schedule",
+    "activation_checkpointing": "train.activation_checkpointing",
+    "compile": "train.compile",
+}
+
+
 def reconcile(ds: dict[str, Any], train: TrainConfig, world_size: int) -> dict[str, Any]:
     """A complete DeepSpeed config for `world_size` data-parallel ranks, or a one-line error."""
     ds = copy.deepcopy(ds)
-    for section in ("optimizer", "scheduler"):
+    for section, owner in RECIPE_SECTIONS.items():
         if section in ds:
             raise DeepSpeedConfigError(
-                f"ds_config {section!r}: the recipe's train.{'optimizer' if section == 'optimizer' else 'schedule'} "
-                f"owns it; remove the section from the DeepSpeed config"
+                f"ds_config {section!r}: the recipe's {owner} owns it; remove the section from the DeepSpeed config"
             )
     for field, key in SHARED_KEYS.items():
         ours = getattr(train, field)
@@ -79,13 +95,31 @@ def reconcile(ds: dict[str, Any], train: TrainConfig, world_size: int) -> dict[s
     if is_unset(ds.get("gradient_clipping")):
         ds["gradient_clipping"] = DEFAULTS["gradient_clipping"]
     ds.setdefault("zero_optimization", dict(DEFAULTS["zero_optimization"]))
+    fill_zero_settings(ds["zero_optimization"], train.expert_parallel_size)
     if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
         raise DeepSpeedConfigError("ds_config enables both fp16 and bf16; choose one")
     # A client torch optimizer (AdamW): no FusedAdam build, same numerics on every backend.
-    ds["zero_allow_untested_optimizer"] = True
+    ds.setdefault("zero_allow_untested_optimizer", True)
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
     return ds
+
+
+def fill_zero_settings(zero: dict[str, Any], expert_parallel_size: int) -> None:
+    """Resolve "auto" ZeRO settings; refuse user-written ones that DeepSpeed's MoE support cannot run."""
+    needs_contiguous = int(zero.get("stage", 0)) == 2 and expert_parallel_size > 1
+    if is_unset(zero.get("contiguous_gradients", True)):
+        # false is faster for these models (fewer copies into the contiguous buffer; ds_configs/README.md)
+        zero["contiguous_gradients"] = needs_contiguous
+    if is_unset(zero.get("reduce_scatter", True)):
+        zero["reduce_scatter"] = True
+    if needs_contiguous:
+        for key in ("contiguous_gradients", "reduce_scatter"):
+            if zero.get(key) is False:
+                raise DeepSpeedConfigError(
+                    f"ds_config zero_optimization.{key} (false) must be true for ZeRO stage 2 with "
+                    f"train.expert_parallel_size ({expert_parallel_size}); DeepSpeed's MoE support requires it"
+                )
 
 
 def fill_batch_sizes(ds: dict[str, Any], world_size: int) -> None:

@@ -29,6 +29,7 @@ from moep_ds.models.accounting import count_params
 from moep_ds.models.causal_lm import build_model
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
+from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.distributed import init_distributed, setup_logging
 from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import check_parallel_layout, moe_layer_classes, setup_expert_parallel
@@ -214,6 +215,8 @@ class Trainer:
     def build_engine(self):
         cfg = self.cfg
         model, ep_group = self.load_resumed_model()
+        apply_block_options(model, activation_checkpointing=cfg.train.activation_checkpointing,
+                            compile=cfg.train.compile)
         if zero_stage(self.ds) == 3 and moe_layer_classes(model):
             # Expert order depends on the data: gather each MoE module's parameters as one unit so that ranks
             # routing differently never wait on different parameter fetches.
@@ -234,13 +237,15 @@ class Trainer:
                  cfg.train.expert_parallel_size, self.max_steps)
         return engine, model, ep_group
 
-    def train_step(self) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-        """One optimizer step over `accum` micro-batches; losses averaged over micro-batches and ranks."""
+    def train_step(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One optimizer step over `accum` micro-batches: this rank's losses averaged over its micro-batches and
+        the routing statistics, all left on the device (no host sync here)."""
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         stats: dict[str, torch.Tensor] = {}
         for _ in range(self.accum):
             input_ids, labels = self.loader.next_micro_batch()
             out = self.engine(input_ids.to(self.device), labels=labels.to(self.device))
+            out.logits = None  # [B, T, V] is not needed by backward: free it before backward's peak
             self.engine.backward(out.loss)
             self.engine.step()
             sums["loss"] += out.loss.detach().float() / self.accum
@@ -250,19 +255,20 @@ class Trainer:
             for name, value in out.stats.items():
                 value = value.detach().float() / self.accum
                 stats[name] = stats[name] + value if name in stats else value
-        keys = sorted(sums)
-        packed = torch.stack([sums[k] for k in keys])
-        dist.all_reduce(packed)
-        packed /= self.world
-        return {k: float(v) for k, v in zip(keys, packed.tolist())}, stats
+        return sums, stats
 
-    def should_stop_and_save(self, last_save: float) -> tuple[bool, bool]:
-        """Agree across ranks on a signal-requested stop and on a time-based checkpoint."""
+    def reduce_step(self, sums: dict[str, torch.Tensor], last_save: float) -> tuple[dict[str, torch.Tensor], bool, bool]:
+        """The step's one collective: losses averaged over ranks, and whether any rank was asked to stop
+        (`self.stop.requested`) or is due a time-based checkpoint. Only the two flags come to the host; the
+        losses stay on the device (the caller brings them over on log steps)."""
         minutes = self.cfg.train.checkpoint.every_minutes
         due = minutes is not None and (time.time() - last_save) >= 60 * minutes
+        keys = sorted(sums)
         flags = torch.tensor([float(self.stop.requested), float(due)], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
+        packed = torch.cat([torch.stack([sums[k] for k in keys]) / self.world, flags])
+        dist.all_reduce(packed)  # sum: mean losses, and a flag is set when any rank set it
+        stop, time_due = (v > 0 for v in packed[-2:].tolist())
+        return dict(zip(keys, packed[:-2])), stop, time_due
 
     def save(self) -> None:
         scheduler = self.engine.lr_scheduler
@@ -321,12 +327,14 @@ class Trainer:
         self.engine.train()
         while self.step < self.max_steps:
             start = time.time()
-            losses, stats = self.train_step()
+            sums, stats = self.train_step()
             self.step += 1
             events = [event for callback in self.callbacks for event in callback.after_optimizer_step(self.step)]
-            if self.engine.skipped_steps and precision(self.ds) == "fp16":
-                losses["skipped_steps"] = float(self.engine.skipped_steps)
+            loss_t, stop, time_due = self.reduce_step(sums, last_save)
             if self.step % cfg.log_every == 0 or self.step in (1, self.max_steps):
+                losses = dict(zip(loss_t, torch.stack(list(loss_t.values())).tolist()))
+                if self.engine.skipped_steps and precision(self.ds) == "fp16":
+                    losses["skipped_steps"] = float(self.engine.skipped_steps)
                 metrics = self.metrics(losses, time.time() - start)
                 self.monitor.log_step(self.step, metrics, stats)
                 log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s", self.step, self.max_steps,
@@ -336,7 +344,6 @@ class Trainer:
                 val_loss = self.evaluate()
                 self.monitor.log_step(self.step, {"val_loss": val_loss}, {})
                 log.info("step %d val_loss %.4f", self.step, val_loss)
-            stop, time_due = self.should_stop_and_save(last_save)
             stop = stop or self.step == cfg.exit_at_step
             step_due = cfg.checkpoint.every_steps is not None and self.step % cfg.checkpoint.every_steps == 0
             end_due = cfg.checkpoint.at_end and self.step == self.max_steps

@@ -31,10 +31,10 @@ def test_matmul_peak_is_positive_and_names_its_size():
 @pytest.mark.slow
 def test_dry_run_prints_a_row_per_recipe():
     proc = run("gpu_mfu.py", "--dry_run")
-    rows = {row[0]: row for row in table_rows(proc.stdout)}
-    assert set(rows) == set(mfu.RECIPES)
+    rows = {(row[0], row[1]): row for row in table_rows(proc.stdout)}
+    assert set(rows) == {(name, variant) for name in mfu.RECIPES for variant in ("ckpt",)}
     for row in rows.values():
-        tokens_per_s, tflops, mfu_measured = float(row[3].replace(",", "")), float(row[4]), float(row[5].rstrip("%"))
+        tokens_per_s, tflops, mfu_measured = float(row[4].replace(",", "")), float(row[5]), float(row[6].rstrip("%"))
         assert tokens_per_s > 0 and tflops > 0 and mfu_measured > 0
-        assert row[8].endswith("n/a (dry run)")
+        assert row[9].endswith("n/a (dry run)")
     assert "measured bf16 matmul peak" in proc.stdout

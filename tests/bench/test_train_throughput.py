@@ -32,13 +32,14 @@ def test_shrunk_recipes_keep_their_block_types(model):
 
 def test_targets_report_met_and_missed():
     Row = tt.Row
-    results = {Row("dense", "plain", 1): {"tokens_per_s": 100.0},
-               Row("dense", "zero2", 1): {"tokens_per_s": 85.0},
+    results = {Row("dense", "plain", 1): {"per_rank": 100.0, "cpu_per_rank": 100.0},
+               Row("dense", "zero2", 1): {"per_rank": 85.0, "cpu_per_rank": 95.0},
                Row("dense", "zero0", 2): {"optimizer_state": 1000},
                Row("dense", "zero2", 2): {"optimizer_state": 500}}
-    lines = tt.targets(["dense"], results)
-    assert "= 0.85" in lines[0] and "MISSED" in lines[0]
+    lines = tt.targets(["dense"], results, "wall")
+    assert "(wall time) / plain = 0.85" in lines[0] and "MISSED" in lines[0]
     assert "= 0.50" in lines[1] and "met" in lines[1]
+    assert "(cpu time) / plain = 0.95" in tt.targets(["dense"], results, "cpu")[0]
 
 
 @pytest.mark.slow
@@ -48,8 +49,8 @@ def test_toy_run_prints_the_table_and_zero2_halves_optimizer_state():
     rows = {row[1]: row for row in table_rows(proc.stdout)}
     assert set(rows) == {"plain", "zero2 x2"}
     for row in rows.values():
-        assert float(row[2]) > 0 and float(row[3]) > 0 and float(row[5]) > 0
-    assert rows["plain"][4] == "1.00x"
+        assert float(row[2]) > 0 and float(row[3]) > 0 and float(row[5]) > 0 and float(row[7]) > 0
+    assert rows["plain"][4] == rows["plain"][6] == "1.00x"
     assert float(rows["zero2 x2"][3]) == pytest.approx(float(rows["zero2 x2"][2]) / 2, abs=1)
     # the plain loop holds all Adam state, as ZeRO-0 does; ZeRO-2 on 2 ranks holds half per rank (plus padding)
-    assert float(rows["zero2 x2"][6]) <= 0.55 * float(rows["plain"][6])
+    assert float(rows["zero2 x2"][8]) <= 0.55 * float(rows["plain"][8])

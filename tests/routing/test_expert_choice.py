@@ -203,3 +203,17 @@ def test_the_router_decides_active_experts_per_token(setting, c, E, expected):
     """Nova-MoE counts one expert per token; the MSIT method counts c (at most E): a setting of the router."""
     cfg = ExpertChoiceConfig(capacity_factor=c, active_experts=setting)
     assert ExpertChoiceRouter(cfg, d_model=4, num_experts=E).active_experts_per_token() == expected
+
+
+@pytest.mark.parametrize("scope", ["batch", "sequence"])
+def test_training_plan_counts_are_static(scope):
+    """Expert choice knows its counts in advance: dispatch reads them without a device-to-host copy."""
+    r = router(scope=scope, capacity_factor=1.5)
+    r.train()
+    plan = r(torch.randn(3, 8, D, dtype=torch.float64))
+    groups, n = (3, 8) if scope == "sequence" else (1, 24)
+    k = expert_choice_capacity(n, E, 1.5, "nearest")
+    assert plan.static_counts == (groups * k,) * E
+    assert plan.counts() == plan.counts_E.tolist() == list(plan.static_counts)
+    r.eval()  # threshold mode: counts depend on the data
+    assert r(torch.randn(3, 8, D, dtype=torch.float64)).static_counts is None

@@ -8,9 +8,12 @@ from moep_ds import build_model
 from moep_ds.config import config_from_dict
 from moep_ds.schema import ConfigError
 from moep_ds.training.config import ScheduleConfig, TrainConfig
-from moep_ds.training.ds_config import DeepSpeedConfigError, reconcile
+from moep_ds.training.ds_config import DeepSpeedConfigError, read_ds_config, reconcile
 from moep_ds.training.expert_parallel import ParallelLayoutError, check_parallel_layout
 from moep_ds.training.optim import lr_multiplier, param_groups
+from repo_paths import REPO
+
+DS_CONFIGS = REPO / "ds_configs"
 
 
 def train(**kw):
@@ -101,3 +104,46 @@ def test_experts_not_divisible_by_expert_parallel_size():
     with pytest.raises(ConfigError) as info:
         config_from_dict(raw)
     assert str(info.value) == "model.layers[1].moe.num_experts (6) must be divisible by expert_parallel_size (4)"
+
+
+@pytest.mark.parametrize("section,owner", [("activation_checkpointing", "train.activation_checkpointing"),
+                                           ("compile", "train.compile")])
+def test_recipe_owned_sections_are_refused(section, owner):
+    with pytest.raises(DeepSpeedConfigError) as err:
+        reconcile({section: {}}, train(), world_size=1)
+    assert str(err.value) == (f"ds_config '{section}': the recipe's {owner} owns it; "
+                              "remove the section from the DeepSpeed config")
+
+
+def test_values_the_user_wrote_are_never_replaced():
+    written = {"zero_allow_untested_optimizer": False, "steps_per_print": 7,
+               "zero_optimization": {"stage": 2, "contiguous_gradients": True, "reduce_scatter": False}}
+    ds = reconcile(written, train(), world_size=1)
+    assert ds["zero_allow_untested_optimizer"] is False and ds["steps_per_print"] == 7
+    assert ds["zero_optimization"] == written["zero_optimization"]
+
+
+@pytest.mark.parametrize("stage,ep,expected", [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, True)])
+def test_auto_contiguous_gradients_is_false_unless_expert_parallel_zero2_needs_it(stage, ep, expected):
+    ds = reconcile({"zero_optimization": {"stage": stage, "contiguous_gradients": "auto"}},
+                   train(expert_parallel_size=ep), world_size=2)
+    assert ds["zero_optimization"]["contiguous_gradients"] is expected
+
+
+def test_absent_zero_settings_stay_absent():
+    ds = reconcile({"zero_optimization": {"stage": 2}}, train(), world_size=1)
+    assert "contiguous_gradients" not in ds["zero_optimization"]
+
+
+def test_expert_parallel_zero2_refuses_settings_deepspeed_cannot_run():
+    with pytest.raises(DeepSpeedConfigError) as err:
+        reconcile({"zero_optimization": {"stage": 2, "contiguous_gradients": False}},
+                  train(expert_parallel_size=2), world_size=2)
+    assert str(err.value) == ("ds_config zero_optimization.contiguous_gradients (false) must be true for ZeRO stage 2 "
+                              "with train.expert_parallel_size (2); DeepSpeed's MoE support requires it")
+
+
+@pytest.mark.parametrize("name", ["zero1_fp32", "zero2_fp32", "zero2_bf16", "quickstart"])
+def test_shipped_configs_resolve_to_the_fast_settings(name):
+    ds = reconcile(read_ds_config(str(DS_CONFIGS / f"{name}.json")), train(micro_batch_size=2), world_size=1)
+    assert ds["zero_optimization"]["contiguous_gradients"] is False

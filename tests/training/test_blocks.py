@@ -1,0 +1,131 @@
+"""Per-block activation checkpointing and compile (training/blocks.py) and the recompute guard
+(moep_ds/recompute.py): same losses, gradients and running statistics as the plain model, same parameter names."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+
+from moep_ds import build_model
+from moep_ds.config import config_from_dict
+from moep_ds.recompute import is_recomputing
+from moep_ds.training.blocks import apply_block_options, checkpointed
+from tiny import DS_CONFIGS, launch, losses, recipe, write_recipe
+
+SCRIPTS = pathlib.Path(__file__).parent / "scripts"
+
+
+def tiny(layers: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_model(config_from_dict(recipe(layers, pathlib.Path("unused"))).model)
+
+
+def train(model: nn.Module, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`steps` AdamW steps on fixed random batches; losses and every gradient of the last step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 512, (4, 33), generator=g)
+        optimizer.zero_grad()
+        loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+    return losses, grads
+
+
+def running_statistics(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Expert-choice thresholds and update counts, and the lifecycle manager's per-step token counts."""
+    names = ("threshold", "log_norm", "num_threshold_updates", "step_sums")
+    return {n: b.clone() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in names}
+
+
+def test_recompute_flag_is_set_only_in_the_recomputation():
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(is_recomputing())
+            return x.sin()
+
+    probe = Probe()
+    probe.forward = checkpointed(probe.forward, probe)
+    x = torch.randn(3, requires_grad=True)
+    probe(x).sum().backward()
+    assert seen == [False, True]  # forward, then the recomputation in backward
+    with torch.no_grad():
+        probe(x)
+    assert seen == [False, True, False] and not is_recomputing()
+    torch.testing.assert_close(x.grad, x.detach().cos())
+
+
+def test_activation_checkpointing_keeps_losses_gradients_statistics_and_names():
+    """Every routed block type (expert choice, top-2, MSIT, lifecycle): identical numbers, statistics counted once."""
+    plain, ckpt = tiny("mixed"), tiny("mixed")
+    apply_block_options(ckpt, activation_checkpointing=True, compile=False)
+    assert list(ckpt.state_dict()) == list(plain.state_dict())
+    losses_plain, grads_plain = train(plain, 3)
+    losses_ckpt, grads_ckpt = train(ckpt, 3)
+    assert losses_ckpt == losses_plain
+    assert grads_ckpt.keys() == grads_plain.keys()
+    for name, grad in grads_plain.items():
+        torch.testing.assert_close(grads_ckpt[name], grad, rtol=0, atol=0, msg=name)
+    stats_plain, stats_ckpt = running_statistics(plain), running_statistics(ckpt)
+    assert any(n.endswith("step_sums") for n in stats_plain) and any(n.endswith("threshold") for n in stats_plain)
+    for name, value in stats_plain.items():
+        assert torch.equal(stats_ckpt[name], value), name
+    assert all(v.item() == 3 for n, v in stats_ckpt.items() if n.endswith("num_threshold_updates"))
+
+
+def test_activation_checkpointing_saves_activation_memory():
+    """The recomputed blocks keep only their inputs for backward."""
+    def saved_bytes(model: nn.Module) -> int:
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        ids = torch.randint(0, 512, (4, 32))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, labels=ids)
+        return total
+
+    plain, ckpt = tiny("nova_moe"), tiny("nova_moe")
+    apply_block_options(ckpt, activation_checkpointing=True, compile=False)
+    assert saved_bytes(ckpt) < 0.5 * saved_bytes(plain)
+
+
+def test_compile_keeps_names_and_losses():
+    from torch._dynamo.utils import counters
+
+    plain, compiled = tiny("nova_moe"), tiny("nova_moe")
+    apply_block_options(compiled, activation_checkpointing=False, compile=True)
+    assert list(compiled.state_dict()) == list(plain.state_dict())
+    losses_plain, _ = train(plain, 2)
+    graphs = counters["stats"]["unique_graphs"]
+    losses_compiled, _ = train(compiled, 2)
+    assert counters["stats"]["unique_graphs"] > graphs  # the blocks did run compiled
+    assert losses_compiled == pytest.approx(losses_plain, abs=1e-5, rel=0)
+    assert running_statistics(compiled)["blocks.1.moe.router.num_threshold_updates"].item() == 2
+
+
+@pytest.mark.slow
+def test_trainer_with_activation_checkpointing_under_zero3_on_two_processes(tmp_path):
+    """The recipe switch under ZeRO-3 (parameters fetched again for the recomputation): the same losses as without
+    it, every routed block type."""
+    jobs = []
+    for ckpt in (False, True):
+        out = tmp_path / f"ckpt_{ckpt}"
+        path = write_recipe(tmp_path / f"ckpt_{ckpt}.yaml", "mixed", out, max_steps=3, activation_checkpointing=ckpt)
+        jobs.append({"recipe": str(path), "ds_config": str(DS_CONFIGS / "zero3_fp32.json")})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    launch(2, SCRIPTS / "run_many.py", str(tmp_path / "jobs.json"))
+    plain, ckpt = losses(tmp_path / "ckpt_False"), losses(tmp_path / "ckpt_True")
+    assert len(plain) == 3 and ckpt == plain
