@@ -1,7 +1,7 @@
 """Sharded checkpoints on 2 CPU processes: resume across every pair of ZeRO stages (0-3), bit-identical when
 nothing changes, ZeRO-3 over 6 steps stopped at 3 with lifecycle replacements and asynchronous saves, activation
 checkpointing switched on and off, and today's consolidated format (train.compile on <-> off: in one process,
-tests/checkpointing/test_model_state.py).
+tests/training/test_blocks.py).
 
 One launch trains the sources (a checkpoint at step 3 each), a second resumes every (source, target) pair."""
 import json
