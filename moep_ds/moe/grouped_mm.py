@@ -63,6 +63,15 @@ class ContiguousGrad(torch.autograd.Function):
 def library_grouped_mm(x_SD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """[S, D] x [E, D, F] -> [S, F] with torch's grouped_mm; offs_E from `expert_offsets` (shared by the calls
     of one expert FFN)."""
+    if x_SD.device.type == "cpu" and torch.compiler.is_compiling():
+        return eager_grouped_mm(x_SD, w_EDF, offs_E)
+    return ContiguousGrad.apply(F.grouped_mm(x_SD.contiguous(), w_EDF, offs=offs_E))
+
+
+@torch.compiler.disable
+def eager_grouped_mm(x_SD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """library_grouped_mm outside the compiled graph: torch's fake (meta) grouped_mm admits only bf16, so CPU
+    fp32 (which the CPU kernel does take) cannot be traced."""
     return ContiguousGrad.apply(F.grouped_mm(x_SD.contiguous(), w_EDF, offs=offs_E))
 
 

@@ -86,6 +86,22 @@ def test_library_grouped_mm_matches_the_expert_loop(kind, bias, counts):
         torch.testing.assert_close(a, b)
 
 
+def test_library_grouped_mm_under_torch_compile_on_cpu():
+    """train.compile with uneven loads on CPU: torch's fake grouped_mm admits only bf16, so the fp32 CPU call runs
+    outside the graph (aot_eager traces with fake tensors as inductor does); same outputs and gradients as eager."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(FFNConfig(type="swiglu", hidden_size=12, bias=False), d_model=8, num_experts=E)
+    experts.kernel = "library"
+    x = torch.randn(9, 8, requires_grad=True)
+    results = {}
+    for name, run in (("eager", experts), ("compiled", torch.compile(experts, backend="aot_eager"))):
+        y = run(x, [3, 0, 5, 1])
+        results[name] = (y, torch.autograd.grad(y.square().sum(), [x, *experts.parameters()]))
+    torch.testing.assert_close(results["compiled"][0], results["eager"][0], rtol=0, atol=0)
+    for a, b in zip(results["compiled"][1], results["eager"][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_kernel_choice():
     w = torch.zeros(E, 8, 12)
     assert choose_kernel(torch.zeros(4, 8), w, [1, 1, 1, 1]) == "loop"  # equal loads on CPU: the expert loop

@@ -1,6 +1,7 @@
 """Sharded checkpoints on 2 CPU processes: resume across every pair of ZeRO stages (0-3), bit-identical when
-nothing changes, ZeRO-3 over 6 steps stopped at 3 with lifecycle replacements and asynchronous saves, and
-today's consolidated format.
+nothing changes, ZeRO-3 over 6 steps stopped at 3 with lifecycle replacements and asynchronous saves, activation
+checkpointing switched on and off, and today's consolidated format (train.compile on <-> off: in one process,
+tests/training/test_blocks.py).
 
 One launch trains the sources (a checkpoint at step 3 each), a second resumes every (source, target) pair."""
 import json
@@ -37,6 +38,11 @@ def matrix(tmp_path_factory):
                         checkpoint={"every_steps": 3})
     jobs.append({"recipe": str(bf16), "ds_config": ds(1, "bf16")})
     sources["bf16"] = (bf16, tmp / "src_bf16")
+    # activation checkpointing on under ZeRO-3 (parameters fetched again for the recomputation)
+    recomputed = write_recipe(tmp / "src_ac.yaml", "top2", tmp / "src_ac", max_steps=5, exit_at_step=4,
+                              checkpoint={"every_steps": 3}, activation_checkpointing=True)
+    jobs.append({"recipe": str(recomputed), "ds_config": ds(3)})
+    sources["ac"] = (recomputed, tmp / "src_ac")
     (tmp / "sources.json").write_text(json.dumps(jobs))
     launch(2, SCRIPTS / "run_many.py", str(tmp / "sources.json"))
     resumed, jobs = {}, []
@@ -64,6 +70,15 @@ def matrix(tmp_path_factory):
         jobs.append({"recipe": str(recipe), "ds_config": ds(t, precision), "resume": str(out / "checkpoints/step_00000003"),
                      "overrides": [f"train.output_dir={dest}", "train.exit_at_step=4"]})
         resumed[(s, precision)] = dest
+    # activation checkpointing on -> off (ZeRO-3) and off -> on (ZeRO-2)
+    for s, switch in (("ac", "false"), (2, "true")):
+        recipe, out = sources[s]
+        dest = tmp / f"res{s}_ac_{switch}"
+        jobs.append({"recipe": str(recipe), "ds_config": ds(3 if s == "ac" else s),
+                     "resume": str(out / "checkpoints/step_00000003"),
+                     "overrides": [f"train.output_dir={dest}", "train.exit_at_step=4",
+                                   f"train.activation_checkpointing={switch}"]})
+        resumed[(s, "ac")] = dest
     # today's consolidated format (written by ZeRO-1 at step 4, beside a sharded checkpoint) resumes the same
     for name, ckpt in (("from_consolidated", tmp / "consolidated"), ("from_sharded", sources[1][1] / "checkpoints/step_00000004")):
         jobs.append({"recipe": str(sources[1][0]), "ds_config": ds(2), "resume": str(ckpt),
@@ -141,3 +156,12 @@ def test_masters_move_between_bf16_and_fp32(matrix):
         got, reference = losses(resumed[(source, precision)])[4], losses(sources[source][1])[4]
         assert got == pytest.approx(reference, abs=2e-2), (source, precision, got, reference)
         assert got != reference
+
+
+def test_activation_checkpointing_switches_on_and_off_at_resume(matrix):
+    """The checkpoint does not depend on the recomputation: the first resumed loss is the uninterrupted run's."""
+    _, sources, resumed = matrix
+    for source in ("ac", 2):
+        got, reference = losses(resumed[(source, "ac")]), losses(sources[source][1])
+        assert sorted(got) == [4] and sorted(reference) == [1, 2, 3, 4]
+        assert got[4] == reference[4], (source, got[4], reference[4])
