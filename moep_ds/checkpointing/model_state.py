@@ -18,6 +18,7 @@ from torch import nn
 
 from moep_ds.checkpointing import sharded
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, FlatShard
+from moep_ds.moe.layer import full_shape
 
 WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module")
 EXTRA_STATE_FILE = "extra_state.json"  # non-tensor module state (get_extra_state), canonical keys
@@ -60,8 +61,8 @@ def extra_states(model: nn.Module) -> dict[str, Any]:
 
 
 def shapes(model: nn.Module, ep: ExpertLayout = ExpertLayout()) -> dict[str, tuple[int, ...]]:
-    """Global shapes of every parameter and buffer, by canonical name."""
-    out = {canonical_name(n): global_shape(p.shape, is_expert_param(p), ep) for n, p in model.named_parameters()}
+    """Global shapes of every parameter (also ZeRO-3-partitioned ones) and buffer, by canonical name."""
+    out = {canonical_name(n): global_shape(full_shape(p), is_expert_param(p), ep) for n, p in model.named_parameters()}
     out.update({n: tuple(b.shape) for n, b in buffers(model).items()})
     return out
 

@@ -91,7 +91,7 @@ class MoELayer(ExpertStage, LifecycleManaged):
         self.experts.init_weights(std, out_scale)
 
 
-def full_shape(p: nn.Parameter) -> torch.Size:
+def full_shape(p: torch.Tensor) -> torch.Size:
     """The parameter's shape, also when ZeRO-3 holds only a partition of it (`ds_shape`)."""
     return getattr(p, "ds_shape", p.shape)
 

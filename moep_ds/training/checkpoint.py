@@ -115,14 +115,6 @@ def p_numel(p: torch.nn.Parameter) -> int:
     return p.ds_numel if hasattr(p, "ds_id") else p.numel()
 
 
-def param_shapes(model, ep: ExpertLayout) -> dict[str, tuple[int, ...]]:
-    shape = lambda p: p.ds_shape if hasattr(p, "ds_id") else p.shape  # noqa: E731
-    out = {canonical_name(n): model_state.global_shape(shape(p), is_expert_param(p), ep)
-           for n, p in model.named_parameters()}
-    out.update({n: tuple(b.shape) for n, b in model_state.buffers(model).items()})
-    return out
-
-
 def expert_layout(ep_group) -> ExpertLayout:
     return ExpertLayout() if ep_group is None else ExpertLayout(dist.get_rank(ep_group), dist.get_world_size(ep_group))
 
@@ -162,7 +154,7 @@ class CheckpointWriter:
             if rank == 0:
                 sharded.save_json({**trainer_state, "optimizer_step": st.optimizer_step_count(engine.optimizer)},
                                   tmp / TRAINER_STATE_FILE)
-                sharded.save_json({k: list(v) for k, v in param_shapes(model, ep).items()}, tmp / sharded.TENSORS_FILE)
+                sharded.save_json({k: list(v) for k, v in model_state.shapes(model, ep).items()}, tmp / sharded.TENSORS_FILE)
                 sharded.save_json(model_state.extra_states(model), tmp / model_state.EXTRA_STATE_FILE)
                 write_recipe_files(cfg, tmp, tokenizer_dir, {"step": step, **(meta or {})})
         except OSError as err:

@@ -162,9 +162,9 @@ class Trainer:
         check_output_dir(cfg.train.output_dir)
         self.prepared, self.meta = prepare_data(cfg, self.rank)
         self.resume = resume
+        self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
         self.engine, self.model, self.ep_group = self.build_engine()
         self.callbacks = step_callbacks(self.engine, self.ep_group)
-        self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
         self.accum = ds["gradient_accumulation_steps"]
         self.loader = BatchLoader(self.dataset, micro_batch_size=ds["train_micro_batch_size_per_gpu"],
                                   grad_accum=self.accum, dp_rank=self.rank, dp_size=self.world, seed=cfg.train.seed,
@@ -227,8 +227,7 @@ class Trainer:
 
             groups = split_params_into_different_moe_groups_for_optimizer(groups)
         optimizer = build_optimizer(groups, cfg.train.optimizer)
-        windows = len(open_split(self.prepared, "train", cfg.data.seq_len))
-        self.max_steps = total_steps(cfg, windows, self.ds["train_batch_size"])
+        self.max_steps = total_steps(cfg, len(self.dataset), self.ds["train_batch_size"])
         scheduler = build_scheduler(optimizer, cfg.train.schedule, self.max_steps)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=self.ds, dist_init_required=False)
