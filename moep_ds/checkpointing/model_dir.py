@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from moep_ds.checkpointing import layout, sharded
+from moep_ds.checkpointing import layout, model_state, sharded
 from moep_ds.checkpointing.model_state import load_module
 from moep_ds.errors import UserError
 
@@ -48,11 +48,6 @@ def consolidated_state_dict(
     if tie_embeddings:
         state.pop(TIED_HEAD_KEY, None)
     return state
-
-
-def extra_state(model: torch.nn.Module) -> dict[str, Any]:
-    """Non-tensor module state (e.g. the expert lifecycle's event log), saved beside the weights."""
-    return {k: v for k, v in model.state_dict().items() if not isinstance(v, torch.Tensor)}
 
 
 def save_model_dir(
@@ -91,7 +86,7 @@ def write_model_files(model, cfg, out: Path, tokenizer_dir, meta, params) -> Non
 
     put(WEIGHTS_FILE, lambda f: save_file(consolidated_state_dict(model, cfg.model.tie_embeddings, params), str(f),
                                           metadata={"format": "pt"}))
-    if extra := extra_state(model):
+    if extra := model_state.extra_states(model):  # e.g. the expert lifecycle's event log
         put(EXTRA_FILE, lambda f: torch.save(extra, f))
     write_recipe_files(cfg, out, tokenizer_dir, meta)
 
