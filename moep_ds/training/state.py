@@ -60,7 +60,7 @@ def init_optimizer_state(optimizer) -> None:
     for p in optimizer_state_params(optimizer):
         state = inner.state[p]
         if "exp_avg" not in state:
-            state["step"] = torch.tensor(0.0)
+            state["step"] = adam_step(inner, 0.0, p.device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     link_optimizer_state(optimizer)
@@ -112,8 +112,14 @@ def set_optimizer_step_count(optimizer, params: list[torch.nn.Parameter], step: 
     for p in params:
         if not is_partitioned(p):
             inner.state.setdefault(p, {})
-    for state in inner.state.values():
-        state["step"] = torch.tensor(float(step))
+    for p, state in inner.state.items():
+        state["step"] = adam_step(inner, float(step), p.device)
+
+
+def adam_step(inner: torch.optim.Optimizer, value: float, device: torch.device) -> torch.Tensor:
+    """Adam's step counter where torch keeps it: beside the parameter for the fused kernel, else on the host."""
+    fused = any(group.get("fused") for group in inner.param_groups)
+    return torch.tensor(value, dtype=torch.float32, device=device if fused else "cpu")
 
 
 def local_partition(param: torch.nn.Parameter, key: str) -> torch.Tensor:
