@@ -30,6 +30,7 @@ from moep_ds.models.causal_lm import build_model
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.blocks import apply_block_options
+from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.distributed import init_distributed, setup_logging
 from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import check_parallel_layout, moe_layer_classes, setup_expert_parallel
@@ -217,6 +218,10 @@ class Trainer:
         model, ep_group = self.load_resumed_model()
         apply_block_options(model, activation_checkpointing=cfg.train.activation_checkpointing,
                             compile=cfg.train.compile)
+        if cfg.train.activation_checkpointing and self.device.type == "cpu" and return_freed_buffers_to_os():
+            # without this glibc keeps most of what checkpointing frees (training/host_memory.py)
+            log.info("activation checkpointing on CPU: host buffers of >= %d KiB go back to the OS when freed",
+                     RELEASE_THRESHOLD >> 10)
         if zero_stage(self.ds) == 3 and moe_layer_classes(model):
             # Expert order depends on the data: gather each MoE module's parameters as one unit so that ranks
             # routing differently never wait on different parameter fetches.
