@@ -10,7 +10,7 @@ the 1.8 GB a forward adds to the process's resident memory were freed buffers (b
 
 `return_freed_buffers_to_os` fixes the threshold (which also stops it rising), so that every tensor buffer of 1 MiB
 or more is a mapping of its own and leaves the process when freed. The price is a page fault for each page of
-each such buffer: measured 10-17% fewer tokens/s on that model, so the Trainer sets it where memory is what the
+each such buffer: measured 10-19% fewer tokens/s on that model, so the Trainer sets it where memory is what the
 user asked for (activation checkpointing on CPU). GPU memory has its own caching allocator and is not affected.
 """
 from __future__ import annotations
