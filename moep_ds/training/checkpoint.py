@@ -78,9 +78,9 @@ def local_pieces(p: torch.nn.Parameter, optimizer, whole_replicas: bool) -> list
             return []
         views = {"param": frag.hp_fragment, **{k: frag.get_optim_state_fragment(k) for k in st.ADAM_KEYS}}
         return [(frag.lp_fragment_address.start, views)]
-    state = st.inner_optimizer(optimizer).state.get(p, {})
-    # (fp16 without ZeRO keeps its moments on separate masters: those start from zero, as they always did)
-    views = {"param": p.data.view(-1), **{k: state[k].view(-1) for k in st.ADAM_KEYS if k in state}}
+    master = st.master(p)  # ZeRO-0 bf16/fp16: the fp32 master beside the module's parameter
+    state = st.inner_optimizer(optimizer).state.get(master, {})
+    views = {"param": master.data.view(-1), **{k: state[k].view(-1) for k in st.ADAM_KEYS if k in state}}
     start, stop = (0, p.numel()) if whole_replicas else replica_share(p.numel(), *replica_position(p))
     return [(start, {k: v[start:stop] for k, v in views.items()})] if stop > start else []
 
@@ -268,6 +268,7 @@ def load_engine_state(engine, model, ckpt: pathlib.Path, ep_group=None) -> dict[
         with torch.no_grad():
             sharded.load(pieces, ckpt)
         commit_partitions(model, pieces)
+        st.refresh_working_copies(engine.optimizer)
         st.set_optimizer_step_count(engine.optimizer, [p for p in model.parameters()], state["optimizer_step"])
     restore_trainer_state(engine, state)
     restore_rng(ckpt, dist.get_rank(), state)

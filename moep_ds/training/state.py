@@ -3,11 +3,14 @@
 Under ZeRO 1/2/3 and the bf16 optimizer the fp32 master weights and Adam moments are partitioned over
 ranks: DeepSpeed's partitioned-state API assembles and scatters them (collective calls: every rank of the
 data-parallel group must make the same calls in the same order). Without a partitioning optimizer (ZeRO-0
-fp32) the module parameter is the master weight and the torch optimizer holds the state directly.
+fp32) the module parameter is the master weight and the torch optimizer holds the state directly. ZeRO-0 with
+bf16 or fp16 keeps one fp32 master per parameter beside the model's low-precision one (DeepSpeed's
+FP16_UnfusedOptimizer): `adopt_unfused_masters` links each parameter to it (`master`).
 """
 from __future__ import annotations
 
 import torch
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
@@ -20,6 +23,40 @@ from deepspeed.utils import (
 )
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def adopt_unfused_masters(optimizer) -> bool:
+    """ZeRO-0 with bf16/fp16 (DeepSpeed's FP16_UnfusedOptimizer): undo the optimizer step DeepSpeed takes on zero
+    gradients to create Adam's state, and link every model parameter to its fp32 master.
+
+    That step leaves Adam's counter at 1, so the first real update is bias-corrected as the second (0.74 of
+    Adam's first step at beta2 0.999, and every later correction one step late), and it applies weight decay
+    once. The masters are copies of the model's weights taken just before it, so copying those back and dropping
+    the state (torch's Adam creates it again, at zero, on its first step) restores what a fresh optimizer holds.
+    Returns whether the optimizer is of that kind."""
+    if not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return False
+    with torch.no_grad():
+        for lp_group, fp32_group in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+            for lp, fp32 in zip(lp_group, fp32_group):
+                fp32.copy_(lp)
+                lp._moep_fp32_master = fp32
+    inner_optimizer(optimizer).state.clear()
+    return True
+
+
+def master(param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor that is the parameter's fp32 master and keys its optimizer state when it is not partitioned."""
+    return getattr(param, "_moep_fp32_master", param)
+
+
+def refresh_working_copies(optimizer) -> None:
+    """After masters were written (a resume), make the model's low-precision parameters match them."""
+    if isinstance(optimizer, FP16_UnfusedOptimizer):
+        with torch.no_grad():
+            for lp_group, fp32_group in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+                for lp, fp32 in zip(lp_group, fp32_group):
+                    lp.copy_(fp32)
 
 
 def is_partitioned(param: torch.nn.Parameter) -> bool:
@@ -68,7 +105,7 @@ def init_optimizer_state(optimizer) -> None:
 
 def get_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     full = safe_get_full_fp32_param(param) if is_partitioned(param) else None
-    return (full if full is not None else param.detach()).float().cpu().clone()
+    return (full if full is not None else master(param).detach()).float().cpu().clone()
 
 
 def set_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -79,6 +116,8 @@ def set_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         param.ds_tensor.data.copy_(safe_get_local_fp32_param(param).to(param.ds_tensor.dtype))
     else:
         with torch.no_grad():
+            if master(param) is not param:
+                master(param).copy_(value.to(param.device, torch.float32))
             param.copy_(value.to(param.device, param.dtype))
 
 
@@ -86,7 +125,7 @@ def get_optimizer_state(param: torch.nn.Parameter, optimizer, key: str) -> torch
     if is_partitioned(param):
         value = safe_get_full_optimizer_state(param, key)
     else:
-        value = inner_optimizer(optimizer).state.get(param, {}).get(key)
+        value = inner_optimizer(optimizer).state.get(master(param), {}).get(key)
     return None if value is None else value.float().cpu().clone()
 
 
@@ -94,7 +133,7 @@ def set_optimizer_state(param: torch.nn.Parameter, optimizer, key: str, value: t
     if is_partitioned(param):
         safe_set_full_optimizer_state(param, value.to(torch.float32), key)
         return
-    state = inner_optimizer(optimizer).state.setdefault(param, {})
+    state = inner_optimizer(optimizer).state.setdefault(master(param), {})
     if key in state:
         state[key].copy_(value.to(state[key].device, state[key].dtype))
     else:
@@ -111,7 +150,7 @@ def set_optimizer_step_count(optimizer, params: list[torch.nn.Parameter], step: 
     inner = inner_optimizer(optimizer)
     for p in params:
         if not is_partitioned(p):
-            inner.state.setdefault(p, {})
+            inner.state.setdefault(master(p), {})
     for p, state in inner.state.items():
         state["step"] = adam_step(inner, float(step), p.device)
 

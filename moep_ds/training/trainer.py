@@ -30,13 +30,14 @@ from moep_ds.models.causal_lm import build_model
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.blocks import apply_block_options
-from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.distributed import init_distributed, setup_logging
 from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import check_parallel_layout, moe_layer_classes, setup_expert_parallel
 from moep_ds.training.hooks import step_callbacks
+from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.monitor import Monitor, drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
+from moep_ds.training.state import adopt_unfused_masters
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +237,7 @@ class Trainer:
         scheduler = build_scheduler(optimizer, cfg.train.schedule, self.max_steps)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=self.ds, dist_init_required=False)
+        adopt_unfused_masters(engine.optimizer)  # ZeRO-0 bf16/fp16: Adam's state as a fresh optimizer's
         log.info("model: %s | %s | ZeRO-%d | %d ranks | expert parallel %d | %d steps",
                  self.report.as_dict(), precision(self.ds), zero_stage(self.ds), self.world,
                  cfg.train.expert_parallel_size, self.max_steps)

@@ -38,6 +38,11 @@ def matrix(tmp_path_factory):
                         checkpoint={"every_steps": 3})
     jobs.append({"recipe": str(bf16), "ds_config": ds(1, "bf16")})
     sources["bf16"] = (bf16, tmp / "src_bf16")
+    # ZeRO-0 bf16: fp32 masters beside the model's bf16 parameters (DeepSpeed's FP16_UnfusedOptimizer)
+    z0bf16 = write_recipe(tmp / "src_z0bf16.yaml", "top2", tmp / "src_z0bf16", max_steps=5, exit_at_step=4,
+                          checkpoint={"every_steps": 3})
+    jobs.append({"recipe": str(z0bf16), "ds_config": ds(0, "bf16")})
+    sources["z0bf16"] = (z0bf16, tmp / "src_z0bf16")
     # activation checkpointing on under ZeRO-3 (parameters fetched again for the recomputation)
     recomputed = write_recipe(tmp / "src_ac.yaml", "top2", tmp / "src_ac", max_steps=5, exit_at_step=4,
                               checkpoint={"every_steps": 3}, activation_checkpointing=True)
@@ -64,12 +69,12 @@ def matrix(tmp_path_factory):
              {"recipe": str(tmp / "z3_rest.yaml"), "ds_config": ds(3), "resume": "auto"}]
     resumed[(3, 3)] = part
     # fp32 masters <-> bf16 masters (the checkpoint always holds fp32 masters)
-    for s, t, precision in ((2, 2, "bf16"), ("bf16", 2, "fp32")):
+    for s, t, precision in ((2, 2, "bf16"), ("bf16", 2, "fp32"), ("z0bf16", 0, "bf16"), ("z0bf16", 2, "bf16")):
         recipe, out = sources[s]
         dest = tmp / f"res{s}to{t}{precision}"
         jobs.append({"recipe": str(recipe), "ds_config": ds(t, precision), "resume": str(out / "checkpoints/step_00000003"),
                      "overrides": [f"train.output_dir={dest}", "train.exit_at_step=4"]})
-        resumed[(s, precision)] = dest
+        resumed[(s, precision)] = resumed[(s, t, precision)] = dest
     # activation checkpointing on -> off (ZeRO-3) and off -> on (ZeRO-2)
     for s, switch in (("ac", "false"), (2, "true")):
         recipe, out = sources[s]
@@ -156,6 +161,19 @@ def test_masters_move_between_bf16_and_fp32(matrix):
         got, reference = losses(resumed[(source, precision)])[4], losses(sources[source][1])[4]
         assert got == pytest.approx(reference, abs=2e-2), (source, precision, got, reference)
         assert got != reference
+
+
+def test_zero0_bf16_trains_and_resumes_as_the_partitioned_stages(matrix):
+    """ZeRO-0 bf16 keeps fp32 masters outside the model: its Adam starts as a fresh one (DeepSpeed's zero-gradient
+    initialisation step undone), so it follows ZeRO-1 bf16 step for step; its checkpoint holds those masters and
+    moments, so it resumes bit-identically and into ZeRO-2 bf16."""
+    _, sources, resumed = matrix
+    z0, z1 = losses(sources["z0bf16"][1]), losses(sources["bf16"][1])
+    assert sorted(z0) == [1, 2, 3, 4]
+    for step in z0:
+        assert z0[step] == pytest.approx(z1[step], abs=1e-4), (step, z0[step], z1[step])
+    assert losses(resumed[("z0bf16", 0, "bf16")]) == {4: z0[4]}
+    assert losses(resumed[("z0bf16", 2, "bf16")])[4] == pytest.approx(z0[4], abs=1e-4)
 
 
 def test_activation_checkpointing_switches_on_and_off_at_resume(matrix):
