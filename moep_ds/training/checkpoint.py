@@ -278,7 +278,7 @@ def load_engine_state(engine, model, ckpt: pathlib.Path, ep_group=None) -> dict[
 def restore_trainer_state(engine, state: dict[str, Any]) -> None:
     if engine.lr_scheduler is not None:
         restore_schedule(engine.lr_scheduler, state["lr_scheduler"]["last_epoch"])
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scaler = st.loss_scaler(engine.optimizer)
     if scaler is not None and state.get("loss_scaler"):
         for key, value in state["loss_scaler"].items():
             setattr(scaler, key, value)
@@ -306,7 +306,7 @@ def restore_schedule(scheduler, last_epoch: int) -> None:
 
 
 def loss_scaler_state(engine) -> dict[str, Any] | None:
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scaler = st.loss_scaler(engine.optimizer)
     if scaler is None:
         return None
     return {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}

@@ -45,6 +45,23 @@ def adopt_unfused_masters(optimizer) -> bool:
     return True
 
 
+def loss_for_backward(optimizer, loss: torch.Tensor) -> torch.Tensor:
+    """The loss to hand to `engine.backward`. DeepSpeed 0.19's engine applies the fp16 loss scale only for ZeRO
+    optimizers, while ZeRO-0's FP16_UnfusedOptimizer divides the gradients by that scale all the same (and checks
+    them for overflow as if scaled): for that optimizer the scale is applied here, as its own `backward` would."""
+    if isinstance(optimizer, FP16_UnfusedOptimizer) and optimizer.loss_scale_config.use_grad_scaling:
+        return loss.float() * optimizer.loss_scale_config.cur_scale
+    return loss
+
+
+def loss_scaler(optimizer):
+    """The object holding the fp16 loss scale (`cur_scale`, dynamic-scaling counters), or None without one."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is None and isinstance(optimizer, FP16_UnfusedOptimizer) and optimizer.loss_scale_config.use_grad_scaling:
+        scaler = optimizer.loss_scale_config
+    return scaler
+
+
 def master(param: torch.nn.Parameter) -> torch.Tensor:
     """The tensor that is the parameter's fp32 master and keys its optimizer state when it is not partitioned."""
     return getattr(param, "_moep_fp32_master", param)

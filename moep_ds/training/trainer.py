@@ -37,7 +37,7 @@ from moep_ds.training.hooks import step_callbacks
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.monitor import Monitor, drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
-from moep_ds.training.state import adopt_unfused_masters
+from moep_ds.training.state import adopt_unfused_masters, loss_for_backward, loss_scaler
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class Trainer:
             input_ids, labels = self.loader.next_micro_batch()
             out = self.engine(input_ids.to(self.device), labels=labels.to(self.device))
             out.logits = None  # [B, T, V] is not needed by backward: free it before backward's peak
-            self.engine.backward(out.loss)
+            self.engine.backward(loss_for_backward(self.engine.optimizer, out.loss))
             self.engine.step()
             sums["loss"] += out.loss.detach().float() / self.accum
             sums["ce_loss"] += out.ce_loss.detach().float() / self.accum
@@ -302,7 +302,7 @@ class Trainer:
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
-        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        scaler = loss_scaler(self.engine.optimizer)
         if precision(self.ds) == "fp16" and scaler is not None:
             out["loss_scale"] = float(scaler.cur_scale)
             out["skipped_steps"] = float(self.engine.skipped_steps)

@@ -148,10 +148,12 @@ def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]  # rows 3-4 of the crashed run were dropped on resume from step 2
 
 
-def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path):
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path, stage):
+    """ZeRO-0 included: DeepSpeed 0.19 leaves its loss scaling to us there (training/state.py loss_for_backward)."""
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=12)
-    ds = json.loads((DS_CONFIGS / "zero2_fp16.json").read_text())
+    ds = json.loads((DS_CONFIGS / f"zero{stage}_fp16.json").read_text())
     ds["fp16"]["initial_scale_power"] = 32  # overflows at first: the scaler must skip steps and back off
     ds_path = tmp_path / "fp16.json"
     ds_path.write_text(json.dumps(ds))
@@ -162,6 +164,22 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path):
     assert rows[-1]["skipped_steps"] >= 1
     assert all(r["loss"] == r["loss"] for r in rows)  # finite, no NaN
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_fp16_zero0_trains_as_zero2(tmp_path):
+    """ZeRO-0 fp16 (DeepSpeed's FP16_UnfusedOptimizer: loss scaled by us, Adam's zero-gradient initialisation step
+    undone) follows ZeRO-2 fp16 step for step."""
+    runs = {}
+    for stage in (0, 2):
+        out = tmp_path / f"z{stage}"
+        recipe = write_recipe(tmp_path / f"z{stage}.yaml", "top2", out, max_steps=4)
+        launch(1, SCRIPTS / "fp16_on_cpu.py", "--config", str(recipe), "--ds_config",
+               str(DS_CONFIGS / f"zero{stage}_fp16.json"))
+        runs[stage] = metrics(out)
+    assert [r["step"] for r in runs[0]] == [1, 2, 3, 4]
+    for z0, z2 in zip(runs[0], runs[2]):
+        assert z0["loss"] == pytest.approx(z2["loss"], abs=1e-4), (z0, z2)
+        assert z0["loss_scale"] == z2["loss_scale"]
 
 
 def test_conflicting_settings_fail_before_training(tmp_path):
