@@ -100,6 +100,10 @@ def reconcile(ds: dict[str, Any], train: TrainConfig, world_size: int) -> dict[s
         raise DeepSpeedConfigError("ds_config enables both fp16 and bf16; choose one")
     # A client torch optimizer (AdamW): no FusedAdam build, same numerics on every backend.
     ds.setdefault("zero_allow_untested_optimizer", True)
+    if ds["zero_optimization"].get("offload_optimizer"):
+        # DeepSpeed refuses a client optimizer under optimizer offload unless told otherwise (it expects its CPU
+        # Adam build); the recipe's AdamW is torch's fused kernel, which runs on the offloaded CPU partitions
+        ds.setdefault("zero_force_ds_cpu_optimizer", False)
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
     return ds

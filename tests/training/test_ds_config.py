@@ -123,6 +123,14 @@ def test_values_the_user_wrote_are_never_replaced():
     assert ds["zero_optimization"] == written["zero_optimization"]
 
 
+def test_optimizer_offload_accepts_the_recipes_adamw_unless_the_user_says_otherwise():
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert reconcile({"zero_optimization": dict(offload)}, train(), world_size=1)["zero_force_ds_cpu_optimizer"] is False
+    written = {"zero_optimization": dict(offload), "zero_force_ds_cpu_optimizer": True}
+    assert reconcile(written, train(), world_size=1)["zero_force_ds_cpu_optimizer"] is True
+    assert "zero_force_ds_cpu_optimizer" not in reconcile({"zero_optimization": {"stage": 2}}, train(), world_size=1)
+
+
 @pytest.mark.parametrize("stage,ep,expected", [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, True)])
 def test_auto_contiguous_gradients_is_false_unless_expert_parallel_zero2_needs_it(stage, ep, expected):
     ds = reconcile({"zero_optimization": {"stage": stage, "contiguous_gradients": "auto"}},

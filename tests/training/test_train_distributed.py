@@ -229,3 +229,22 @@ def test_moe_stream_lifecycle_expert_parallel_2_equals_1(tmp_path):
     for a, b in zip(events1, events2):
         for key in ("score", "value", "threshold", "frequency", "impact"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-9), (key, a, b)
+
+
+def test_every_shipped_fp32_and_bf16_config_trains_as_zero2(tmp_path):
+    """Each shipped ZeRO JSON in fp32 or bf16, CPU offload included (the recipe's AdamW runs on the offloaded
+    partitions), trains and gives the ZeRO-2 run's losses in the same precision (fp16: the tests above)."""
+    names = sorted(p.stem for p in DS_CONFIGS.glob("zero*_*.json") if "fp16" not in p.stem)
+    assert {"zero0_bf16", "zero2_bf16_offload", "zero3_bf16_offload", "zero3_fp32"} <= set(names)
+    jobs = []
+    for name in names:
+        recipe = write_recipe(tmp_path / f"{name}.yaml", "top2", tmp_path / name, max_steps=3)
+        jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"{name}.json")})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    launch(1, SCRIPTS / "run_many.py", str(tmp_path / "jobs.json"))
+    for name in names:
+        reference = losses(tmp_path / f"zero2_{name.split('_')[1]}")
+        got = losses(tmp_path / name)
+        assert sorted(got) == [1, 2, 3], name
+        for step in got:
+            assert got[step] == pytest.approx(reference[step], abs=1e-4), (name, step, got[step], reference[step])
