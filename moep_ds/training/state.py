@@ -37,29 +37,38 @@ def adopt_unfused_masters(optimizer) -> bool:
     if not isinstance(optimizer, FP16_UnfusedOptimizer):
         return False
     with torch.no_grad():
-        for lp_group, fp32_group in zip(optimizer.fp16_groups, optimizer.fp32_groups):
-            for lp, fp32 in zip(lp_group, fp32_group):
-                fp32.copy_(lp)
-                lp._moep_fp32_master = fp32
+        for lp, fp32 in unfused_pairs(optimizer):
+            fp32.copy_(lp)
+            lp._moep_fp32_master = fp32
     inner_optimizer(optimizer).state.clear()
     return True
+
+
+def unfused_pairs(optimizer: FP16_UnfusedOptimizer):
+    """(model parameter, its fp32 master) for every parameter of an FP16_UnfusedOptimizer."""
+    for lp_group, fp32_group in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+        yield from zip(lp_group, fp32_group)
+
+
+def unfused_loss_scale(optimizer):
+    """The fp16 loss-scale state of an FP16_UnfusedOptimizer that scales (not bf16), else None."""
+    if isinstance(optimizer, FP16_UnfusedOptimizer) and optimizer.loss_scale_config.use_grad_scaling:
+        return optimizer.loss_scale_config
+    return None
 
 
 def loss_for_backward(optimizer, loss: torch.Tensor) -> torch.Tensor:
     """The loss to hand to `engine.backward`. DeepSpeed 0.19's engine applies the fp16 loss scale only for ZeRO
     optimizers, while ZeRO-0's FP16_UnfusedOptimizer divides the gradients by that scale all the same (and checks
     them for overflow as if scaled): for that optimizer the scale is applied here, as its own `backward` would."""
-    if isinstance(optimizer, FP16_UnfusedOptimizer) and optimizer.loss_scale_config.use_grad_scaling:
-        return loss.float() * optimizer.loss_scale_config.cur_scale
-    return loss
+    scale = unfused_loss_scale(optimizer)
+    return loss if scale is None else loss.float() * scale.cur_scale
 
 
 def loss_scaler(optimizer):
     """The object holding the fp16 loss scale (`cur_scale`, dynamic-scaling counters), or None without one."""
     scaler = getattr(optimizer, "loss_scaler", None)
-    if scaler is None and isinstance(optimizer, FP16_UnfusedOptimizer) and optimizer.loss_scale_config.use_grad_scaling:
-        scaler = optimizer.loss_scale_config
-    return scaler
+    return scaler if scaler is not None else unfused_loss_scale(optimizer)
 
 
 def master(param: torch.nn.Parameter) -> torch.Tensor:
@@ -71,9 +80,8 @@ def refresh_working_copies(optimizer) -> None:
     """After masters were written (a resume), make the model's low-precision parameters match them."""
     if isinstance(optimizer, FP16_UnfusedOptimizer):
         with torch.no_grad():
-            for lp_group, fp32_group in zip(optimizer.fp16_groups, optimizer.fp32_groups):
-                for lp, fp32 in zip(lp_group, fp32_group):
-                    lp.copy_(fp32)
+            for lp, fp32 in unfused_pairs(optimizer):
+                lp.copy_(fp32)
 
 
 def is_partitioned(param: torch.nn.Parameter) -> bool:
@@ -133,8 +141,8 @@ def set_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         param.ds_tensor.data.copy_(safe_get_local_fp32_param(param).to(param.ds_tensor.dtype))
     else:
         with torch.no_grad():
-            if master(param) is not param:
-                master(param).copy_(value.to(param.device, torch.float32))
+            if (fp32 := master(param)) is not param:
+                fp32.copy_(value.to(param.device, torch.float32))
             param.copy_(value.to(param.device, param.dtype))
 
 
