@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moep_ds.layers.glu import gated_activation
 from moep_ds.registry import FFNS
 from moep_ds.schema import PositiveInt
 
@@ -51,9 +52,9 @@ class GeluMLP(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """out = W2 (act(W1 x) * W3 x)."""
+    """out = W2 (act(W1 x) * W3 x); act(.) * . as one fused kernel where it pays (layers/glu.py)."""
 
-    activation = staticmethod(F.silu)
+    kind = "swiglu"
 
     def __init__(self, cfg: FFNConfig, d_model: int):
         super().__init__()
@@ -63,22 +64,18 @@ class GatedMLP(nn.Module):
         self.w2 = nn.Linear(hidden, d_model, bias=cfg.bias)  # down
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.activation(self.w1(x_TD)) * self.w3(x_TD))
+        return self.w2(gated_activation(self.kind, self.w1(x_TD), self.w3(x_TD)))
 
 
 @FFNS.register("swiglu", config=FFNConfig)
 class SwiGLU(GatedMLP):
-    activation = staticmethod(F.silu)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+    kind = "swiglu"
 
 
 @FFNS.register("geglu", config=FFNConfig)
 class GeGLU(GatedMLP):
     # Gemma uses the tanh approximation of GELU in its gated FFN.
-    activation = staticmethod(gelu_tanh)
+    kind = "geglu"
 
 
 def build_ffn(cfg: FFNConfig, d_model: int) -> nn.Module:

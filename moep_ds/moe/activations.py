@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moep_ds.layers.ffn import gelu_tanh
+from moep_ds.layers.glu import gelu_tanh
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 

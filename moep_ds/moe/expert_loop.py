@@ -3,6 +3,7 @@
 # S tokens grouped by expert (counts[e] rows for expert e), E experts, D model dim, F expert hidden dim
 
     forward, per expert e:   h1 = x W1[e] + b1,  h3 = x W3[e] + b3,  a = act(h1) * h3,  y = a W2[e] + b2
+                             (act(h1) * h3 and its backward: one fused kernel each where it pays, layers/glu.py)
     backward, per expert e:  dW2 = a^T dy,  da = dy W2^T,  dh3 = da * act(h1),  dh1 = act'(h1) * da * h3,
                              dW1 = x^T dh1,  dW3 = x^T dh3,  dx = dh1 W1^T + dh3 W3^T   (biases: column sums)
 
@@ -18,6 +19,7 @@ from typing import Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
+from moep_ds.layers.glu import gated_activation, gated_activation_backward
 from moep_ds.moe.activations import ACTIVATION_GRADS, EXPERT_ACTIVATIONS
 
 
@@ -45,12 +47,13 @@ class ExpertLoopFFN(torch.autograd.Function):
             h1 = torch.mm(x, w1_EDF[e], out=h1_SF[rows])
             if b1_EF is not None:
                 h1.add_(b1_EF[e])
-            a = act(h1)
-            if w3_EDF is not None:
+            if w3_EDF is None:
+                a = act(h1)
+            else:
                 h3 = torch.mm(x, w3_EDF[e], out=h3_SF[rows])
                 if b3_EF is not None:
                     h3.add_(b3_EF[e])
-                a.mul_(h3)
+                a = gated_activation(kind, h1, h3)
             y = torch.mm(a, w2_EFD[e], out=y_SD[rows])
             if b2_ED is not None:
                 y.add_(b2_ED[e])
@@ -77,15 +80,16 @@ class ExpertLoopFFN(torch.autograd.Function):
             if rows.start == rows.stop:
                 continue  # no tokens: zero gradients (buffers start at zero)
             x, h1, dy = x_SD[rows], h1_SF[rows], dy_SD[rows]
-            act_h1 = act(h1)
             h3 = h3_SF[rows] if h3_SF is not None else None
             if dw2 is not None:
-                torch.mm((act_h1 * h3 if h3 is not None else act_h1).t(), dy, out=dw2[e])
+                torch.mm((act(h1) if h3 is None else gated_activation(ctx.kind, h1, h3)).t(), dy, out=dw2[e])
             if db2 is not None:
                 torch.sum(dy, 0, out=db2[e])
             da = dy @ w2_EFD[e].t()
-            dh1 = act_grad(da * h3 if h3 is not None else da, h1)
-            dh3 = da.mul_(act_h1) if h3 is not None else None  # da is not needed any more
+            if h3 is None:
+                dh1, dh3 = act_grad(da, h1), None
+            else:
+                dh1, dh3 = gated_activation_backward(ctx.kind, da, h1, h3)
             for dw, db, dh in ((dw1, db1, dh1), (dw3, db3, dh3)):
                 if dh is not None and dw is not None:
                     torch.mm(x.t(), dh, out=dw[e])

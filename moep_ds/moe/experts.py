@@ -5,6 +5,7 @@
 
     gelu:   y = W2 gelu(W1 x + b1) + b2
     swiglu: y = W2 (silu(W1 x) * W3 x)          geglu: the same with tanh-approximated GELU (Gemma)
+    (the gated product act(.) * . runs as one fused kernel per direction where it pays: layers/glu.py)
 
 Each expert is initialised and computed exactly like the dense FFN of the same kind (moep_ds.layers.ffn).
 Weights are stacked (w1_EDF, w3_EDF, w2_EFD) and applied to one expert-sorted token buffer. Kernels
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from moep_ds.layers.ffn import GATED, FFNConfig, ffn_hidden_size
+from moep_ds.layers.glu import gated_activation
 from moep_ds.moe.activations import EXPERT_ACTIVATIONS
 from moep_ds.moe.expert_loop import expert_loop_ffn
 from moep_ds.moe.grouped_mm import expert_offsets, grouped_mm, library_grouped_mm, library_supports
@@ -40,9 +42,11 @@ def expert_ffn(
     kind: str,
 ) -> torch.Tensor:
     """One expert: [C, D] tokens, its [D, F] / [F, D] weights (the definition; see grouped_expert_ffn)."""
-    h = EXPERT_ACTIVATIONS[kind](x @ w1 if b1 is None else x @ w1 + b1)
-    if w3 is not None:
-        h = h * (x @ w3 if b3 is None else x @ w3 + b3)
+    h = x @ w1 if b1 is None else x @ w1 + b1
+    if w3 is None:
+        h = EXPERT_ACTIVATIONS[kind](h)
+    else:
+        h = gated_activation(kind, h, x @ w3 if b3 is None else x @ w3 + b3)
     y = h @ w2
     return y if b2 is None else y + b2
 
@@ -73,10 +77,12 @@ def grouped_expert_ffn(
     else:
         mm = lambda x, w: grouped_mm(x, w, counts)  # noqa: E731
     h_SF = mm(x_SD, w1_EDF)
-    h_SF = EXPERT_ACTIVATIONS[kind](h_SF if b1_EF is None else h_SF + per_token(b1_EF))
-    if w3_EDF is not None:
+    h_SF = h_SF if b1_EF is None else h_SF + per_token(b1_EF)
+    if w3_EDF is None:
+        h_SF = EXPERT_ACTIVATIONS[kind](h_SF)
+    else:
         up_SF = mm(x_SD, w3_EDF)
-        h_SF = h_SF * (up_SF if b3_EF is None else up_SF + per_token(b3_EF))
+        h_SF = gated_activation(kind, h_SF, up_SF if b3_EF is None else up_SF + per_token(b3_EF))
     y_SD = mm(h_SF, w2_EFD)
     return y_SD if b2_ED is None else y_SD + per_token(b2_ED)
 
