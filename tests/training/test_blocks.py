@@ -11,6 +11,7 @@ from torch import nn
 
 from moep_ds import build_model
 from moep_ds.config import config_from_dict
+from moep_ds.layers import glu
 from moep_ds.recompute import is_recomputing
 from moep_ds.training.blocks import apply_block_options, checkpointed
 from tiny import DS_CONFIGS, launch, losses, recipe, write_recipe
@@ -80,6 +81,27 @@ def test_activation_checkpointing_keeps_losses_gradients_statistics_and_names():
     for name, value in stats_plain.items():
         assert torch.equal(stats_ckpt[name], value), name
     assert all(v.item() == 3 for n, v in stats_ckpt.items() if n.endswith("num_threshold_updates"))
+
+
+def test_fused_gated_activation_in_every_block_type(monkeypatch):
+    """layers/glu.py's kernels, forced on for these small buffers, in the dense, expert and MSIT SwiGLUs: losses and
+    gradients as unfused to rounding; with activation checkpointing (recomputing the fused forward) identical."""
+    losses_unfused, grads_unfused = train(tiny("mixed"), 3)
+    calls = []
+    kernels = glu.kernels
+    monkeypatch.setattr(glu, "kernels", lambda kind: calls.append(kind) or kernels(kind))
+    monkeypatch.setattr(glu, "FUSED_MIN_NUMEL", 0)
+    losses_fused, grads_fused = train(tiny("mixed"), 3)
+    assert calls.count("swiglu") >= 2 * 3 * 4  # forward and backward, 3 steps, 4 blocks with SwiGLU
+    assert losses_fused == pytest.approx(losses_unfused, abs=1e-5, rel=0)
+    for name, grad in grads_unfused.items():
+        torch.testing.assert_close(grads_fused[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    ckpt = tiny("mixed")
+    apply_block_options(ckpt, activation_checkpointing=True, compile=False)
+    losses_ckpt, grads_ckpt = train(ckpt, 3)
+    assert losses_ckpt == losses_fused
+    for name, grad in grads_fused.items():
+        torch.testing.assert_close(grads_ckpt[name], grad, rtol=0, atol=0, msg=name)
 
 
 def test_activation_checkpointing_saves_activation_memory():
