@@ -29,8 +29,9 @@ from torch.autograd.function import once_differentiable
 
 logger = logging.getLogger(__name__)
 
-# Below this many elements the buffers sit in cache and the unfused kernels are as fast: no compilation.
-FUSED_MIN_NUMEL = 1 << 18
+# Below this many elements the buffers sit in cache and the unfused kernels are as fast or faster (measured on
+# CPU: 0.26M elements 1.19x the unfused time, 0.52M 0.85x, 2M and more ~0.66x): no compilation.
+FUSED_MIN_NUMEL = 1 << 19
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
