@@ -152,3 +152,12 @@ def test_ffns_and_experts_use_it_with_unchanged_results(where, monkeypatch, kern
     assert len(kernel_calls) >= 2  # forward and backward
     for f, u in zip(fused, unfused):
         torch.testing.assert_close(f, u)
+
+
+def test_inside_a_compiled_region_the_expression_is_left_to_the_compiler(fused_everywhere, kernel_calls):
+    """Under train.compile the block's own compilation fuses act(gate) * up; no compiled kernel inside a graph."""
+    gate, up, _ = operands(torch.float32)
+    compiled = torch.compile(lambda g, u: glu.gated_activation("swiglu", g, u) * 2.0)
+    out = compiled(gate, up)
+    assert kernel_calls == []
+    torch.testing.assert_close(out, 2.0 * glu.unfused("swiglu", gate, up))
