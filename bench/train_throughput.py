@@ -26,8 +26,16 @@ process, so that peak memory is a clean per-process high-water mark. Per row:
 Targets (printed, not asserted): ZeRO-2 on 1 process >= 0.90 x plain; ZeRO-2 / ZeRO-0 optimizer state per rank
 on 2 processes <= 0.55.
 
+--paired (one process per model and stage) alternates the two sides step by step instead: a plain-loop step, a
+Trainer step (`train_step`, ZeRO-S on this one process), the order swapped every pair, each timed in CPU time.
+It prints the median over step pairs of plain step time / Trainer step time (= Trainer tok/s / plain tok/s) and
+its interquartile range. A shared VM's speed drifts by 10-20% over the seconds a row takes, which moves the
+per-row ratios above by as much; within a pair the drift cancels. Memory columns need a process per side, so
+this mode prints none.
+
     python bench/train_throughput.py                                   # 3 models x (plain + ZeRO 0-3 x 1, 2 procs)
     python bench/train_throughput.py --models dense --stages 0 2 --nprocs 2 --size toy --steps 4   # seconds
+    python bench/train_throughput.py --paired --stages 2 --steps 60 --repeats 2     # ZeRO-2 x1 vs plain, paired
 """
 from __future__ import annotations
 
@@ -84,11 +92,13 @@ def recipe_overrides(model: str, size: str, out_dir: pathlib.Path, steps: int) -
 @dataclasses.dataclass(frozen=True)
 class Row:
     model: str
-    mode: str  # "plain" or "zero0" .. "zero3"
+    mode: str  # "plain", "zero0" .. "zero3", or "paired0" .. "paired3" (--paired: plain and ZeRO-S alternating)
     nproc: int
 
     @property
     def name(self) -> str:
+        if self.mode.startswith("paired"):
+            return f"zero{self.mode[-1]} x1 / plain, paired"
         return "plain" if self.mode == "plain" else f"{self.mode} x{self.nproc}"
 
 
@@ -146,6 +156,19 @@ def state_bytes(optimizer) -> int:
 def plain_loop(cfg, device, warmup: int) -> tuple[float, float, object]:
     """The reference loop; returns (median tokens/s over the steps after `warmup`, the same in CPU time, the
     optimizer)."""
+    step, optimizer = plain_stepper(cfg, device)
+    seconds, cpu_seconds = [], []
+    for _ in range(cfg.train.max_steps):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        step()
+        seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - cpu_start)
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    return tokens / statistics.median(seconds[warmup:]), tokens / statistics.median(cpu_seconds[warmup:]), optimizer
+
+
+def plain_stepper(cfg, device):  # noqa: ANN201
+    """(one step of the reference loop, its optimizer)."""
     import torch
 
     from moep_ds.data.dataset import PackedDataset
@@ -162,9 +185,8 @@ def plain_loop(cfg, device, warmup: int) -> tuple[float, float, object]:
     loader = BatchLoader(dataset, micro_batch_size=cfg.train.micro_batch_size, grad_accum=1, dp_rank=0, dp_size=1,
                          seed=cfg.train.seed)
     clip = cfg.train.grad_clip or 1.0  # the Trainer's default clipping, so both sides do the same work
-    seconds, cpu_seconds = [], []
-    for _ in range(cfg.train.max_steps):
-        start, cpu_start = time.perf_counter(), time.process_time()
+
+    def step() -> None:
         input_ids, labels = loader.next_micro_batch()
         out = model(input_ids.to(device), labels=labels.to(device))
         out.loss.backward()
@@ -173,10 +195,28 @@ def plain_loop(cfg, device, warmup: int) -> tuple[float, float, object]:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         float(out.loss.detach())  # the Trainer reads its losses every step too (and synchronises a GPU)
-        seconds.append(time.perf_counter() - start)
-        cpu_seconds.append(time.process_time() - cpu_start)
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
-    return tokens / statistics.median(seconds[warmup:]), tokens / statistics.median(cpu_seconds[warmup:]), optimizer
+
+    return step, optimizer
+
+
+def paired_run(cfg, ds: dict, device, warmup: int) -> dict:
+    """--paired: plain-loop and Trainer steps alternating in this process (order swapped every pair); the
+    per-pair ratios plain CPU time / Trainer CPU time after `warmup` pairs, and each side's median step time."""
+    from moep_ds.training.trainer import Trainer
+
+    plain_step, _ = plain_stepper(cfg, device)
+    trainer = Trainer(cfg, ds, None)
+    trainer.engine.train()
+    sides = {"plain": plain_step, "trainer": trainer.train_step}
+    cpu = {name: [] for name in sides}
+    for i in range(cfg.train.max_steps):
+        for name in (("plain", "trainer") if i % 2 == 0 else ("trainer", "plain")):
+            start = time.process_time()
+            sides[name]()
+            cpu[name].append(time.process_time() - start)
+    pairs = list(zip(cpu["plain"], cpu["trainer"]))[warmup:]
+    return {"ratios": [p / t for p, t in pairs], "plain_s": statistics.median(p for p, _ in pairs),
+            "trainer_s": statistics.median(t for _, t in pairs)}
 
 
 def trainer_run(cfg, ds: dict, warmup: int) -> tuple[float | None, float, object]:
@@ -222,6 +262,11 @@ def worker(row: Row, args: argparse.Namespace) -> None:
     baseline = current_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if row.mode.startswith("paired"):
+        result = {"rank": rank, **paired_run(cfg, ds_config(int(row.mode[-1]), args.precision), device, args.warmup)}
+        pathlib.Path(args.result).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+        return
     if row.mode == "plain":
         tokens_per_s, cpu_rate, optimizer = plain_loop(cfg, device, args.warmup)
     else:
@@ -309,6 +354,31 @@ def targets(models: list[str], results: dict[Row, dict], clock: str = "cpu") -> 
     return lines
 
 
+def paired_table(rows: list[Row], results: dict[Row, list[dict]]) -> list[str]:
+    """--paired: per model and stage, the median of all step-pair ratios over the repeats, with quartiles."""
+    lines = ["| model | run | plain CPU ms/step | ZeRO CPU ms/step | ZeRO / plain (median of pairs) | quartiles |"
+             " pairs |", "|---|---|---:|---:|---:|---|---:|"]
+    for row in rows:
+        runs = results[row]
+        ratios = [r for run in runs for r in run["ratios"]]
+        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        plain_ms = 1e3 * statistics.median(run["plain_s"] for run in runs)
+        zero_ms = 1e3 * statistics.median(run["trainer_s"] for run in runs)
+        lines.append(f"| {row.model} | {row.name} | {plain_ms:.1f} | {zero_ms:.1f} | "
+                     f"{statistics.median(ratios):.3f} | {q1:.3f}-{q3:.3f} | {len(ratios)} |")
+    return lines
+
+
+def paired_targets(rows: list[Row], results: dict[Row, list[dict]]) -> list[str]:
+    lines = []
+    for row in rows:
+        if row.mode == "paired2":
+            ratio = statistics.median(r for run in results[row] for r in run["ratios"])
+            lines.append(f"{row.model}: ZeRO-2 x1 / plain, CPU time, median of step pairs = {ratio:.3f} "
+                         f"(target >= 0.90: {'met' if ratio >= 0.9 else 'MISSED'})")
+    return lines
+
+
 def prepare_data(args: argparse.Namespace) -> None:
     """Prepare (or find) the corpus once, before rows start, so no row times a tokenizer."""
     from moep_ds.config import load_config
@@ -330,6 +400,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
     p.add_argument("--clock", default="cpu", choices=["cpu", "wall"], help="which tok/s the targets use")
+    p.add_argument("--paired", action="store_true",
+                   help="one process per model and stage alternating plain and Trainer steps (module docstring)")
     p.add_argument("--work_dir", default=None, help="run directories (default: a temporary folder)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -347,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="moep_throughput_") as tmp:
         args.work_dir = args.work_dir or tmp
         prepare_data(args)
+        if args.paired:
+            return paired_main(args, pathlib.Path(tmp))
         rows = [Row(m, "plain", 1) for m in args.models]
         rows += [Row(m, f"zero{s}", n) for m in args.models for n in sorted(args.nprocs) for s in args.stages]
         rows.sort(key=lambda r: list(RECIPES).index(r.model))
@@ -365,6 +439,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs")
     print("\n".join(table(rows, results)))
     print("\n".join(targets(args.models, results, args.clock)))
+    return 0
+
+
+def paired_main(args: argparse.Namespace, tmp: pathlib.Path) -> int:
+    rows = [Row(m, f"paired{s}", 1) for m in args.models for s in args.stages]
+    results: dict[Row, list[dict]] = {row: [] for row in rows}
+    for repeat in range(args.repeats):
+        for i, row in enumerate(rows):
+            results[row] += launch(row, args, tmp / f"paired{i}_{repeat}.json")
+    print(f"# train_throughput --paired: size {args.size} {SIZES[args.size]}, {args.steps} step pairs per run "
+          f"(first {args.warmup} left out), {args.repeats} run(s), {args.precision}, {args.threads} thread(s), "
+          f"{os.cpu_count()} CPUs")
+    print("\n".join(paired_table(rows, results)))
+    print("\n".join(paired_targets(rows, results)))
     return 0
 
 
