@@ -54,3 +54,26 @@ def test_toy_run_prints_the_table_and_zero2_halves_optimizer_state():
     assert float(rows["zero2 x2"][3]) == pytest.approx(float(rows["zero2 x2"][2]) / 2, abs=1)
     # the plain loop holds all Adam state, as ZeRO-0 does; ZeRO-2 on 2 ranks holds half per rank (plus padding)
     assert float(rows["zero2 x2"][8]) <= 0.55 * float(rows["plain"][8])
+
+
+def test_paired_summary_pools_the_pairs_of_every_run():
+    row = tt.Row("nova_moe", "paired2", 1)
+    runs = [{"ratios": [0.80, 0.90, 1.00], "plain_s": 0.10, "trainer_s": 0.11},
+            {"ratios": [0.85, 0.95], "plain_s": 0.20, "trainer_s": 0.22}]
+    [line] = tt.paired_table([row], {row: runs})[2:]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:5] == ["nova_moe", "zero2 x1 / plain, paired", "150.0", "165.0", "0.900"]
+    assert cells[6] == "5"
+    [target] = tt.paired_targets([row, tt.Row("nova_moe", "paired0", 1)], {row: runs})
+    assert target == "nova_moe: ZeRO-2 x1 / plain, CPU time, median of step pairs = 0.900 (target >= 0.90: met)"
+
+
+@pytest.mark.slow
+def test_toy_paired_run_alternates_plain_and_trainer_steps():
+    proc = run("train_throughput.py", "--paired", "--models", "dense", "--stages", "2", "--size", "toy",
+               "--steps", "6", "--warmup", "2")
+    [row] = table_rows(proc.stdout)
+    assert row[1] == "zero2 x1 / plain, paired" and row[6] == "4"
+    plain_ms, zero_ms, ratio = float(row[2]), float(row[3]), float(row[4])
+    assert plain_ms > 0 and zero_ms > 0 and 0.1 < ratio < 10
+    assert "dense: ZeRO-2 x1 / plain, CPU time, median of step pairs" in proc.stdout
