@@ -50,7 +50,7 @@ def combine_tokens(y_SD: torch.Tensor, plan: RoutingPlan, out_dtype: torch.dtype
     acc = torch.promote_types(y_SD.dtype, plan.weight_S.dtype)
     weighted_SD = y_SD.to(acc) * plan.weight_S.to(acc).unsqueeze(-1)
     out_TD = weighted_SD.new_zeros(plan.num_tokens, y_SD.shape[-1])
-    return out_TD.index_add(0, plan.token_idx_S, weighted_SD).to(out_dtype)
+    return out_TD.index_add_(0, plan.token_idx_S, weighted_SD).to(out_dtype)  # in place: no copy of the zeros
 
 
 class Dispatcher:

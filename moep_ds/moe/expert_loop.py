@@ -30,8 +30,8 @@ def expert_slices(counts: tuple[int, ...]) -> Iterator[tuple[int, slice]]:
         start += n
 
 
-def _zeros_if(t: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
-    return torch.zeros_like(t) if t is not None and needed else None
+def _empty_if(t: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
+    return torch.empty_like(t) if t is not None and needed else None
 
 
 class ExpertLoopFFN(torch.autograd.Function):
@@ -70,15 +70,19 @@ class ExpertLoopFFN(torch.autograd.Function):
         need = ctx.needs_input_grad
         dy_SD = dy_SD.contiguous()
         dx_SD = torch.empty_like(x_SD) if need[0] else None
-        dw1, dw2, dw3 = (_zeros_if(w, need[i]) for i, w in zip((3, 4, 5), (w1_EDF, w2_EFD, w3_EDF)))
+        # written expert by expert (mm out=); only an expert without tokens is zeroed, not the whole buffer
+        dw1, dw2, dw3 = (_empty_if(w, need[i]) for i, w in zip((3, 4, 5), (w1_EDF, w2_EFD, w3_EDF)))
         E = w1_EDF.shape[0]
         has_b1, has_b2, has_b3 = ctx.biases
         db1 = x_SD.new_zeros(E, w1_EDF.shape[2]) if has_b1 and need[6] else None
         db2 = x_SD.new_zeros(E, w2_EFD.shape[2]) if has_b2 and need[7] else None
         db3 = x_SD.new_zeros(E, w1_EDF.shape[2]) if has_b3 and need[8] else None
         for e, rows in expert_slices(ctx.counts):
-            if rows.start == rows.stop:
-                continue  # no tokens: zero gradients (buffers start at zero)
+            if rows.start == rows.stop:  # no tokens: zero weight gradients (bias buffers start at zero)
+                for dw in (dw1, dw2, dw3):
+                    if dw is not None:
+                        dw[e].zero_()
+                continue
             x, h1, dy = x_SD[rows], h1_SF[rows], dy_SD[rows]
             h3 = h3_SF[rows] if h3_SF is not None else None
             if dw2 is not None:

@@ -108,3 +108,23 @@ def test_kernel_choice():
     assert choose_kernel(torch.zeros(4, 8), w, [2, 0, 1, 1]) == "library"
     assert choose_kernel(torch.zeros(4, 8, dtype=torch.float64), w.double(), [2, 0, 1, 1]) == "loop"
     assert not library_supports(torch.zeros(4, 6), torch.zeros(E, 6, 12))  # 24-byte rows: not 16-byte aligned
+
+
+def test_expert_loop_writes_every_weight_gradient_element(monkeypatch):
+    """The weight-gradient buffers start uninitialised (no zero fill of [E, D, F]); poisoned with NaN here, the
+    result must still equal the definition, the idle expert's gradients exactly zero."""
+    from moep_ds.moe import expert_loop
+
+    def poisoned(t, needed):
+        return torch.full_like(t, float("nan")) if t is not None and needed else None
+
+    monkeypatch.setattr(expert_loop, "_empty_if", poisoned)
+    experts = experts_of("swiglu", True)
+    counts = [3, 0, 5, 1]
+    x = torch.randn(sum(counts), D, dtype=torch.float64, requires_grad=True)
+    params = [x, *experts.parameters()]
+    ours = torch.autograd.grad(expert_loop_ffn(x, counts, *experts.weights(), "swiglu").sum(), params)
+    expected = torch.autograd.grad(per_expert(experts, x, counts).sum(), params, allow_unused=True)
+    for a, b, p in zip(ours, expected, params):
+        torch.testing.assert_close(a, torch.zeros_like(p) if b is None else b)
+    assert all(torch.equal(grad[1], torch.zeros_like(grad[1])) for grad in ours[1:])
