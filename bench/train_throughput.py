@@ -354,14 +354,19 @@ def targets(models: list[str], results: dict[Row, dict], clock: str = "cpu") -> 
     return lines
 
 
+def pooled_ratios(runs: list[dict]) -> list[float]:
+    """--paired: the step-pair ratios of every run (repeat) of one row."""
+    return [r for run in runs for r in run["ratios"]]
+
+
 def paired_table(rows: list[Row], results: dict[Row, list[dict]]) -> list[str]:
     """--paired: per model and stage, the median of all step-pair ratios over the repeats, with quartiles."""
     lines = ["| model | run | plain CPU ms/step | ZeRO CPU ms/step | ZeRO / plain (median of pairs) | quartiles |"
              " pairs |", "|---|---|---:|---:|---:|---|---:|"]
     for row in rows:
         runs = results[row]
-        ratios = [r for run in runs for r in run["ratios"]]
-        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        ratios = pooled_ratios(runs)
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
         plain_ms = 1e3 * statistics.median(run["plain_s"] for run in runs)
         zero_ms = 1e3 * statistics.median(run["trainer_s"] for run in runs)
         lines.append(f"| {row.model} | {row.name} | {plain_ms:.1f} | {zero_ms:.1f} | "
@@ -373,7 +378,7 @@ def paired_targets(rows: list[Row], results: dict[Row, list[dict]]) -> list[str]
     lines = []
     for row in rows:
         if row.mode == "paired2":
-            ratio = statistics.median(r for run in results[row] for r in run["ratios"])
+            ratio = statistics.median(pooled_ratios(results[row]))
             lines.append(f"{row.model}: ZeRO-2 x1 / plain, CPU time, median of step pairs = {ratio:.3f} "
                          f"(target >= 0.90: {'met' if ratio >= 0.9 else 'MISSED'})")
     return lines

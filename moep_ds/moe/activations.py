@@ -1,6 +1,7 @@
-"""Expert activations by FFN kind, and their derivatives (for the hand-written expert-loop backward).
+"""Expert activations by FFN kind, and the derivative of the ungated one (for the hand-written expert-loop backward).
 
-gelu: exact GELU (the dense GELU MLP); swiglu: SiLU gate; geglu: tanh-approximated GELU gate (Gemma).
+gelu: exact GELU (the dense GELU MLP); swiglu: SiLU gate; geglu: tanh-approximated GELU gate (Gemma). The gated
+kinds' product act(gate) * up and its backward are layers/glu.py's `gated_activation(_backward)`.
 """
 from __future__ import annotations
 
@@ -9,17 +10,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moep_ds.layers.glu import gelu_tanh
+from moep_ds.layers.glu import GATE_ACTIVATIONS
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
-EXPERT_ACTIVATIONS: dict[str, Activation] = {"gelu": F.gelu, "swiglu": F.silu, "geglu": gelu_tanh}
+EXPERT_ACTIVATIONS: dict[str, Activation] = {"gelu": F.gelu, **GATE_ACTIVATIONS}
 
-# grad(g, h) = g * act'(h), the kernels autograd itself uses for these activations
+# grad(g, h) = g * gelu'(h), the kernel autograd itself uses
 ACTIVATION_GRADS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "gelu": lambda g, h: torch.ops.aten.gelu_backward(g, h),
-    "swiglu": lambda g, h: torch.ops.aten.silu_backward(g, h),
-    "geglu": lambda g, h: torch.ops.aten.gelu_backward(g, h, approximate="tanh"),
 }
 
 __all__ = ["ACTIVATION_GRADS", "EXPERT_ACTIVATIONS"]

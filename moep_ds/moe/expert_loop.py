@@ -66,7 +66,7 @@ class ExpertLoopFFN(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy_SD):  # noqa: ANN001, ANN205
         x_SD, h1_SF, h3_SF, w1_EDF, w2_EFD, w3_EDF = ctx.saved_tensors
-        act, act_grad = EXPERT_ACTIVATIONS[ctx.kind], ACTIVATION_GRADS[ctx.kind]
+        act = EXPERT_ACTIVATIONS[ctx.kind]
         need = ctx.needs_input_grad
         dy_SD = dy_SD.contiguous()
         dx_SD = torch.empty_like(x_SD) if need[0] else None
@@ -91,7 +91,7 @@ class ExpertLoopFFN(torch.autograd.Function):
                 torch.sum(dy, 0, out=db2[e])
             da = dy @ w2_EFD[e].t()
             if h3 is None:
-                dh1, dh3 = act_grad(da, h1), None
+                dh1, dh3 = ACTIVATION_GRADS[ctx.kind](da, h1), None
             else:
                 dh1, dh3 = gated_activation_backward(ctx.kind, da, h1, h3)
             for dw, db, dh in ((dw1, db1, dh1), (dw3, db3, dh3)):
