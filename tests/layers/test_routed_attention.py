@@ -178,6 +178,23 @@ def test_cached_decoding_matches_routed_forward(window, num_kv_heads):
         assert cache.k_BSGd.shape[1] == window
 
 
+@pytest.mark.slow
+def test_flex_attention_forward_on_cpu_matches_the_sdpa_path():
+    """The CUDA path's block mask and compiled FlexAttention call, run forward on the CPU (FlexAttention has a CPU
+    forward, no CPU backward): same sequence, causal and window by original position, as the SDPA path."""
+    H, Dh = 2, 16
+    for B, T, window, density in [(3, 40, 8, 0.5), (2, 70, None, 0.6)]:
+        sel_BT, pos_BT = random_case(B, T, density, seed=B * 10 + T)
+        q, k, v = (torch.randn(B, T, H, Dh) for _ in range(3))
+        b_N, t_N, pos_N = compact(sel_BT, pos_BT)
+        args = (q[b_N, t_N], k[b_N, t_N], v[b_N, t_N], b_N, pos_N, window)
+        want = ra.routed_attention(*args, kernel="sdpa")
+        float_args = (x.float() for x in args[:3])  # FlexAttention's CPU kernel takes fp32/fp16/bf16
+        got = ra.routed_attention(*float_args, *args[3:], kernel="flex")
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(want, dense_masked_reference(q, k, v, sel_BT, pos_BT, window)[b_N, t_N])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention path is CUDA-only (no CPU backward)")
 @pytest.mark.parametrize("B,T,window,density,chunk", CASES + [(4, 300, 16, 0.4, None), (2, 400, None, 0.5, None)])
 def test_flex_attention_on_cuda_matches_the_cpu_reference(B, T, window, density, chunk):
