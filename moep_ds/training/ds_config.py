@@ -7,10 +7,12 @@ Activation checkpointing and compilation are the recipe's alone (train.activatio
 train.compile): a JSON with DeepSpeed's own `activation_checkpointing` or `compile` section is refused.
 
 Everything else `reconcile` adds only fills keys the JSON leaves out or sets to "auto"; a value the user wrote is
-never replaced (one that cannot work, such as contiguous_gradients false for ZeRO-2 with expert parallelism,
+never replaced (one that cannot work, such as contiguous_gradients false for ZeRO-1/2 with expert parallelism,
 is an error). `zero_optimization.contiguous_gradients: "auto"` (the shipped ZeRO-1/2 JSONs) means false, the
-faster setting for these models on one device (ds_configs/README.md), except under ZeRO-2 with expert
-parallelism, which DeepSpeed only runs with contiguous gradients.
+faster setting for these models on one device (ds_configs/README.md), except under ZeRO-1/2 with expert
+parallelism: only DeepSpeed's contiguous, reduce-scattered path averages an expert's gradient over its
+expert-data-parallel group; the other path all-reduces every gradient over the whole data-parallel group, which
+adds up the gradients of different experts held by different ranks.
 """
 from __future__ import annotations
 
@@ -111,7 +113,8 @@ def reconcile(ds: dict[str, Any], train: TrainConfig, world_size: int) -> dict[s
 
 def fill_zero_settings(zero: dict[str, Any], expert_parallel_size: int) -> None:
     """Resolve "auto" ZeRO settings; refuse user-written ones that DeepSpeed's MoE support cannot run."""
-    needs_contiguous = int(zero.get("stage", 0)) == 2 and expert_parallel_size > 1
+    stage = int(zero.get("stage", 0))
+    needs_contiguous = stage in (1, 2) and expert_parallel_size > 1  # module docstring
     if is_unset(zero.get("contiguous_gradients", True)):
         # false is faster for these models (fewer copies into the contiguous buffer; ds_configs/README.md)
         zero["contiguous_gradients"] = needs_contiguous
@@ -121,8 +124,9 @@ def fill_zero_settings(zero: dict[str, Any], expert_parallel_size: int) -> None:
         for key in ("contiguous_gradients", "reduce_scatter"):
             if zero.get(key) is False:
                 raise DeepSpeedConfigError(
-                    f"ds_config zero_optimization.{key} (false) must be true for ZeRO stage 2 with "
-                    f"train.expert_parallel_size ({expert_parallel_size}); DeepSpeed's MoE support requires it"
+                    f"ds_config zero_optimization.{key} (false) must be true for ZeRO stage {stage} with "
+                    f"train.expert_parallel_size ({expert_parallel_size}); DeepSpeed averages expert gradients "
+                    f"over their expert-data-parallel group only then"
                 )
 
 

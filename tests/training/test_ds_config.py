@@ -131,8 +131,8 @@ def test_optimizer_offload_accepts_the_recipes_adamw_unless_the_user_says_otherw
     assert "zero_force_ds_cpu_optimizer" not in reconcile({"zero_optimization": {"stage": 2}}, train(), world_size=1)
 
 
-@pytest.mark.parametrize("stage,ep,expected", [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, True)])
-def test_auto_contiguous_gradients_is_false_unless_expert_parallel_zero2_needs_it(stage, ep, expected):
+@pytest.mark.parametrize("stage,ep,expected", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, True)])
+def test_auto_contiguous_gradients_is_false_unless_expert_parallelism_needs_it(stage, ep, expected):
     ds = reconcile({"zero_optimization": {"stage": stage, "contiguous_gradients": "auto"}},
                    train(expert_parallel_size=ep), world_size=2)
     assert ds["zero_optimization"]["contiguous_gradients"] is expected
@@ -143,12 +143,14 @@ def test_absent_zero_settings_stay_absent():
     assert "contiguous_gradients" not in ds["zero_optimization"]
 
 
-def test_expert_parallel_zero2_refuses_settings_deepspeed_cannot_run():
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("key", ["contiguous_gradients", "reduce_scatter"])
+def test_expert_parallel_zero12_refuses_settings_that_mix_experts_gradients(stage, key):
     with pytest.raises(DeepSpeedConfigError) as err:
-        reconcile({"zero_optimization": {"stage": 2, "contiguous_gradients": False}},
-                  train(expert_parallel_size=2), world_size=2)
-    assert str(err.value) == ("ds_config zero_optimization.contiguous_gradients (false) must be true for ZeRO stage 2 "
-                              "with train.expert_parallel_size (2); DeepSpeed's MoE support requires it")
+        reconcile({"zero_optimization": {"stage": stage, key: False}}, train(expert_parallel_size=2), world_size=2)
+    assert str(err.value) == (f"ds_config zero_optimization.{key} (false) must be true for ZeRO stage {stage} "
+                              "with train.expert_parallel_size (2); DeepSpeed averages expert gradients over their "
+                              "expert-data-parallel group only then")
 
 
 @pytest.mark.parametrize("name", ["zero1_fp32", "zero2_fp32", "zero2_bf16", "quickstart"])

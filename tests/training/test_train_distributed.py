@@ -61,22 +61,28 @@ def test_tensorboard_events_hold_the_named_scalars(zero_matrix):
 
 @pytest.fixture(scope="module")
 def expert_parallel_runs(tmp_path_factory):
-    """2 processes: expert parallel 1 and 2 on the same global batch, checkpoints at step 5."""
+    """2 processes: expert parallel 1 and 2 on the same global batch under ZeRO 0, 1 and 2 (fp32, clipping on
+    every step), ZeRO-2's with checkpoints at step 5."""
     tmp = tmp_path_factory.mktemp("ep")
     runs, jobs = {}, []
-    for ep in (1, 2):
-        out = tmp / f"ep{ep}"
-        recipe = write_recipe(tmp / f"ep{ep}.yaml", "nova_moe", out, max_steps=8, global_batch_size=8,
-                              expert_parallel_size=ep, checkpoint={"every_steps": 5, "at_end": False})
-        jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")})
-        runs[ep] = (recipe, out)
+    for stage in (0, 1, 2):
+        for ep in (1, 2):
+            out = tmp / f"zero{stage}_ep{ep}"
+            ckpt = {"every_steps": 5 if stage == 2 else None, "at_end": False}
+            recipe = write_recipe(tmp / f"zero{stage}_ep{ep}.yaml", "nova_moe", out, max_steps=8, global_batch_size=8,
+                                  expert_parallel_size=ep, grad_clip=0.05, checkpoint=ckpt)
+            jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_fp32.json")})
+            runs[stage, ep] = (recipe, out)
     launch(2, SCRIPTS / "run_many.py", jobs_file(tmp, jobs))
     return tmp, runs
 
 
-def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs):
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs, stage):
+    """Each expert's gradient is averaged over the ranks that hold it, not added to other experts' (ZeRO-1 with
+    DeepSpeed's non-contiguous gradient path did that), and clipped by the norm over all experts."""
     _, runs = expert_parallel_runs
-    ep1, ep2 = losses(runs[1][1]), losses(runs[2][1])
+    ep1, ep2 = losses(runs[stage, 1][1]), losses(runs[stage, 2][1])
     assert sorted(ep1) == sorted(ep2) == list(range(1, 9))
     for step in range(1, 9):
         assert ep2[step] == pytest.approx(ep1[step], abs=1e-5), (step, ep1, ep2)
@@ -90,13 +96,13 @@ def resume_job(recipe, out, ckpt, **overrides):
 
 def test_checkpoints_move_between_expert_parallel_and_single_process(expert_parallel_runs):
     tmp, runs = expert_parallel_runs
-    recipe_ep2, out_ep2 = runs[2]
+    recipe_ep2, out_ep2 = runs[2, 2]
     # an expert-parallel-2 checkpoint (2 processes) resumes on 1 process
     one = tmp / "ep2_on_1p"
     ckpt = out_ep2 / "checkpoints" / "step_00000005"
     one_ref = tmp / "ref_1p"
     recipe_1p = write_recipe(tmp / "ref_1p.yaml", "nova_moe", one_ref, max_steps=8, global_batch_size=8,
-                             checkpoint={"every_steps": 5, "at_end": False})
+                             grad_clip=0.05, checkpoint={"every_steps": 5, "at_end": False})
     launch(1, SCRIPTS / "run_many.py", jobs_file(tmp, [
         resume_job(recipe_1p, one, ckpt, exit_at_step=6, expert_parallel_size=1),
         {"recipe": str(recipe_1p), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
