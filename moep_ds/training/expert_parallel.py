@@ -17,7 +17,7 @@ from moep_ds.errors import UserError
 from moep_ds.moe.all_to_all import AllToAllDispatcher
 from moep_ds.moe.dispatch import ExpertStage, shard_experts
 from moep_ds.registry import ROUTERS
-from moep_ds.training.ds_config import zero_stage
+from moep_ds.training.ds_config import precision, zero_stage
 
 
 class ParallelLayoutError(UserError):
@@ -54,6 +54,10 @@ def check_parallel_layout(cfg: Any, ds: dict, world_size: int) -> None:
         raise ParallelLayoutError(
             f"train.expert_parallel_size ({ep}) > 1 is not supported with ZeRO stage 3 (DeepSpeed refuses expert "
             f"parameters there); use ZeRO 0-2, or expert_parallel_size 1 with ZeRO-3")
+    if zero_stage(ds) == 0 and precision(ds) != "fp32":
+        raise ParallelLayoutError(
+            f"train.expert_parallel_size ({ep}) > 1 is not supported with ZeRO stage 0 in {precision(ds)} (DeepSpeed's "
+            f"optimizer there leaves expert gradients out of the gradient norm it clips by); use ZeRO 1-2, or fp32")
 
 
 def engine_view_class(cls: type) -> type:

@@ -33,6 +33,7 @@ from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.distributed import init_distributed, setup_logging
 from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import check_parallel_layout, moe_layer_classes, setup_expert_parallel
+from moep_ds.training.grad_norm import ExactClipping
 from moep_ds.training.hooks import step_callbacks
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.monitor import Monitor, drop_rows_after
@@ -238,6 +239,9 @@ class Trainer:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=self.ds, dist_init_required=False)
         adopt_unfused_masters(engine.optimizer)  # ZeRO-0 bf16/fp16: Adam's state as a fresh optimizer's
+        self.clipping = None  # ZeRO-0 fp32: the engine's clipping norm ignores expert sharding (grad_norm.py)
+        if zero_stage(self.ds) == 0 and precision(self.ds) == "fp32":
+            self.clipping = ExactClipping.install(engine, ep_group)
         log.info("model: %s | %s | ZeRO-%d | %d ranks | expert parallel %d | %d steps",
                  self.report.as_dict(), precision(self.ds), zero_stage(self.ds), self.world,
                  cfg.train.expert_parallel_size, self.max_steps)
@@ -300,6 +304,8 @@ class Trainer:
         out = {**losses, "lr": self.engine.get_lr()[0], "tokens_per_s": tokens_per_s,
                "tokens": float(self.step * self.tokens_per_step)}
         grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None and self.clipping is not None:
+            grad_norm = self.clipping.last_norm
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)
         scaler = loss_scaler(self.engine.optimizer)

@@ -92,7 +92,14 @@ def test_expert_parallel_layout_errors():
         check_parallel_layout(cfg, {"zero_optimization": {"stage": 2}}, 3)
     with pytest.raises(ParallelLayoutError, match=r"not supported with ZeRO stage 3"):
         check_parallel_layout(cfg, {"zero_optimization": {"stage": 3}}, 2)
+    with pytest.raises(ParallelLayoutError) as err:
+        check_parallel_layout(cfg, {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}, 2)
+    assert str(err.value) == ("train.expert_parallel_size (2) > 1 is not supported with ZeRO stage 0 in bf16 "
+                              "(DeepSpeed's optimizer there leaves expert gradients out of the gradient norm it "
+                              "clips by); use ZeRO 1-2, or fp32")
     check_parallel_layout(cfg, {"zero_optimization": {"stage": 2}}, 4)
+    check_parallel_layout(cfg, {"zero_optimization": {"stage": 0}}, 2)  # fp32: training/grad_norm.py
+    check_parallel_layout(cfg, {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, 2)
 
 
 def test_experts_not_divisible_by_expert_parallel_size():

@@ -41,6 +41,14 @@ def test_every_zero_stage_and_precision_trains_all_routed_blocks(zero_matrix, st
     assert last < first - 0.3, curve
 
 
+def test_every_zero_stage_and_precision_logs_the_gradient_norm(zero_matrix):
+    """ZeRO-0 fp32's norm is computed by training/grad_norm.py, the others by DeepSpeed: the same quantity."""
+    norms = {key: [m["grad_norm"] for m in metrics(run) if "loss" in m] for key, run in zero_matrix.items()}
+    assert all(len(n) == 20 for n in norms.values()), {key: len(n) for key, n in norms.items()}
+    for stage in (0, 1, 3):
+        assert norms[stage, "fp32"][:3] == pytest.approx(norms[2, "fp32"][:3], rel=1e-4), norms
+
+
 def test_tensorboard_events_hold_the_named_scalars(zero_matrix):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -59,17 +67,21 @@ def test_tensorboard_events_hold_the_named_scalars(zero_matrix):
     assert utilization and all("step" in u for u in utilization)
 
 
+EP_LAYERS = "msit"
+
+
 @pytest.fixture(scope="module")
 def expert_parallel_runs(tmp_path_factory):
     """2 processes: expert parallel 1 and 2 on the same global batch under ZeRO 0, 1 and 2 (fp32, clipping on
-    every step), ZeRO-2's with checkpoints at step 5."""
+    every step), ZeRO-2's with checkpoints at step 5. MSIT: its experts' share of the gradient norm is large enough
+    that clipping by anything but the norm over all experts shows in the losses."""
     tmp = tmp_path_factory.mktemp("ep")
     runs, jobs = {}, []
     for stage in (0, 1, 2):
         for ep in (1, 2):
             out = tmp / f"zero{stage}_ep{ep}"
             ckpt = {"every_steps": 5 if stage == 2 else None, "at_end": False}
-            recipe = write_recipe(tmp / f"zero{stage}_ep{ep}.yaml", "nova_moe", out, max_steps=8, global_batch_size=8,
+            recipe = write_recipe(tmp / f"zero{stage}_ep{ep}.yaml", EP_LAYERS, out, max_steps=8, global_batch_size=8,
                                   expert_parallel_size=ep, grad_clip=0.05, checkpoint=ckpt)
             jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_fp32.json")})
             runs[stage, ep] = (recipe, out)
@@ -80,7 +92,8 @@ def expert_parallel_runs(tmp_path_factory):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs, stage):
     """Each expert's gradient is averaged over the ranks that hold it, not added to other experts' (ZeRO-1 with
-    DeepSpeed's non-contiguous gradient path did that), and clipped by the norm over all experts."""
+    DeepSpeed's non-contiguous gradient path did that), and clipped by the norm over all experts (ZeRO-0 fp32:
+    training/grad_norm.py; DeepSpeed's own clipping there averages the ranks' norms)."""
     _, runs = expert_parallel_runs
     ep1, ep2 = losses(runs[stage, 1][1]), losses(runs[stage, 2][1])
     assert sorted(ep1) == sorted(ep2) == list(range(1, 9))
@@ -101,7 +114,7 @@ def test_checkpoints_move_between_expert_parallel_and_single_process(expert_para
     one = tmp / "ep2_on_1p"
     ckpt = out_ep2 / "checkpoints" / "step_00000005"
     one_ref = tmp / "ref_1p"
-    recipe_1p = write_recipe(tmp / "ref_1p.yaml", "nova_moe", one_ref, max_steps=8, global_batch_size=8,
+    recipe_1p = write_recipe(tmp / "ref_1p.yaml", EP_LAYERS, one_ref, max_steps=8, global_batch_size=8,
                              grad_clip=0.05, checkpoint={"every_steps": 5, "at_end": False})
     launch(1, SCRIPTS / "run_many.py", jobs_file(tmp, [
         resume_job(recipe_1p, one, ckpt, exit_at_step=6, expert_parallel_size=1),
