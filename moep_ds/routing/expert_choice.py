@@ -131,10 +131,18 @@ class ExpertChoiceRouter(Router):
             r_GNE = expert_choice_affinities(logits_GNE, cfg.score)
             token_idx_S, weight_S, counts_E, kth_E = select_topk_tokens(r_GNE, k)
             static_counts = (groups * k,) * self.num_experts
-            if self.training and not is_recomputing():  # activation checkpointing runs this forward twice
-                self.update_thresholds(kth_E, torch.logsumexp(logits_GNE.detach(), dim=1).mean(0))
+            if self.training:
+                self.record_thresholds(kth_E, torch.logsumexp(logits_GNE.detach(), dim=1).mean(0))
         stats = routing_stats(logits_TE, token_idx_S, counts_E)
         return RoutingPlan(token_idx_S, weight_S, counts_E, B * T, stats=stats, static_counts=static_counts)
+
+    @torch.compiler.disable
+    def record_thresholds(self, kth_E: torch.Tensor, log_norm_E: torch.Tensor) -> None:
+        """This training forward's update of the thresholds, unless it is an activation-checkpoint recomputation
+        (which runs the forward a second time). Never compiled: a compiled block then runs the same graphs in the
+        forward and in its recomputation, which checkpointing needs (the tensors saved for backward must match)."""
+        if not is_recomputing():
+            self.update_thresholds(kth_E, log_norm_E)
 
     @torch.no_grad()
     def update_thresholds(self, kth_E: torch.Tensor, log_norm_E: torch.Tensor) -> None:

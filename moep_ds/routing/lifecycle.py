@@ -171,6 +171,7 @@ class ExpertLifecycle(nn.Module):
         """Router logits plus the exploration biases of newborn experts."""
         return logits_TE + self.logit_bias_E.to(logits_TE.dtype)
 
+    @torch.compiler.disable  # as ExpertChoiceRouter.record_thresholds: the same compiled graphs in a recomputation
     def count_routed_tokens(self, counts_E: torch.Tensor) -> None:
         """The one place a forward pass adds to the running statistics: tokens routed to each expert by this
         rank's plan (training only). A pass that recomputes a forward (activation checkpointing) must skip it."""

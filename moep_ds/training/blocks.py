@@ -8,7 +8,11 @@
 Both replace what calling a block runs, not the block: `torch.compile(module)` and `checkpoint_wrapper` wrap
 the module and rename every parameter (`_orig_mod.`, `_checkpoint_wrapped_module.`), which would change the
 checkpoint format. Here the wrapper is an instance attribute `forward`, and compilation is the module's own
-`compile()`.
+`compile()`. With both switches on, the checkpoint stays outside the compiled code and the block's forward is
+compiled inside it (`torch.compile(block.forward)`): the recompute context below is not a TorchDispatchMode,
+which torch's checkpoint requires of a `context_fn` inside a compiled region. The recomputation then runs the
+same compiled graphs as the forward (the statistics updates that differ between the two run outside them,
+`torch.compiler.disable`), so the tensors it saves match the forward's, as checkpointing checks.
 
 The recomputation runs each block's forward a second time: `moep_ds.recompute.recomputing()` marks it, so
 that running statistics updated in forward (expert-choice thresholds, lifecycle token counts) skip it.
@@ -62,9 +66,17 @@ def apply_block_options(model: nn.Module, *, activation_checkpointing: bool, com
         return
     if not isinstance(blocks, nn.ModuleList):
         raise TypeError(f"{type(model).__name__} has no `blocks` list to checkpoint or compile")
-    if activation_checkpointing:
+    if activation_checkpointing and compile:
+        # Blocks of one class share compiled graphs, specialised to shapes and then made dynamic (routed token
+        # counts vary). Kept in last-use order, the recomputation can select a different one of them than the
+        # forward did, which saves different tensors (torch's checkpoint refuses that; pytorch/pytorch#166926);
+        # in insertion order the same inputs select the same graph. torch's own advice for this case.
+        torch._C._dynamo.eval_frame._set_lru_cache(False)
+        for block in blocks:
+            block.forward = checkpointed(torch.compile(block.forward), block)
+    elif activation_checkpointing:
         apply_activation_checkpointing(blocks)
-    if compile:
+    else:
         compile_blocks(blocks)
 
 

@@ -83,6 +83,37 @@ def test_activation_checkpointing_keeps_losses_gradients_statistics_and_names():
     assert all(v.item() == 3 for n, v in stats_ckpt.items() if n.endswith("num_threshold_updates"))
 
 
+@pytest.mark.slow
+def test_activation_checkpointing_with_compile_keeps_losses_statistics_and_names():
+    """Both switches (the checkpoint outside, each block's forward compiled inside it): every routed block type
+    trains as with compile alone (its recomputation runs the forward's compiled graphs: same gradients), within
+    1e-5 of eager, running statistics counted once per step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    plain, compiled, both = tiny("mixed"), tiny("mixed"), tiny("mixed")
+    apply_block_options(compiled, activation_checkpointing=False, compile=True)
+    apply_block_options(both, activation_checkpointing=True, compile=True)
+    assert list(both.state_dict()) == list(plain.state_dict())
+    losses_plain, _ = train(plain, 3)
+    graphs = counters["stats"]["unique_graphs"]
+    try:  # `both` first: its blocks compile their graphs while checkpointed
+        losses_both, grads_both = train(both, 3)
+        assert counters["stats"]["unique_graphs"] > graphs  # the blocks did run compiled
+        losses_compiled, grads_compiled = train(compiled, 3)
+    finally:
+        torch._C._dynamo.eval_frame._set_lru_cache(True)  # process-wide, set by apply_block_options
+        torch._dynamo.reset()
+    assert losses_both == pytest.approx(losses_plain, abs=1e-5, rel=0)
+    assert losses_both == losses_compiled
+    for name, grad in grads_compiled.items():
+        torch.testing.assert_close(grads_both[name], grad, rtol=0, atol=0, msg=name)
+    stats_compiled, stats_both = running_statistics(compiled), running_statistics(both)
+    for name, value in stats_compiled.items():
+        assert torch.equal(stats_both[name], value), name
+    assert all(v.item() == 3 for n, v in stats_both.items() if n.endswith("num_threshold_updates"))
+
+
 def test_fused_gated_activation_in_every_block_type(monkeypatch):
     """layers/glu.py's kernels, forced on for these small buffers, in the dense, expert and MSIT SwiGLUs: losses and
     gradients as unfused to rounding; with activation checkpointing (recomputing the fused forward) identical."""
@@ -147,6 +178,7 @@ def test_compile_keeps_names_and_losses(tmp_path):
 
     from moep_ds.checkpointing.model_state import load_module
 
+    torch._dynamo.reset()  # compiled graphs of other tests would serve these blocks too
     plain, compiled = tiny("nova_moe"), tiny("nova_moe")
     apply_block_options(compiled, activation_checkpointing=False, compile=True)
     assert list(compiled.state_dict()) == list(plain.state_dict())
