@@ -24,7 +24,7 @@ import torch
 
 from moep_ds.recompute import is_recomputing
 from moep_ds.registry import ROUTERS
-from moep_ds.routing.plan import RoutingPlan, exact_fraction, round_capacity, routing_stats
+from moep_ds.routing.plan import RoutingPlan, exact_ratio, round_ratio, routing_stats
 from moep_ds.routing.router import Router
 from moep_ds.schema import Between, PositiveFloat
 
@@ -46,8 +46,13 @@ class ExpertChoiceConfig:
 
 def expert_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float, rounding: str) -> int:
     """K = round(c N / E) or ceil(c N / E), at least 1 and at most N (computed exactly, not in floats)."""
-    exact = exact_fraction(capacity_factor) * num_tokens / num_experts
-    return min(max(round_capacity(exact, rounding), 1), num_tokens)
+    return capacity_from_ratio(num_tokens, num_experts, exact_ratio(capacity_factor), rounding)
+
+
+def capacity_from_ratio(num_tokens: int, num_experts: int, ratio: tuple[int, int], rounding: str) -> int:
+    """expert_choice_capacity for c = ratio[0] / ratio[1] (`exact_ratio`), in integers."""
+    p, q = ratio
+    return min(max(round_ratio(p * num_tokens, q * num_experts, rounding), 1), num_tokens)
 
 
 def expert_choice_affinities(logits_GNE: torch.Tensor, score: str) -> torch.Tensor:
@@ -107,6 +112,7 @@ class ExpertChoiceRouter(Router):
     def __init__(self, cfg: ExpertChoiceConfig, *, d_model: int, num_experts: int):
         super().__init__(d_model=d_model, num_experts=num_experts)
         self.cfg = cfg
+        self.capacity_ratio = exact_ratio(cfg.capacity_factor)
         self.register_buffer("threshold", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("log_norm", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("num_threshold_updates", torch.zeros((), dtype=torch.int64))
@@ -127,7 +133,7 @@ class ExpertChoiceRouter(Router):
         else:
             groups = B if cfg.scope == "sequence" else 1
             logits_GNE = logits_TE.view(groups, B * T // groups, self.num_experts)
-            k = expert_choice_capacity(logits_GNE.shape[1], self.num_experts, cfg.capacity_factor, cfg.rounding)
+            k = capacity_from_ratio(logits_GNE.shape[1], self.num_experts, self.capacity_ratio, cfg.rounding)
             r_GNE = expert_choice_affinities(logits_GNE, cfg.score)
             token_idx_S, weight_S, counts_E, kth_E = select_topk_tokens(r_GNE, k)
             static_counts = (groups * k,) * self.num_experts
@@ -169,6 +175,7 @@ __all__ = [
     "ExpertChoiceConfig",
     "ExpertChoiceRouter",
     "expert_choice_affinities",
+    "capacity_from_ratio",
     "expert_choice_capacity",
     "select_above_threshold",
     "select_topk_tokens",

@@ -11,7 +11,6 @@ never stored on the router.
 from __future__ import annotations
 
 import dataclasses
-import math
 from fractions import Fraction
 
 import torch
@@ -59,12 +58,31 @@ def exact_fraction(value: float) -> Fraction:
     return Fraction(repr(float(value)))
 
 
-def round_capacity(exact: Fraction, rounding: str) -> int:
+def exact_ratio(value: float) -> tuple[int, int]:
+    """exact_fraction as (numerator, denominator): routers take it at construction, and their forward computes
+    capacities in integers, which torch.compile traces (Fraction it does not: a graph break per call)."""
+    exact = exact_fraction(value)
+    return exact.numerator, exact.denominator
+
+
+def round_ratio(numerator: int, denominator: int, rounding: str) -> int:
+    """numerator / denominator (both > 0) rounded up ('ceil') or half up ('nearest', not Python's half-even)."""
     if rounding == "ceil":
-        return math.ceil(exact)
-    if rounding == "nearest":  # half up, not Python's round-half-even
-        return math.floor(exact + Fraction(1, 2))
+        return -(-numerator // denominator)
+    if rounding == "nearest":
+        return (2 * numerator + denominator) // (2 * denominator)
     raise ValueError(f"rounding ({rounding!r}) must be 'nearest' or 'ceil'")
+
+
+def round_capacity(exact: Fraction, rounding: str) -> int:
+    return round_ratio(exact.numerator, exact.denominator, rounding)
+
+
+def expert_counts(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 number of assignments per expert: bincount with a fixed size (torch.compile traces it; bincount's
+    output size depends on the data, a graph break)."""
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_A.device)
+    return counts_E.scatter_add_(0, expert_A.reshape(-1), torch.ones_like(expert_A.reshape(-1), dtype=torch.int64))
 
 
 def routing_stats(
@@ -88,4 +106,5 @@ def routing_stats(
         }
 
 
-__all__ = ["RoutingPlan", "exact_fraction", "round_capacity", "routing_stats"]
+__all__ = ["RoutingPlan", "exact_fraction", "exact_ratio", "expert_counts", "round_capacity", "round_ratio",
+           "routing_stats"]

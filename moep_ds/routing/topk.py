@@ -13,14 +13,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Annotated
 
 import torch
 
 from moep_ds.registry import ROUTERS
 from moep_ds.routing.lifecycle import ExpertLifecycle, LifecycleConfig
-from moep_ds.routing.plan import RoutingPlan, exact_fraction, routing_stats
+from moep_ds.routing.plan import RoutingPlan, exact_ratio, expert_counts, round_ratio, routing_stats
 from moep_ds.routing.router import Router
 from moep_ds.schema import Between, NonNegativeFloat, PositiveFloat, PositiveInt, fail
 
@@ -41,10 +40,11 @@ class TopKConfig:
             fail(f"{path}.k", self.k, f"must be <= num_experts ({num_experts})")
 
 
-def topk_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
-    """ceil(cf T K / E), at least 1 and at most T (a token picks an expert at most once)."""
-    exact = exact_fraction(capacity_factor) * num_tokens * k / num_experts
-    return min(max(math.ceil(exact), 1), num_tokens)
+def topk_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float | tuple[int, int]) -> int:
+    """ceil(cf T K / E), at least 1 and at most T (a token picks an expert at most once); cf a float or its
+    `exact_ratio`."""
+    p, q = capacity_factor if isinstance(capacity_factor, tuple) else exact_ratio(capacity_factor)
+    return min(max(round_ratio(p * num_tokens * k, q * num_experts, "ceil"), 1), num_tokens)
 
 
 def topk_gates(probs_TE: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +58,7 @@ def topk_gates(probs_TE: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
 def load_balancing_loss(probs_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
     """E * sum_i f_i P_i (unweighted); f counts assignments before any capacity drop."""
     T, E = probs_TE.shape
-    f_E = torch.bincount(experts_TK.reshape(-1), minlength=E).to(probs_TE.dtype) / experts_TK.numel()
+    f_E = expert_counts(experts_TK, E).to(probs_TE.dtype) / experts_TK.numel()
     P_E = probs_TE.mean(0)
     return E * (f_E * P_E).sum()
 
@@ -81,7 +81,7 @@ def assign_tokens(
     """
     T, K = experts_TK.shape
     expert_A = experts_TK.reshape(-1)
-    counts_E = torch.bincount(expert_A, minlength=num_experts)
+    counts_E = expert_counts(expert_A, num_experts)
     if capacity is None:
         order_A = torch.argsort(expert_A, stable=True)  # token order within each expert
         return order_A // K, weights_TK.reshape(-1)[order_A], counts_E
@@ -99,6 +99,7 @@ class TopKRouter(Router):
         super().__init__(d_model=d_model, num_experts=num_experts)
         cfg.check_num_experts("router", num_experts)
         self.cfg = cfg
+        self.capacity_ratio = None if cfg.capacity_factor is None else exact_ratio(cfg.capacity_factor)
         self.lifecycle = None if cfg.lifecycle is None else ExpertLifecycle(cfg.lifecycle, num_experts)
 
     def active_experts_per_token(self) -> int:
@@ -123,7 +124,7 @@ class TopKRouter(Router):
         weights_TK, experts_TK = topk_gates(probs_TE, cfg.k, cfg.renormalize)
         capacity = None
         if cfg.capacity_factor is not None:
-            capacity = topk_capacity(T, self.num_experts, cfg.k, cfg.capacity_factor)
+            capacity = topk_capacity(T, self.num_experts, cfg.k, self.capacity_ratio)
         probs_TK = probs_TE.detach().gather(1, experts_TK)
         token_idx_S, weight_S, counts_E = assign_tokens(experts_TK, weights_TK, probs_TK, self.num_experts, capacity)
         aux_losses = {}
