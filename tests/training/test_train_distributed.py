@@ -101,6 +101,21 @@ def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs, stage)
         assert ep2[step] == pytest.approx(ep1[step], abs=1e-5), (step, ep1, ep2)
 
 
+def test_expert_parallel_2_and_4_equal_1_on_four_processes(tmp_path):
+    """4 processes (expert-data-parallel groups of 2 at expert parallel 2): ZeRO 0 and 1, clipping every step."""
+    jobs, runs = [], {}
+    for stage in (0, 1):
+        for ep in (1, 2, 4):
+            out = tmp_path / f"zero{stage}_ep{ep}"
+            recipe = write_recipe(tmp_path / f"zero{stage}_ep{ep}.yaml", EP_LAYERS, out, max_steps=4,
+                                  global_batch_size=16, expert_parallel_size=ep, grad_clip=0.05)
+            jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_fp32.json")})
+            runs[stage, ep] = out
+    launch(4, SCRIPTS / "run_many.py", jobs_file(tmp_path, jobs))
+    for (stage, ep), out in runs.items():
+        assert losses(out) == pytest.approx(losses(runs[0, 1]), abs=1e-5), (stage, ep)
+
+
 def resume_job(recipe, out, ckpt, **overrides):
     sets = [f"train.output_dir={out}"] + [f"train.{k}={v}" for k, v in overrides.items()]
     return {"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json"), "resume": str(ckpt),
