@@ -174,8 +174,8 @@ class ExpertChoiceRouter(Router):
 __all__ = [
     "ExpertChoiceConfig",
     "ExpertChoiceRouter",
-    "expert_choice_affinities",
     "capacity_from_ratio",
+    "expert_choice_affinities",
     "expert_choice_capacity",
     "select_above_threshold",
     "select_topk_tokens",

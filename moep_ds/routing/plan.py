@@ -74,10 +74,6 @@ def round_ratio(numerator: int, denominator: int, rounding: str) -> int:
     raise ValueError(f"rounding ({rounding!r}) must be 'nearest' or 'ceil'")
 
 
-def round_capacity(exact: Fraction, rounding: str) -> int:
-    return round_ratio(exact.numerator, exact.denominator, rounding)
-
-
 def expert_counts(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[E] int64 number of assignments per expert: bincount with a fixed size (torch.compile traces it; bincount's
     output size depends on the data, a graph break)."""
@@ -106,5 +102,4 @@ def routing_stats(
         }
 
 
-__all__ = ["RoutingPlan", "exact_fraction", "exact_ratio", "expert_counts", "round_capacity", "round_ratio",
-           "routing_stats"]
+__all__ = ["RoutingPlan", "exact_fraction", "exact_ratio", "expert_counts", "round_ratio", "routing_stats"]
