@@ -40,10 +40,14 @@ class TopKConfig:
             fail(f"{path}.k", self.k, f"must be <= num_experts ({num_experts})")
 
 
-def topk_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float | tuple[int, int]) -> int:
-    """ceil(cf T K / E), at least 1 and at most T (a token picks an expert at most once); cf a float or its
-    `exact_ratio`."""
-    p, q = capacity_factor if isinstance(capacity_factor, tuple) else exact_ratio(capacity_factor)
+def topk_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
+    """ceil(cf T K / E), at least 1 and at most T (a token picks an expert at most once)."""
+    return topk_capacity_from_ratio(num_tokens, num_experts, k, exact_ratio(capacity_factor))
+
+
+def topk_capacity_from_ratio(num_tokens: int, num_experts: int, k: int, ratio: tuple[int, int]) -> int:
+    """topk_capacity for cf = ratio[0] / ratio[1] (`exact_ratio`), in integers."""
+    p, q = ratio
     return min(max(round_ratio(p * num_tokens * k, q * num_experts, "ceil"), 1), num_tokens)
 
 
@@ -124,7 +128,7 @@ class TopKRouter(Router):
         weights_TK, experts_TK = topk_gates(probs_TE, cfg.k, cfg.renormalize)
         capacity = None
         if cfg.capacity_factor is not None:
-            capacity = topk_capacity(T, self.num_experts, cfg.k, self.capacity_ratio)
+            capacity = topk_capacity_from_ratio(T, self.num_experts, cfg.k, self.capacity_ratio)
         probs_TK = probs_TE.detach().gather(1, experts_TK)
         token_idx_S, weight_S, counts_E = assign_tokens(experts_TK, weights_TK, probs_TK, self.num_experts, capacity)
         aux_losses = {}
@@ -143,5 +147,6 @@ __all__ = [
     "load_balancing_loss",
     "router_z_loss",
     "topk_capacity",
+    "topk_capacity_from_ratio",
     "topk_gates",
 ]
