@@ -62,6 +62,9 @@ ZERO2_VS_PLAIN = 0.90  # target: ZeRO-2 on one process, tok/s over the plain loo
 SIZES = {  # d model dim, T sequence, L layers (pairs for nova), B micro-batch per rank, V vocabulary
     "toy": {"d": 32, "T": 32, "L": 1, "B": 4, "V": 512},
     "small": {"d": 128, "T": 128, "L": 2, "B": 8, "V": 512},
+    # the recipes' tokens per micro-batch (16 x 512) at small width: DeepSpeed's per-step work grows with the
+    # parameters, the model's with the tokens, so this is the ratio a recipe's step sees
+    "recipe_batch": {"d": 128, "T": 512, "L": 2, "B": 16, "V": 512},
 }
 
 
