@@ -148,8 +148,9 @@ class MSITExperts(ExpertStage):
     def run_experts(self, batch: ExpertBatch) -> torch.Tensor:
         """Branch e on its tokens (each sequence's contiguous, by position)."""
         self.check_batch(batch)
-        parts = zip(batch.x_SD.split(batch.counts), batch.positions_S.split(batch.counts),
-                    batch.seq_ids_S.split(batch.counts), self.branches.per_expert())
+        counts = batch.counts  # the branches run one after another: Python ints (a copy to the host unless known)
+        parts = zip(batch.x_SD.split(counts), batch.positions_S.split(counts), batch.seq_ids_S.split(counts),
+                    self.branches.per_expert())
         windows = self.windows[self.first_local_expert :]
         return torch.cat([self.branches.call(p, u, pos, seq, window=w) for (u, pos, seq, p), w in zip(parts, windows)])
 

@@ -203,8 +203,9 @@ class ParallelPaths(ExpertStage):
     def run_experts(self, batch: ExpertBatch) -> torch.Tensor:
         """Path_j(z) - z on path j's tokens."""
         self.check_batch(batch)
-        parts = zip(batch.x_SD.split(batch.counts), batch.positions_S.split(batch.counts),
-                    batch.seq_ids_S.split(batch.counts), self.paths.per_expert())
+        counts = batch.counts  # the paths run one after another: Python ints (a copy to the host unless known)
+        parts = zip(batch.x_SD.split(counts), batch.positions_S.split(counts), batch.seq_ids_S.split(counts),
+                    self.paths.per_expert())
         return torch.cat([self.paths.call(p, z, pos, seq) - z for z, pos, seq, p in parts])
 
     def forward_cached(self, z_BTP, plan: RoutingPlan, positions_BT, caches: list[list[RoutedKVCache]]):

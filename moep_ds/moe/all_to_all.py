@@ -50,11 +50,12 @@ def all_to_all(x: torch.Tensor, group: Any, out_splits: list[int], in_splits: li
     return out
 
 
-def source_to_expert_order(recv_counts_RL: torch.Tensor) -> torch.Tensor:
-    """Permutation p with received[p] grouped by (local expert, source rank) instead of (source rank, expert)."""
+def source_to_expert_order(recv_counts_RL: torch.Tensor, num_received: int | None = None) -> torch.Tensor:
+    """Permutation p with received[p] grouped by (local expert, source rank) instead of (source rank, expert);
+    `num_received` (the counts' sum, when known on the host) spares repeat_interleave a device-to-host copy."""
     R, L = recv_counts_RL.shape
     counts = recv_counts_RL.reshape(-1)
-    block_U = torch.arange(R * L, device=counts.device).repeat_interleave(counts)  # block id r*L + l
+    block_U = torch.arange(R * L, device=counts.device).repeat_interleave(counts, output_size=num_received)
     expert_major_U = (block_U % L) * R + block_U // L
     return torch.argsort(expert_major_U, stable=True)
 
@@ -97,12 +98,16 @@ class AllToAllDispatcher(Dispatcher):
         R, L = self.ep_size, self.num_local_experts
         send_counts_RL = plan.counts_E.view(R, L)
         recv_counts_RL = all_to_all(send_counts_RL.reshape(-1), self.group, [L] * R, [L] * R).view(R, L)
-        send_splits = send_counts_RL.sum(1).tolist()
-        recv_splits = recv_counts_RL.sum(1).tolist()
-        perm_U = source_to_expert_order(recv_counts_RL)
+        send_E = plan.counts()  # static, or one device-to-host copy
+        send_splits = [sum(send_E[r * L : (r + 1) * L]) for r in range(R)]
+        recv_RL = recv_counts_RL.tolist()  # one copy for the splits and the local experts' counts
+        recv_splits = [sum(row) for row in recv_RL]
+        local_counts = tuple(sum(row[e] for row in recv_RL) for e in range(L))
+        perm_U = source_to_expert_order(recv_counts_RL, sum(recv_splits))
         x_UD = _AllToAll.apply(gather_tokens(x_TD, plan), self.group, recv_splits, send_splits)
         seq_ids_U, positions_U = self._send_meta(plan, seq_ids_T, positions_T, recv_splits, send_splits, perm_U)
-        batch = ExpertBatch(x_UD.index_select(0, perm_U), recv_counts_RL.sum(0).tolist(), seq_ids_U, positions_U)
+        batch = ExpertBatch(x_UD.index_select(0, perm_U), recv_counts_RL.sum(0), seq_ids_U, positions_U,
+                            local_counts)
         return batch, _Route(perm_U, send_splits, recv_splits)
 
     def _send_meta(

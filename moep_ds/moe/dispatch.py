@@ -29,12 +29,31 @@ from moep_ds.routing.plan import RoutingPlan
 
 @dataclasses.dataclass(frozen=True)
 class ExpertBatch:
-    """Tokens grouped by local expert: counts[e] rows for local expert e, in that order."""
+    """Tokens grouped by local expert: counts_E[e] rows for local expert e, in that order.
+
+    `known_counts` holds the counts as Python ints when the dispatcher has them without waiting for the device
+    (static counts, or counts it already copied to the host); stages that can run on the device tensor alone
+    (the FFN experts' grouped GEMM) use `counts_E`, those that split the batch per expert ask for `counts`.
+    """
 
     x_SD: torch.Tensor
-    counts: list[int]
+    counts_E: torch.Tensor  # [E] int64 on x_SD's device
     seq_ids_S: torch.Tensor | None = None  # which sequence each token comes from (unique across ranks)
     positions_S: torch.Tensor | None = None  # its position in that sequence
+    known_counts: tuple[int, ...] | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts_E.numel()
+
+    @property
+    def counts(self) -> list[int]:
+        """Tokens per local expert as Python ints: a device-to-host copy (waits for the device) unless known."""
+        return list(self.known_counts) if self.known_counts is not None else self.counts_E.tolist()
+
+    def device_or_known_counts(self) -> tuple[int, ...] | torch.Tensor:
+        """The known counts, else the device tensor (no copy): for kernels that take either."""
+        return self.known_counts if self.known_counts is not None else self.counts_E
 
 
 RunExperts = Callable[[ExpertBatch], torch.Tensor]
@@ -93,7 +112,8 @@ class LocalDispatcher(Dispatcher):
         def take(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.index_select(0, plan.token_idx_S)
 
-        batch = ExpertBatch(gather_tokens(x_TD, plan), plan.counts(), take(seq_ids_T), take(positions_T))
+        batch = ExpertBatch(gather_tokens(x_TD, plan), plan.counts_E, take(seq_ids_T), take(positions_T),
+                            plan.static_counts)
         return batch, None
 
     def combine(self, y_SD: torch.Tensor, plan: RoutingPlan, state: Any, out_dtype: torch.dtype) -> torch.Tensor:
@@ -163,9 +183,9 @@ class ExpertStage(nn.Module):
         raise NotImplementedError
 
     def check_batch(self, batch: ExpertBatch) -> None:
-        if len(batch.counts) != self.experts.num_local_experts:
+        if batch.num_experts != self.experts.num_local_experts:
             raise RuntimeError(
-                f"the dispatcher delivers tokens for {len(batch.counts)} experts but this layer holds "
+                f"the dispatcher delivers tokens for {batch.num_experts} experts but this layer holds "
                 f"{self.experts.num_local_experts}; after shard_experts set an AllToAllDispatcher"
             )
 

@@ -19,6 +19,8 @@ Weights are stacked (w1_EDF, w3_EDF, w2_EFD) and applied to one expert-sorted to
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -53,7 +55,7 @@ def expert_ffn(
 
 def grouped_expert_ffn(
     x_SD: torch.Tensor,
-    counts: list[int],
+    counts: Sequence[int] | torch.Tensor,
     w1_EDF: torch.Tensor,
     w2_EFD: torch.Tensor,
     w3_EDF: torch.Tensor | None,
@@ -65,17 +67,18 @@ def grouped_expert_ffn(
     library: bool = False,
 ) -> torch.Tensor:
     """All experts at once on tokens grouped by expert: expert_ffn with grouped matmuls (`library`: torch's
-    F.grouped_mm, else moe/grouped_mm.py)."""
+    F.grouped_mm, which also takes the counts as a device tensor, no copy to the host; else moe/grouped_mm.py)."""
 
     def per_token(b_EX: torch.Tensor) -> torch.Tensor:  # [E, X] -> [S, X], each token its expert's bias
-        repeats = torch.tensor(counts, device=b_EX.device)
+        repeats = torch.as_tensor(counts, device=b_EX.device)
         return b_EX.repeat_interleave(repeats, dim=0, output_size=x_SD.shape[0])
 
     if library:
         offs_E = expert_offsets(counts, x_SD.device)
         mm = lambda x, w: library_grouped_mm(x, w, offs_E)  # noqa: E731
     else:
-        mm = lambda x, w: grouped_mm(x, w, counts)  # noqa: E731
+        host_counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+        mm = lambda x, w: grouped_mm(x, w, host_counts)  # noqa: E731
     h_SF = mm(x_SD, w1_EDF)
     h_SF = h_SF if b1_EF is None else h_SF + per_token(b1_EF)
     if w3_EDF is None:
@@ -87,10 +90,11 @@ def grouped_expert_ffn(
     return y_SD if b2_ED is None else y_SD + per_token(b2_ED)
 
 
-def choose_kernel(x_SD: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> str:
-    """Uneven loads: F.grouped_mm where it takes the operands; equal loads: one bmm per stage on accelerators,
-    the expert loop on CPU (where CPU bmm is slower)."""
-    if len(set(counts)) > 1 and library_supports(x_SD, w_EDF):
+def choose_kernel(x_SD: torch.Tensor, w_EDF: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> str:
+    """Uneven loads (and counts only the device has: a data-dependent load): F.grouped_mm where it takes the
+    operands; equal loads: one bmm per stage on accelerators, the expert loop on CPU (where CPU bmm is slower)."""
+    uneven = isinstance(counts, torch.Tensor) or len(set(counts)) > 1
+    if uneven and library_supports(x_SD, w_EDF):
         return "library"
     return "loop" if x_SD.device.type == "cpu" else "grouped"
 
@@ -98,7 +102,9 @@ def choose_kernel(x_SD: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) ->
 class GroupedExperts(nn.Module):
     """E experts of one FFN kind; holds only expert parameters (the trainer shards and marks all of them).
 
-    `forward(x_SD, counts)` takes tokens grouped by expert, counts[e] tokens for local expert e.
+    `forward(x_SD, counts)` takes tokens grouped by expert, counts[e] tokens for local expert e: Python ints,
+    or an [E] tensor on x's device, which the library kernel uses without a copy to the host (the other
+    kernels copy it).
     """
 
     def __init__(self, cfg: FFNConfig, *, d_model: int, num_experts: int):
@@ -134,12 +140,14 @@ class GroupedExperts(nn.Module):
     def weights(self) -> tuple[torch.Tensor | None, ...]:
         return self.w1_EDF, self.w2_EFD, self.w3_EDF, self.b1_EF, self.b2_ED, self.b3_EF
 
-    def forward(self, x_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x_SD: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> torch.Tensor:
         if len(counts) != self.num_local_experts:
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {self.num_local_experts}")
         # The custom autograd functions run outside autocast: compute in the weights' dtype.
         x = x_SD.to(self.w1_EDF.dtype)
         kernel = self.kernel or choose_kernel(x, self.w1_EDF, counts)
+        if isinstance(counts, torch.Tensor) and kernel != "library":
+            counts = counts.tolist()
         if kernel == "loop":
             return expert_loop_ffn(x, counts, *self.weights(), self.kind).to(x_SD.dtype)
         library = kernel == "library"

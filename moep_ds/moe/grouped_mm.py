@@ -39,8 +39,11 @@ def library_supports(x_SD: torch.Tensor, w_EDF: torch.Tensor) -> bool:
     return ok_dtype and (x_SD.shape[1] * size) % 16 == 0 and (w_EDF.shape[2] * size) % 16 == 0
 
 
-def expert_offsets(counts: tuple[int, ...] | list[int], device: torch.device) -> torch.Tensor:
-    """offs [E] int32: end row of each expert's group (host-to-device copy of known counts; no sync)."""
+def expert_offsets(counts: tuple[int, ...] | list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """offs [E] int32: end row of each expert's group (a cumulative sum on the device for a counts tensor;
+    a host-to-device copy for known counts; neither waits for the device)."""
+    if isinstance(counts, torch.Tensor):
+        return torch.cumsum(counts.to(device), 0).to(torch.int32)
     ends, total = [], 0
     for n in counts:
         total += n
@@ -63,15 +66,15 @@ class ContiguousGrad(torch.autograd.Function):
 def library_grouped_mm(x_SD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """[S, D] x [E, D, F] -> [S, F] with torch's grouped_mm; offs_E from `expert_offsets` (shared by the calls
     of one expert FFN)."""
-    if x_SD.device.type == "cpu" and torch.compiler.is_compiling():
+    if x_SD.dtype != torch.bfloat16 and torch.compiler.is_compiling():
         return eager_grouped_mm(x_SD, w_EDF, offs_E)
     return ContiguousGrad.apply(F.grouped_mm(x_SD.contiguous(), w_EDF, offs=offs_E))
 
 
 @torch.compiler.disable
 def eager_grouped_mm(x_SD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """library_grouped_mm outside the compiled graph: torch's fake (meta) grouped_mm admits only bf16, so CPU
-    fp32 (which the CPU kernel does take) cannot be traced."""
+    """library_grouped_mm outside the compiled graph: torch's fake (meta) grouped_mm admits only bf16, so fp32
+    (which the CPU kernel does take) cannot be traced."""
     return ContiguousGrad.apply(F.grouped_mm(x_SD.contiguous(), w_EDF, offs=offs_E))
 
 

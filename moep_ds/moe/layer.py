@@ -67,9 +67,10 @@ class MoELayer(ExpertStage, LifecycleManaged):
 
     def run_experts(self, batch: ExpertBatch) -> torch.Tensor:
         self.check_batch(batch)
-        y_SD = self.experts(batch.x_SD, batch.counts)
+        counts = batch.device_or_known_counts()  # data-dependent loads stay on the device (library kernel)
+        y_SD = self.experts(batch.x_SD, counts)
         lifecycle = self.expert_lifecycle()
-        return y_SD if lifecycle is None else lifecycle.track_impact(y_SD, batch.counts, self.first_local_expert)
+        return y_SD if lifecycle is None else lifecycle.track_impact(y_SD, counts, self.first_local_expert)
 
     def expert_lifecycle(self) -> ExpertLifecycle | None:
         return self.router.lifecycle

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import zlib
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -179,7 +179,9 @@ class ExpertLifecycle(nn.Module):
             with torch.no_grad():
                 self.step_sums[: self.num_experts] += counts_E.to(torch.float64)
 
-    def track_impact(self, y_SD: torch.Tensor, counts: list[int], first_expert: int = 0) -> torch.Tensor:
+    def track_impact(
+        self, y_SD: torch.Tensor, counts: Sequence[int] | torch.Tensor, first_expert: int = 0
+    ) -> torch.Tensor:
         """Identity on the expert outputs (grouped by expert: counts[l] rows for expert first_expert + l, the
         experts this rank holds); in training, a gradient hook adds -(dL/dy . y) of each row to its expert's
         impact sum once backward has produced dL/dy (this step's gradient: no lag)."""
@@ -190,7 +192,7 @@ class ExpertLifecycle(nn.Module):
             return y_SD
         experts_S = torch.repeat_interleave(
             torch.arange(len(counts), device=y_SD.device) + self.num_experts + first_expert,
-            torch.tensor(counts, device=y_SD.device),
+            torch.as_tensor(counts, device=y_SD.device),
             output_size=y_SD.shape[0],
         )
         y_detached = y_SD.detach()

@@ -49,7 +49,9 @@ def received_tokens_are_right(layer: MoELayer, x_local: torch.Tensor, x_global: 
     batch, _ = layer.dispatcher.dispatch(x_local.reshape(B * T, D), in_token_order(plan), seq, pos)
     source_b = batch.seq_ids_S // SEQ_ID_STRIDE * B + batch.seq_ids_S % SEQ_ID_STRIDE
     ordered = all((ids.diff() >= 0).all() for ids in batch.seq_ids_S.split(batch.counts))
-    return torch.equal(batch.x_SD, x_global[source_b, batch.positions_S]) and batch.x_SD.shape[0] > 0 and ordered
+    counts_agree = list(batch.known_counts) == batch.counts_E.tolist()  # host copy made once for the splits
+    return (torch.equal(batch.x_SD, x_global[source_b, batch.positions_S]) and batch.x_SD.shape[0] > 0 and ordered
+            and counts_agree)
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:

@@ -168,6 +168,52 @@ def test_uneven_loads_with_an_idle_expert():
     assert experts.w1_EDF.grad[1].abs().sum() == 0 and experts.w1_EDF.grad[2].abs().sum() > 0
 
 
+@pytest.mark.parametrize("kernel", ["library", "grouped", "loop"])
+@pytest.mark.parametrize("expert", ["swiglu", "gelu_bias"])
+def test_counts_as_a_device_tensor_give_the_same_result(kernel, expert):
+    """Data-dependent loads reach the experts as the router's [E] tensor (no copy to the host for the library
+    kernel; the others copy): outputs and gradients equal those for the same counts as Python ints."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(EXPERTS[expert], d_model=D, num_experts=E)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    experts.kernel = kernel
+    x = torch.randn(9, D)
+    results = []
+    for counts in ([3, 0, 4, 2], torch.tensor([3, 0, 4, 2])):
+        xi = x.clone().requires_grad_()
+        y = experts(xi, counts)
+        results.append((y, *torch.autograd.grad(y.square().sum(), [xi, *experts.parameters()])))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_dropless_topk_layer_keeps_its_counts_on_the_device():
+    """Dropless top-k with the library kernel: routing, dispatch, experts, combine and backward trace as one
+    graph (`fullgraph=True`; a device-to-host copy of the counts would split it), and give eager's results.
+    bf16: torch traces F.grouped_mm only in bf16 (its grouped GEMM dtype on CUDA)."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=E, expert=FFNConfig(type="swiglu", hidden_size=32),
+                    router=TopKConfig(k=2, load_balancing_weight=0.01, z_loss_weight=0.001))
+    layer = MoELayer(cfg, d_model=16).to(torch.bfloat16)  # rows of 16 x 2 bytes: what F.grouped_mm takes
+    layer.experts.kernel = "library"
+    x = torch.randn(2, 24, 16, dtype=torch.bfloat16)
+
+    def step(model):
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        loss = out.y.float().square().sum() + sum(out.aux_losses.values())
+        return (out.y, *torch.autograd.grad(loss, [xi, *layer.parameters()]))
+
+    torch._dynamo.reset()
+    compiled = step(torch.compile(layer, backend="aot_eager", fullgraph=True))
+    eager = step(layer)
+    assert len(eager) == 2 + len(list(layer.parameters()))
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
 def test_aux_losses_and_stats_are_returned():
     layer = make_layer(TopKConfig(k=2, z_loss_weight=1e-3))
     out = layer(torch.randn(2, 5, D, dtype=torch.float64))

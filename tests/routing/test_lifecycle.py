@@ -171,6 +171,7 @@ def test_impact_ema_is_this_steps_first_order_loss_change(block):
     inputs, labels = batch(0)
     out = model(inputs, labels=labels)  # reference pass
     y_SD, counts = captured[-1]
+    counts = torch.as_tensor(counts).tolist()  # the layer passes top-k's counts as the device tensor
     (grad_SD,) = torch.autograd.grad(out.loss, y_SD)
     impact_S = -(grad_SD.double() * y_SD.double()).sum(-1)
     experts_S = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
