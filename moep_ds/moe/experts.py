@@ -29,6 +29,7 @@ from moep_ds.layers.glu import gated_activation
 from moep_ds.moe.activations import EXPERT_ACTIVATIONS
 from moep_ds.moe.expert_loop import expert_loop_ffn
 from moep_ds.moe.grouped_mm import expert_offsets, grouped_mm, library_grouped_mm, library_supports
+from moep_ds.routing.plan import counts_on
 
 KERNELS = ("library", "grouped", "loop")
 
@@ -70,7 +71,7 @@ def grouped_expert_ffn(
     F.grouped_mm, which also takes the counts as a device tensor, no copy to the host; else moe/grouped_mm.py)."""
 
     def per_token(b_EX: torch.Tensor) -> torch.Tensor:  # [E, X] -> [S, X], each token its expert's bias
-        repeats = torch.as_tensor(counts, device=b_EX.device)
+        repeats = counts_on(counts, b_EX.device)
         return b_EX.repeat_interleave(repeats, dim=0, output_size=x_SD.shape[0])
 
     if library:

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from moep_ds.routing.plan import counts_on
+
 
 def use_bmm(x: torch.Tensor, counts: tuple[int, ...]) -> bool:
     return x.device.type != "cpu" and len(set(counts)) == 1
@@ -43,7 +45,7 @@ def expert_offsets(counts: tuple[int, ...] | list[int] | torch.Tensor, device: t
     """offs [E] int32: end row of each expert's group (a cumulative sum on the device for a counts tensor;
     a host-to-device copy for known counts; neither waits for the device)."""
     if isinstance(counts, torch.Tensor):
-        return torch.cumsum(counts.to(device), 0).to(torch.int32)
+        return torch.cumsum(counts_on(counts, device), 0).to(torch.int32)
     ends, total = [], 0
     for n in counts:
         total += n

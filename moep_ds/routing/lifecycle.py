@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from moep_ds.recompute import is_recomputing
+from moep_ds.routing.plan import counts_on
 from moep_ds.schema import Between, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class ExpertLifecycle(nn.Module):
             return y_SD
         experts_S = torch.repeat_interleave(
             torch.arange(len(counts), device=y_SD.device) + self.num_experts + first_expert,
-            torch.as_tensor(counts, device=y_SD.device),
+            counts_on(counts, y_SD.device),
             output_size=y_SD.shape[0],
         )
         y_detached = y_SD.detach()

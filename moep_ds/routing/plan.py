@@ -53,6 +53,14 @@ class RoutingPlan:
         return experts.repeat_interleave(self.counts_E, output_size=self.token_idx_S.numel())
 
 
+def counts_on(counts: tuple[int, ...] | list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[E] int64 counts on `device` without waiting for it: a tensor as it is, known counts by a host-to-device
+    copy that does not synchronise the stream (non_blocking; a blocking copy would wait for all queued work)."""
+    if isinstance(counts, torch.Tensor):
+        return counts.to(device)
+    return torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def exact_fraction(value: float) -> Fraction:
     """The decimal a user wrote (1.1 -> 11/10), so that capacities are not off by one from float error."""
     return Fraction(repr(float(value)))
@@ -102,4 +110,5 @@ def routing_stats(
         }
 
 
-__all__ = ["RoutingPlan", "exact_fraction", "exact_ratio", "expert_counts", "round_ratio", "routing_stats"]
+__all__ = ["RoutingPlan", "counts_on", "exact_fraction", "exact_ratio", "expert_counts", "round_ratio",
+           "routing_stats"]
