@@ -40,6 +40,7 @@ from moep_ds.layers.routed_attention import RoutedKVCache, RoutedSelfAttention
 from moep_ds.moe.dispatch import (
     ExpertBatch, ExpertStage, combine_dense, dense_routing, in_token_order, sequence_ids,
 )
+from moep_ds.moe.grouped_mm import expert_offsets, library_grouped_mm, library_supports
 from moep_ds.moe.stacked import StackedExperts, keep_expert_slice_
 from moep_ds.registry import BLOCKS, NORMS, ROUTERS
 from moep_ds.routing.plan import RoutingPlan
@@ -152,6 +153,7 @@ class LinearExperts(ExpertStage):
         self.num_local_experts = num_experts
         self.active_share = active_experts_per_token / num_experts
         self.residual_output = residual_output
+        self.use_library = True  # False: the per-expert matmuls (tests compare the two)
         if not self.w_EOI.is_meta:
             self.init_weights(std=0.02)
 
@@ -168,7 +170,13 @@ class LinearExperts(ExpertStage):
         return self.dispatch(x_TI, plan)
 
     def run_experts(self, batch: ExpertBatch) -> torch.Tensor:
+        """Expert e's rows times w_EOI[e]^T: torch's grouped GEMM where it takes the operands (on the device's
+        counts: no copy to the host), else one matmul per expert (the reference)."""
         self.check_batch(batch)
+        w_EIO = self.w_EOI.transpose(1, 2)
+        if self.use_library and library_supports(batch.x_SD, w_EIO):
+            offs_E = expert_offsets(batch.device_or_known_counts(), batch.x_SD.device)
+            return library_grouped_mm(batch.x_SD, w_EIO, offs_E)
         x_EMI = batch.x_SD.split(batch.counts)
         return torch.cat([x_MI @ w_OI.t() for x_MI, w_OI in zip(x_EMI, self.w_EOI.unbind(0))])
 

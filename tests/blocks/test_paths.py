@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from moep_ds import build_model, load_config
-from moep_ds.blocks.paths import PathsBlock, PathsBlockConfig
+from moep_ds.blocks.paths import LinearExperts, PathsBlock, PathsBlockConfig
 from moep_ds.layers.attention import AttentionConfig
 from moep_ds.layers.rope import RopeConfig, apply_rope, rope_cos_sin
 from moep_ds.models.accounting import meta_param_report
+from moep_ds.moe.dispatch import ExpertBatch
 from moep_ds.routing.topk import TopKConfig
 from moep_ds.schema import ConfigError
 
@@ -102,6 +103,24 @@ def test_block_matches_naive_equations(k, parallel):
     out = block(x_BTD, positions_BT=pos_BT)
     torch.testing.assert_close(out.x, naive_paths(block, x_BTD, pos_BT, k))
     assert set(out.aux_losses) == {f"{n}.load_balancing_loss" for n in ("contraction", "paths", "expansion")}
+
+
+def test_projection_experts_library_kernel_equals_the_per_expert_matmuls():
+    """fp32 (F.grouped_mm's CPU dtype): the contraction and expansion experts through torch's grouped GEMM on
+    the device counts give the per-expert matmuls' outputs and gradients, idle experts included."""
+    torch.manual_seed(0)
+    experts = LinearExperts(4, d_in=16, d_out=24, active_experts_per_token=2, residual_output=False)
+    x_SD = torch.randn(11, 16)
+    counts_E = torch.tensor([4, 0, 5, 2])
+    results = []
+    for library in (True, False):
+        experts.use_library = library
+        x = x_SD.clone().requires_grad_()
+        y = experts.run_experts(ExpertBatch(x, counts_E))
+        results.append((y, *torch.autograd.grad(y.square().sum(), [x, experts.w_EOI])))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert results[0][2][1].abs().sum() == 0  # expert 1 had no tokens
 
 
 def test_without_full_layer_the_block_starts_at_the_contraction():
