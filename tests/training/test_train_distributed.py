@@ -85,6 +85,12 @@ def expert_parallel_runs(tmp_path_factory):
                                   expert_parallel_size=ep, grad_clip=0.05, checkpoint=ckpt)
             jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_fp32.json")})
             runs[stage, ep] = (recipe, out)
+    for ep in (1, 2):  # the MoEP paths block: three routed stages (projection experts, paths) sharded alike
+        out = tmp / f"paths_ep{ep}"
+        recipe = write_recipe(tmp / f"paths_ep{ep}.yaml", "paths", out, max_steps=6, global_batch_size=8,
+                              expert_parallel_size=ep, grad_clip=0.05)
+        jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero1_fp32.json")})
+        runs["paths", ep] = (recipe, out)
     launch(2, SCRIPTS / "run_many.py", jobs_file(tmp, jobs))
     return tmp, runs
 
@@ -99,6 +105,13 @@ def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs, stage)
     assert sorted(ep1) == sorted(ep2) == list(range(1, 9))
     for step in range(1, 9):
         assert ep2[step] == pytest.approx(ep1[step], abs=1e-5), (step, ep1, ep2)
+
+
+def test_moep_paths_expert_parallel_2_equals_1(expert_parallel_runs):
+    _, runs = expert_parallel_runs
+    ep1, ep2 = losses(runs["paths", 1][1]), losses(runs["paths", 2][1])
+    assert sorted(ep1) == sorted(ep2) == list(range(1, 7))
+    assert ep2 == pytest.approx(ep1, abs=1e-5)
 
 
 def test_expert_parallel_2_and_4_equal_1_on_four_processes(tmp_path):

@@ -28,9 +28,11 @@ LAYERS = {
               "experts": {"d_thin": 48, "num_heads": 2, "windows": [8, 4, 2, 1]}}],
     "ssm_moe": [{"type": "ssm_moe", "mixer": {"state_size": 4, "chunk_size": 8},
                  "moe": {"num_experts": 4, "expert": {"type": "gelu", "hidden_size": 48}, "router": LIFECYCLE}}],
+    "paths": [{"type": "paths", "attention": ATTN, "d_path": 16, "num_paths": 4, "num_projection_experts": 4,
+               "path_router": TOP2, "projection_router": TOP2}],
 }
 # every routed block type in one stack
-LAYERS["mixed"] = LAYERS["nova_moe"] + LAYERS["top2"] + LAYERS["msit"] + LAYERS["ssm_moe"]
+LAYERS["mixed"] = LAYERS["nova_moe"] + LAYERS["top2"] + LAYERS["msit"] + LAYERS["ssm_moe"] + LAYERS["paths"]
 
 
 def recipe(layers: str, out: pathlib.Path, **train) -> dict:
