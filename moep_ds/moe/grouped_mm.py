@@ -34,7 +34,9 @@ def library_supports(x_SD: torch.Tensor, w_EDF: torch.Tensor) -> bool:
     if x_SD.dtype != w_EDF.dtype or x_SD.dim() != 2 or w_EDF.dim() != 3:
         return False
     if x_SD.device.type == "cuda":
-        ok_dtype = x_SD.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_SD.device)[0] >= 8
+        # get_device_properties, not get_device_capability: torch.compile folds the former to a constant (its
+        # constant_fold_functions), the latter it does not
+        ok_dtype = x_SD.dtype == torch.bfloat16 and torch.cuda.get_device_properties(x_SD.device).major >= 8
     else:
         ok_dtype = x_SD.device.type == "cpu" and x_SD.dtype == torch.float32
     size = x_SD.element_size()

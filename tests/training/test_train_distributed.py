@@ -108,6 +108,7 @@ def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs, stage)
 
 
 def test_moep_paths_expert_parallel_2_equals_1(expert_parallel_runs):
+    """ZeRO-1 with clipping on every step (test_expert_parallel_blocks.py runs the paths recipe at ZeRO-2)."""
     _, runs = expert_parallel_runs
     ep1, ep2 = losses(runs["paths", 1][1]), losses(runs["paths", 2][1])
     assert sorted(ep1) == sorted(ep2) == list(range(1, 7))
