@@ -80,6 +80,15 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention)
 
 
+@functools.cache
+def compiled_create_block_mask() -> Callable[..., object]:
+    """create_block_mask compiled once per process (torch's advice; its `_compile=True` is deprecated and warns,
+    which also splits an enclosing compiled graph)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
 def routed_flex_attention(
     q_NHd: torch.Tensor,
     k_NHd: torch.Tensor,
@@ -89,8 +98,10 @@ def routed_flex_attention(
     window: int | None,
 ) -> torch.Tensor:
     """`routed_attention` as one FlexAttention call with a block mask (same sequence, causal and window by original
-    position); the mask is built each call, on the tokens' device, from their sequence ids and positions."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    position); the mask is built each call, on the tokens' device, from their sequence ids and positions.
+    Inside a compiled block (`train.compile`) both are traced into the block's graph; eagerly, each runs as its
+    own compiled function."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - FlexAttention's signature
         delta = pos_N[q_idx] - pos_N[kv_idx]
@@ -98,9 +109,11 @@ def routed_flex_attention(
         return keep if window is None else keep & (delta < window)
 
     N = q_NHd.shape[0]
-    block_mask = create_block_mask(mask_mod, None, None, N, N, device=q_NHd.device, _compile=True)
+    traced = torch.compiler.is_compiling()
+    build_mask = create_block_mask if traced else compiled_create_block_mask()
+    block_mask = build_mask(mask_mod, None, None, N, N, device=q_NHd.device)
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_NHd, k_NHd, v_NHd))  # [1, H, N, Dh]
-    o_1HNd = compiled_flex_attention()(q, k, v, block_mask=block_mask)
+    o_1HNd = (flex_attention if traced else compiled_flex_attention())(q, k, v, block_mask=block_mask)
     return o_1HNd.squeeze(0).transpose(0, 1)
 
 

@@ -195,6 +195,28 @@ def test_flex_attention_forward_on_cpu_matches_the_sdpa_path():
         torch.testing.assert_close(want, dense_masked_reference(q, k, v, sel_BT, pos_BT, window)[b_N, t_N])
 
 
+@pytest.mark.slow
+def test_flex_attention_traces_into_an_enclosing_compiled_graph():
+    """Inside a compiled block (`train.compile` on CUDA) the block mask and the FlexAttention call join the
+    block's graph: no graph break (create_block_mask's deprecated `_compile=True` warned, which split it), and the
+    traced path (run by dynamo's eager backend: FlexAttention's CPU forward) equals the SDPA path."""
+    H, Dh, window = 2, 16, 8
+    sel_BT, pos_BT = random_case(3, 40, 0.5, seed=7)
+    b_N, t_N, pos_N = compact(sel_BT, pos_BT)
+    q, k, v = (torch.randn(b_N.numel(), H, Dh) for _ in range(3))
+
+    def attend(q, k, v, seq, pos):
+        return ra.routed_attention(q, k, v, seq, pos, window, kernel="flex")
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(attend)(q, k, v, b_N, pos_N)
+    assert explained.graph_count == 1, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+    got = torch.compile(attend, backend="eager", fullgraph=True)(q, k, v, b_N, pos_N)
+    want = ra.routed_attention(q.double(), k.double(), v.double(), b_N, pos_N, window, kernel="sdpa")
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention path is CUDA-only (no CPU backward)")
 @pytest.mark.parametrize("B,T,window,density,chunk", CASES + [(4, 300, 16, 0.4, None), (2, 400, None, 0.5, None)])
 def test_flex_attention_on_cuda_matches_the_cpu_reference(B, T, window, density, chunk):
