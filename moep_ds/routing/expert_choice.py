@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 
 import torch
 
-from moep_ds.recompute import is_recomputing
+from moep_ds.recompute import add_recording_flag
 from moep_ds.registry import ROUTERS
 from moep_ds.routing.plan import RoutingPlan, exact_ratio, round_ratio, routing_stats
 from moep_ds.routing.router import Router
@@ -104,7 +104,7 @@ class ExpertChoiceRouter(Router):
     log sum_t exp(l[t, i]) over a group, `num_threshold_updates` (the first update copies, later ones average).
     Before any training step the thresholds are 0, so threshold mode sends every token to every expert.
     Each training forward updates them once: not again when activation checkpointing recomputes the forward
-    (moep_ds/recompute.py).
+    (the recording flag, moep_ds/recompute.py).
     """
 
     fp32_buffers = ("threshold", "log_norm")
@@ -116,6 +116,7 @@ class ExpertChoiceRouter(Router):
         self.register_buffer("threshold", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("log_norm", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("num_threshold_updates", torch.zeros((), dtype=torch.int64))
+        add_recording_flag(self)
 
     def active_experts_per_token(self) -> float:
         """The `active_experts` setting: 1, or min(c, E) (a token is processed by 0 to E experts, c on average)."""
@@ -142,22 +143,22 @@ class ExpertChoiceRouter(Router):
         stats = routing_stats(logits_TE, token_idx_S, counts_E)
         return RoutingPlan(token_idx_S, weight_S, counts_E, B * T, stats=stats, static_counts=static_counts)
 
-    @torch.compiler.disable
     def record_thresholds(self, kth_E: torch.Tensor, log_norm_E: torch.Tensor) -> None:
-        """This training forward's update of the thresholds, unless it is an activation-checkpoint recomputation
-        (which runs the forward a second time). Never compiled: a compiled block then runs the same graphs in the
-        forward and in its recomputation, which checkpointing needs (the tensors saved for backward must match)."""
-        if not is_recomputing():
-            self.update_thresholds(kth_E, log_norm_E)
+        """This training forward's update of the thresholds; none in an activation-checkpoint recomputation
+        (which runs the forward a second time: the recording flag is false there)."""
+        self.update_thresholds(kth_E, log_norm_E, self.recording_statistics)
 
     @torch.no_grad()
-    def update_thresholds(self, kth_E: torch.Tensor, log_norm_E: torch.Tensor) -> None:
-        first = self.num_threshold_updates == 0  # tensor compare: no host sync
+    def update_thresholds(self, kth_E: torch.Tensor, log_norm_E: torch.Tensor, apply: torch.Tensor | None = None):
+        """One EMA step of the thresholds (the first copies), where the 0-dim bool `apply` holds (None: always);
+        tensor ops only: no host sync, and one compiled graph whatever `apply` holds."""
+        first = self.num_threshold_updates == 0
         decay = self.cfg.threshold_ema_decay
         for buf, value in ((self.threshold, kth_E), (self.log_norm, log_norm_E)):
             value = value.to(buf.dtype)
-            buf.copy_(torch.where(first, value, decay * buf + (1.0 - decay) * value))
-        self.num_threshold_updates += 1
+            updated = torch.where(first, value, decay * buf + (1.0 - decay) * value)
+            buf.copy_(updated if apply is None else torch.where(apply, updated, buf))
+        self.num_threshold_updates += 1 if apply is None else apply.to(torch.int64)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
         # Thresholds are running statistics: a bf16 EMA with decay 0.99 stops moving once within ~20% of its

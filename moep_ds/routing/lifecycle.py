@@ -37,7 +37,7 @@ from typing import Annotated, Any, Callable, Sequence
 import torch
 from torch import nn
 
-from moep_ds.recompute import is_recomputing
+from moep_ds.recompute import add_recording_flag
 from moep_ds.routing.plan import counts_on
 from moep_ds.schema import Between, NonNegativeFloat, NonNegativeInt, PositiveInt
 
@@ -156,6 +156,7 @@ class ExpertLifecycle(nn.Module):
         self.register_buffer("num_steps", torch.zeros((), dtype=torch.int64))
         # this step's sums over micro-batches: tokens routed [E], impact sums [E] (fp64: exact counts)
         self.register_buffer("step_sums", torch.zeros(2 * E, dtype=torch.float64), persistent=False)
+        add_recording_flag(self)  # false while activation checkpointing recomputes a forward
         self.events: list[dict[str, Any]] = []  # every replacement so far
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
@@ -172,13 +173,13 @@ class ExpertLifecycle(nn.Module):
         """Router logits plus the exploration biases of newborn experts."""
         return logits_TE + self.logit_bias_E.to(logits_TE.dtype)
 
-    @torch.compiler.disable  # as ExpertChoiceRouter.record_thresholds: the same compiled graphs in a recomputation
     def count_routed_tokens(self, counts_E: torch.Tensor) -> None:
         """The one place a forward pass adds to the running statistics: tokens routed to each expert by this
-        rank's plan (training only). A pass that recomputes a forward (activation checkpointing) must skip it."""
-        if self.training and torch.is_grad_enabled() and not is_recomputing():  # not twice under act. ckpt
+        rank's plan (training only). A pass that recomputes a forward (activation checkpointing) adds nothing:
+        its recording flag is false (moep_ds/recompute.py)."""
+        if self.training and torch.is_grad_enabled():
             with torch.no_grad():
-                self.step_sums[: self.num_experts] += counts_E.to(torch.float64)
+                self.step_sums[: self.num_experts] += counts_E.to(torch.float64) * self.recording_statistics
 
     def track_impact(
         self, y_SD: torch.Tensor, counts: Sequence[int] | torch.Tensor, first_expert: int = 0

@@ -11,11 +11,12 @@ checkpoint format. Here the wrapper is an instance attribute `forward`, and comp
 `compile()`. With both switches on, the checkpoint stays outside the compiled code and the block's forward is
 compiled inside it (`torch.compile(block.forward)`): the recompute context below is not a TorchDispatchMode,
 which torch's checkpoint requires of a `context_fn` inside a compiled region. The recomputation then runs the
-same compiled graphs as the forward (the statistics updates that differ between the two run outside them,
-`torch.compiler.disable`), so the tensors it saves match the forward's, as checkpointing checks.
+same compiled graphs as the forward (the statistics updates are in them, gated by a tensor), so the tensors it
+saves match the forward's, as checkpointing checks.
 
-The recomputation runs each block's forward a second time: `moep_ds.recompute.recomputing()` marks it, so
-that running statistics updated in forward (expert-choice thresholds, lifecycle token counts) skip it.
+The recomputation runs each block's forward a second time: `moep_ds.recompute.recomputing(block)` clears the
+block's recording flags for it, so that running statistics updated in forward (expert-choice thresholds,
+lifecycle token counts) are not updated again.
 """
 from __future__ import annotations
 
@@ -30,19 +31,21 @@ from torch.utils.checkpoint import checkpoint
 from moep_ds.recompute import recomputing
 
 
-def recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """checkpoint's context_fn: nothing around the first forward, the recompute flag around the second."""
-    return contextlib.nullcontext(), recomputing()
+def recompute_contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
+    """checkpoint's context_fn: nothing around the first forward; around the second, `module`'s running
+    statistics switched off."""
+    return contextlib.nullcontext(), recomputing(module)
 
 
 def checkpointed(forward: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
     """`forward` recomputed in backward when it runs in training with gradients on; else called as it is."""
+    contexts = functools.partial(recompute_contexts, module)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     return run
 

@@ -12,7 +12,7 @@ from torch import nn
 from moep_ds import build_model
 from moep_ds.config import config_from_dict
 from moep_ds.layers import glu
-from moep_ds.recompute import is_recomputing
+from moep_ds.recompute import add_recording_flag
 from moep_ds.training.blocks import apply_block_options, checkpointed
 from tiny import DS_CONFIGS, launch, losses, recipe, write_recipe
 
@@ -46,23 +46,29 @@ def running_statistics(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.clone() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in names}
 
 
-def test_recompute_flag_is_set_only_in_the_recomputation():
+def test_recording_flags_are_off_only_in_the_recomputation():
     seen = []
 
     class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Module()
+            add_recording_flag(self.inner)  # a submodule's flag: the whole block is switched
+
         def forward(self, x):
-            seen.append(is_recomputing())
+            seen.append(bool(self.inner.recording_statistics))
             return x.sin()
 
     probe = Probe()
     probe.forward = checkpointed(probe.forward, probe)
     x = torch.randn(3, requires_grad=True)
     probe(x).sum().backward()
-    assert seen == [False, True]  # forward, then the recomputation in backward
+    assert seen == [True, False]  # forward, then the recomputation in backward
     with torch.no_grad():
         probe(x)
-    assert seen == [False, True, False] and not is_recomputing()
+    assert seen == [True, False, True] and bool(probe.inner.recording_statistics)
     torch.testing.assert_close(x.grad, x.detach().cos())
+    assert "inner.recording_statistics" not in probe.state_dict()
 
 
 def test_activation_checkpointing_keeps_losses_gradients_statistics_and_names():
