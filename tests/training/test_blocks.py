@@ -12,6 +12,7 @@ from torch import nn
 from moep_ds import build_model
 from moep_ds.config import config_from_dict
 from moep_ds.layers import glu
+from moep_ds.moe.experts import GroupedExperts
 from moep_ds.recompute import add_recording_flag
 from moep_ds.training.blocks import apply_block_options, checkpointed
 from tiny import DS_CONFIGS, launch, losses, recipe, write_recipe
@@ -69,6 +70,25 @@ def test_recording_flags_are_off_only_in_the_recomputation():
     assert seen == [True, False, True] and bool(probe.inner.recording_statistics)
     torch.testing.assert_close(x.grad, x.detach().cos())
     assert "inner.recording_statistics" not in probe.state_dict()
+
+
+@pytest.mark.parametrize("layers,kernel", [("nova_moe", "grouped"), ("top2", "library"), ("msit", None),
+                                          ("ssm_moe", "library")])
+def test_routed_blocks_trace_as_one_graph(layers, kernel):
+    """What `train.compile` gets on a GPU (bf16; the kernels chosen there for equal / uneven loads): each routed
+    block's training forward traces as one graph, so no device-to-host copy of expert counts and no statistics
+    update outside it (the lifecycle's impact hook included). MoEP paths are the exception: their per-path loop
+    takes the counts to the host."""
+    model = tiny(layers).to(torch.bfloat16).train()
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.kernel = kernel
+    block = model.blocks[-1]
+    x, positions = torch.randn(2, 32, 32, dtype=torch.bfloat16), torch.arange(32).repeat(2, 1)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda x, pos: block(x, positions_BT=pos))(x, positions)
+    torch._dynamo.reset()
+    assert explained.graph_count == 1, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
 
 
 def test_activation_checkpointing_keeps_losses_gradients_statistics_and_names():
