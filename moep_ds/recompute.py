@@ -29,6 +29,7 @@ def add_recording_flag(module: nn.Module) -> None:
 
 
 def recording_flags(root: nn.Module) -> list[torch.Tensor]:
+    """The recording flags of `root` and every module under it."""
     return [buf for m in root.modules() for name, buf in m.named_buffers(recurse=False) if name == RECORDING]
 
 
