@@ -14,6 +14,9 @@ Reported per recipe and variant:
              i.e. model FLOPs; activation recomputation and routing overhead are not counted as useful work)
   MFU        TFLOP/s / the peak of a large bf16 matmul measured on the same GPU in the same run (and, for
              reference, / the vendor's nominal dense bf16 peak where the GPU is known)
+  compiled graphs / breaks   compiled rows: distinct graphs torch.compile made and graph breaks it met (its
+             own counters, reset per row); no breaks expected except in MoEP paths, whose per-path loop takes the
+             counts to the host (a CPU dry run has more: its bf16 experts run the loop kernel, which does too)
 Targets (printed, not asserted): pythia_1b_dense >= 45% MFU, the MoE variants >= 35%.
 
     bench/gpu_mfu.sh                          # one command, one GPU, under 8 minutes
@@ -140,6 +143,9 @@ def bench_recipe(name: str, variant: str, args: argparse.Namespace, device: torc
     report = meta_param_report(cfg.model, seq)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    torch._dynamo.reset()  # the graph counts below are this row's
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     engine = build_engine(cfg, device, variant)
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(cfg.model.vocab_size, (batch, seq + 1), generator=generator).to(device)
@@ -148,9 +154,11 @@ def bench_recipe(name: str, variant: str, args: argparse.Namespace, device: torc
     tokens_per_s = batch * seq * args.steps / seconds
     tflops = tokens_per_s * report.flops_per_token / 1e12
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    compiled = VARIANTS[variant][1]
+    graphs = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) if compiled else None
     engine.destroy()
     return {"variant": variant, "params": report.params_total, "active": report.params_active, "batch": batch,
-            "seq": seq,
+            "seq": seq, "graphs": graphs,
             "tokens_per_s": tokens_per_s, "tflops": tflops, "mfu": tflops / peak, "memory_gib": memory}
 
 
@@ -163,12 +171,13 @@ def free_memory(device: torch.device) -> None:
 def row(name: str, r: dict, nominal: float | None, dry_run: bool) -> str:
     mfu_nominal = f"{100 * r['tflops'] / nominal:.1f}%" if nominal else "-"
     memory = f"{r['memory_gib']:.1f}" if r["memory_gib"] is not None else "-"
+    graphs = "-" if r["graphs"] is None else f"{r['graphs'][0]} / {r['graphs'][1]}"
     target = TARGET_MFU[name]
     verdict = "n/a (dry run)" if dry_run else "met" if r["mfu"] >= target else "MISSED"
     return (f"| {name} | {r['variant']} | {r['params'] / 1e6:.1f}M / {r['active'] / 1e6:.1f}M | "
             f"{r['batch']} x {r['seq']} | "
             f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {100 * r['mfu']:.1f}% | {mfu_nominal} | {memory} | "
-            f">= {100 * target:.0f}%: {verdict} |")
+            f"{graphs} | >= {100 * target:.0f}%: {verdict} |")
 
 
 def header(device: torch.device, peak: float, peak_n: int, nominal: float | None,
@@ -183,8 +192,8 @@ def header(device: torch.device, peak: float, peak_n: int, nominal: float | None
         f"{peak:.1f} TFLOP/s (N={peak_n}){f'; nominal {nominal:.0f} TFLOP/s' if nominal else ''}",
         "| recipe | variant | params total / active | B x T | tokens/s | TFLOP/s | MFU (measured peak) | "
         "MFU (nominal) | "
-        "peak mem GiB | target |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---|",
+        "peak mem GiB | compiled graphs / breaks | target |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
 
 
