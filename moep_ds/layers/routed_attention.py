@@ -184,7 +184,7 @@ def routed_causal_attention(
     N, H, Dh = q_NHd.shape
     _, run_S = torch.unique_consecutive(seq_N, return_counts=True)
     S, P = run_S.numel(), int(run_S.max())  # one host sync: the padded length
-    run_N = torch.repeat_interleave(torch.arange(S, device=seq_N.device), run_S)
+    run_N = torch.repeat_interleave(torch.arange(S, device=seq_N.device), run_S, output_size=N)
     start_S = torch.cumsum(run_S, 0) - run_S
     slot_N = torch.arange(N, device=seq_N.device) - start_S[run_N]
 
