@@ -36,7 +36,7 @@ from moep_ds.blocks.dense import DenseBlock, DenseBlockConfig
 from moep_ds.layers.attention import AttentionConfig, KVCache
 from moep_ds.layers.ffn import FFNConfig, build_ffn
 from moep_ds.layers.norm import NormConfig, build_norm
-from moep_ds.layers.routed_attention import RoutedKVCache, RoutedSelfAttention
+from moep_ds.layers.routed_attention import RoutedKVCache, RoutedSelfAttention, routed_block_mask, uses_flex
 from moep_ds.moe.dispatch import (
     ExpertBatch, ExpertStage, combine_dense, dense_routing, in_token_order, sequence_ids,
 )
@@ -113,9 +113,10 @@ class PathLayer(nn.Module):
         self.ffn = build_ffn(ffn, d)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor | None = None, *,
-                routed: torch.Tensor | None = None, cache: RoutedKVCache | None = None) -> torch.Tensor:
+                routed: torch.Tensor | None = None, cache: RoutedKVCache | None = None,
+                block_mask: object | None = None) -> torch.Tensor:
         h = self.attn_norm(x)
-        a = self.attn(h, seq, pos) if cache is None else self.attn.forward_cached(h, routed, pos, cache)
+        a = self.attn(h, seq, pos, block_mask) if cache is None else self.attn.forward_cached(h, routed, pos, cache)
         return self.residual(x, a)
 
     def residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -138,8 +139,11 @@ class Path(nn.Module):
 
     def forward(self, z: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor | None = None, *,
                 routed: torch.Tensor | None = None, cache: list[RoutedKVCache] | None = None) -> torch.Tensor:
+        block_mask = None  # FlexAttention (CUDA): every layer attends over the same tokens, one mask for all
+        if cache is None and z.shape[0] > 0 and uses_flex(z):
+            block_mask = routed_block_mask(seq, pos, self.layers[0].attn.cfg.window)
         for i, layer in enumerate(self.layers):
-            z = layer(z, pos, seq, routed=routed, cache=None if cache is None else cache[i])
+            z = layer(z, pos, seq, routed=routed, cache=None if cache is None else cache[i], block_mask=block_mask)
         return z
 
 

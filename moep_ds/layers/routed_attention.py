@@ -42,6 +42,11 @@ MIN_CHUNK = 32
 KEY_ALIGN = 8
 
 
+def uses_flex(x: torch.Tensor, kernel: str | None = None) -> bool:
+    """Whether routed attention on `x`'s device runs as FlexAttention (`kernel` None: on CUDA)."""
+    return (kernel or ("flex" if x.is_cuda else "sdpa")) == "flex"
+
+
 def routed_attention(
     q_NHd: torch.Tensor,
     k_NHd: torch.Tensor,
@@ -50,6 +55,7 @@ def routed_attention(
     pos_N: torch.Tensor,
     window: int | None,
     kernel: str | None = None,
+    block_mask: object | None = None,
 ) -> torch.Tensor:
     """Causal attention among routed tokens sorted by (sequence, position); window None = unbounded.
 
@@ -59,13 +65,15 @@ def routed_attention(
         pos_N: original position of each token, strictly increasing within a sequence.
         window: w (the query included) or None.
         kernel: "flex" (FlexAttention, CUDA), "sdpa" (chunked / per-sequence SDPA), None: flex on CUDA.
+        block_mask: for flex, `routed_block_mask(seq_N, pos_N, window)` when the caller already has it (layers
+            that attend over the same routed tokens share one); None: built here.
     Returns:
         o_NHd: softmax(q k^T / sqrt(Dh) + mask) v.
     """
     if q_NHd.shape[0] == 0:
         return q_NHd.clone()
-    if (kernel or ("flex" if q_NHd.is_cuda else "sdpa")) == "flex":
-        return routed_flex_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, window)
+    if uses_flex(q_NHd, kernel):
+        return routed_flex_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, window, block_mask)
     if window is None:
         return routed_causal_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N)
     return routed_window_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, window)
@@ -89,6 +97,23 @@ def compiled_create_block_mask() -> Callable[..., object]:
     return torch.compile(create_block_mask)
 
 
+def routed_block_mask(seq_N: torch.Tensor, pos_N: torch.Tensor, window: int | None) -> object:
+    """FlexAttention's block mask for routed tokens (same sequence, causal and window by original position), on
+    their device. It evaluates the mask on every (query, key) pair at block granularity, so layers over the same
+    routed tokens (a MoEP path's `path_depth` layers) build it once. Inside a compiled block it is traced into the
+    block's graph; eagerly it runs as its own compiled function."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - FlexAttention's signature
+        delta = pos_N[q_idx] - pos_N[kv_idx]
+        keep = (seq_N[q_idx] == seq_N[kv_idx]) & (delta >= 0)
+        return keep if window is None else keep & (delta < window)
+
+    N = seq_N.shape[0]
+    build = create_block_mask if torch.compiler.is_compiling() else compiled_create_block_mask()
+    return build(mask_mod, None, None, N, N, device=seq_N.device)
+
+
 def routed_flex_attention(
     q_NHd: torch.Tensor,
     k_NHd: torch.Tensor,
@@ -96,24 +121,17 @@ def routed_flex_attention(
     seq_N: torch.Tensor,
     pos_N: torch.Tensor,
     window: int | None,
+    block_mask: object | None = None,
 ) -> torch.Tensor:
-    """`routed_attention` as one FlexAttention call with a block mask (same sequence, causal and window by original
-    position); the mask is built each call, on the tokens' device, from their sequence ids and positions.
-    Inside a compiled block (`train.compile`) both are traced into the block's graph; eagerly, each runs as its
+    """`routed_attention` as one FlexAttention call with a block mask (`routed_block_mask`, built here unless
+    given). Inside a compiled block (`train.compile`) it is traced into the block's graph; eagerly it runs as its
     own compiled function."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - FlexAttention's signature
-        delta = pos_N[q_idx] - pos_N[kv_idx]
-        keep = (seq_N[q_idx] == seq_N[kv_idx]) & (delta >= 0)
-        return keep if window is None else keep & (delta < window)
-
-    N = q_NHd.shape[0]
-    traced = torch.compiler.is_compiling()
-    build_mask = create_block_mask if traced else compiled_create_block_mask()
-    block_mask = build_mask(mask_mod, None, None, N, N, device=q_NHd.device)
+    block_mask = routed_block_mask(seq_N, pos_N, window) if block_mask is None else block_mask
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_NHd, k_NHd, v_NHd))  # [1, H, N, Dh]
-    o_1HNd = (flex_attention if traced else compiled_flex_attention())(q, k, v, block_mask=block_mask)
+    flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+    o_1HNd = flex(q, k, v, block_mask=block_mask)
     return o_1HNd.squeeze(0).transpose(0, 1)
 
 
@@ -253,14 +271,17 @@ class RoutedSelfAttention(CausalSelfAttention):
             return x
         return x.repeat_interleave(self.num_heads // self.num_kv_heads, dim)
 
-    def forward(self, x_ND: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
-        return self.attend(x_ND, seq_N, pos_N, self.cfg.window)
+    def forward(self, x_ND: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor,
+                block_mask: object | None = None) -> torch.Tensor:
+        """`block_mask`: FlexAttention's mask for these tokens and this module's window, if the caller has it."""
+        return self.attend(x_ND, seq_N, pos_N, self.cfg.window, block_mask)
 
-    def attend(self, x_ND: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor, window: int | None) -> torch.Tensor:
+    def attend(self, x_ND: torch.Tensor, seq_N: torch.Tensor, pos_N: torch.Tensor, window: int | None,
+               block_mask: object | None = None) -> torch.Tensor:
         """`forward` with a given window (stacked experts share one module but differ in window: MSIT)."""
         q_NHd, k_NGd, v_NGd = self.project(x_ND, pos_N)
         k_NHd, v_NHd = self.expand_kv(k_NGd, 1), self.expand_kv(v_NGd, 1)
-        o_NHd = routed_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, window)
+        o_NHd = routed_attention(q_NHd, k_NHd, v_NHd, seq_N, pos_N, window, block_mask=block_mask)
         return self.w_o(o_NHd.flatten(-2))
 
     def forward_cached(
@@ -295,5 +316,5 @@ class RoutedSelfAttention(CausalSelfAttention):
 
 __all__ = [
     "routed_attention", "routed_window_attention", "routed_causal_attention", "routed_flex_attention", "RoutedKVCache",
-    "RoutedSelfAttention",
+    "RoutedSelfAttention", "routed_block_mask", "uses_flex",
 ]

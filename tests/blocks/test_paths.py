@@ -123,6 +123,27 @@ def test_projection_experts_library_kernel_equals_the_per_expert_matmuls():
     assert results[0][2][1].abs().sum() == 0  # expert 1 had no tokens
 
 
+def test_a_paths_layers_share_one_flex_attention_mask(monkeypatch):
+    """The FlexAttention path (CUDA; forced here, FlexAttention has a CPU forward): each path builds its block mask
+    once for its `path_depth` layers, and the block's output equals the SDPA path's."""
+    import moep_ds.blocks.paths as paths_module
+    import moep_ds.layers.routed_attention as ra
+
+    block = tiny_block(k=2).float()  # path_depth 2, 3 paths
+    x_BTD = torch.randn(2, 9, 24)
+    pos_BT = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        want = block(x_BTD, positions_BT=pos_BT).x
+        built, build = [], ra.routed_block_mask
+        counting = lambda *args: built.append(args[0].numel()) or build(*args)  # noqa: E731
+        for module in (ra, paths_module):  # the attention's own builder too: a layer must not build another
+            monkeypatch.setattr(module, "uses_flex", lambda x, kernel=None: True)
+            monkeypatch.setattr(module, "routed_block_mask", counting)
+        got = block(x_BTD, positions_BT=pos_BT).x
+    assert len(built) == 3 and all(n > 0 for n in built)  # one per path, not one per layer
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_without_full_layer_the_block_starts_at_the_contraction():
     block = tiny_block(k=2, full_layer=False)
     assert block.pre is None and not [n for n, _ in block.named_parameters() if n.startswith("pre.")]
