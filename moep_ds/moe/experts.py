@@ -68,7 +68,8 @@ def grouped_expert_ffn(
     library: bool = False,
 ) -> torch.Tensor:
     """All experts at once on tokens grouped by expert: expert_ffn with grouped matmuls (`library`: torch's
-    F.grouped_mm, which also takes the counts as a device tensor, no copy to the host; else moe/grouped_mm.py)."""
+    F.grouped_mm, which also takes the counts as a device tensor, no copy to the host; else moe/grouped_mm.py,
+    which takes Python ints)."""
 
     def per_token(b_EX: torch.Tensor) -> torch.Tensor:  # [E, X] -> [S, X], each token its expert's bias
         repeats = counts_on(counts, b_EX.device)
@@ -78,8 +79,7 @@ def grouped_expert_ffn(
         offs_E = expert_offsets(counts, x_SD.device)
         mm = lambda x, w: library_grouped_mm(x, w, offs_E)  # noqa: E731
     else:
-        host_counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
-        mm = lambda x, w: grouped_mm(x, w, host_counts)  # noqa: E731
+        mm = lambda x, w: grouped_mm(x, w, counts)  # noqa: E731
     h_SF = mm(x_SD, w1_EDF)
     h_SF = h_SF if b1_EF is None else h_SF + per_token(b1_EF)
     if w3_EDF is None:
@@ -148,7 +148,7 @@ class GroupedExperts(nn.Module):
         x = x_SD.to(self.w1_EDF.dtype)
         kernel = self.kernel or choose_kernel(x, self.w1_EDF, counts)
         if isinstance(counts, torch.Tensor) and kernel != "library":
-            counts = counts.tolist()
+            counts = counts.tolist()  # the other kernels loop over experts in Python
         if kernel == "loop":
             return expert_loop_ffn(x, counts, *self.weights(), self.kind).to(x_SD.dtype)
         library = kernel == "library"

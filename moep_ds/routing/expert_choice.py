@@ -143,22 +143,19 @@ class ExpertChoiceRouter(Router):
         stats = routing_stats(logits_TE, token_idx_S, counts_E)
         return RoutingPlan(token_idx_S, weight_S, counts_E, B * T, stats=stats, static_counts=static_counts)
 
-    def record_thresholds(self, kth_E: torch.Tensor, log_norm_E: torch.Tensor) -> None:
-        """This training forward's update of the thresholds; none in an activation-checkpoint recomputation
-        (which runs the forward a second time: the recording flag is false there)."""
-        self.update_thresholds(kth_E, log_norm_E, self.recording_statistics)
-
     @torch.no_grad()
-    def update_thresholds(self, kth_E: torch.Tensor, log_norm_E: torch.Tensor, apply: torch.Tensor | None = None):
-        """One EMA step of the thresholds (the first copies), where the 0-dim bool `apply` holds (None: always);
-        tensor ops only: no host sync, and one compiled graph whatever `apply` holds."""
+    def record_thresholds(self, kth_E: torch.Tensor, log_norm_E: torch.Tensor) -> None:
+        """This training forward's EMA step of the thresholds (the first copies); none in an activation-checkpoint
+        recomputation (which runs the forward a second time: the recording flag is false there). Tensor ops
+        only: no host sync, and one compiled graph whatever the flag holds."""
+        recording = self.recording_statistics
         first = self.num_threshold_updates == 0
         decay = self.cfg.threshold_ema_decay
         for buf, value in ((self.threshold, kth_E), (self.log_norm, log_norm_E)):
             value = value.to(buf.dtype)
             updated = torch.where(first, value, decay * buf + (1.0 - decay) * value)
-            buf.copy_(updated if apply is None else torch.where(apply, updated, buf))
-        self.num_threshold_updates += 1 if apply is None else apply.to(torch.int64)
+            buf.copy_(torch.where(recording, updated, buf))
+        self.num_threshold_updates += recording.to(torch.int64)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
         # Thresholds are running statistics: a bf16 EMA with decay 0.99 stops moving once within ~20% of its
