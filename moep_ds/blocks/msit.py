@@ -129,7 +129,7 @@ class MSITExperts(ExpertStage):
     def __init__(self, cfg: MSITExpertConfig, norm: NormConfig, d_model: int, active_experts_per_token: float):
         super().__init__(len(cfg.windows))
         self.w_down = nn.Linear(d_model, cfg.d_thin, bias=False)
-        self.branches = StackedExperts([MSITBranch(cfg, norm) for _ in cfg.windows])
+        self.branches = StackedExperts.build(lambda: MSITBranch(cfg, norm), len(cfg.windows))
         self.w_up = nn.Linear(cfg.d_thin, d_model, bias=False)
         self.windows = list(cfg.windows)  # of every expert, by global index
         self.token_share = active_experts_per_token / self.num_experts

@@ -41,6 +41,7 @@ from moep_ds.moe.dispatch import (
     ExpertBatch, ExpertStage, combine_dense, dense_routing, in_token_order, sequence_ids,
 )
 from moep_ds.moe.grouped_mm import expert_offsets, library_grouped_mm, library_supports
+from moep_ds.moe.shard import held_experts, mark_expert_rows, normal_
 from moep_ds.moe.stacked import StackedExperts, keep_expert_slice_
 from moep_ds.registry import BLOCKS, NORMS, ROUTERS
 from moep_ds.routing.plan import RoutingPlan
@@ -153,8 +154,9 @@ class LinearExperts(ExpertStage):
     def __init__(self, num_experts: int, d_in: int, d_out: int, active_experts_per_token: float,
                  residual_output: bool):
         super().__init__(num_experts)
-        self.w_EOI = nn.Parameter(torch.empty(num_experts, d_out, d_in))
-        self.num_local_experts = num_experts
+        held = held_experts(num_experts)  # all of them unless built inside `expert_shard` (moe/shard.py)
+        self.w_EOI = mark_expert_rows(nn.Parameter(torch.empty(len(held), d_out, d_in)), held.start, num_experts)
+        self.num_local_experts = len(held)
         self.active_share = active_experts_per_token / num_experts
         self.residual_output = residual_output
         self.use_library = True  # False: the per-expert matmuls (tests compare the two)
@@ -168,7 +170,7 @@ class LinearExperts(ExpertStage):
     @torch.no_grad()
     def init_weights(self, std: float, out_scale: float = 1.0) -> None:
         """Normal(0, std) like a linear layer; std * out_scale when the output is added to the residual stream."""
-        nn.init.normal_(self.w_EOI, std=std * out_scale if self.residual_output else std)
+        normal_(self.w_EOI, std=std * out_scale if self.residual_output else std)
 
     def forward(self, x_TI: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         return self.dispatch(x_TI, plan)
@@ -197,7 +199,7 @@ class ParallelPaths(ExpertStage):
 
     def __init__(self, cfg: PathsBlockConfig, d_model: int, active_experts_per_token: float):
         super().__init__(cfg.num_paths)
-        self.paths = StackedExperts([Path(cfg, d_model) for _ in range(cfg.num_paths)])
+        self.paths = StackedExperts.build(lambda: Path(cfg, d_model), cfg.num_paths)
         self.active_share = active_experts_per_token / cfg.num_paths
         for layer in self.paths.expert.layers:
             layer.attn.token_share = self.active_share

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moep_ds.layers.norm import build_norm
+from moep_ds.moe.shard import normal_
 from moep_ds.models.config import ModelConfig
 from moep_ds.registry import BLOCKS
 
@@ -54,7 +55,7 @@ class CausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 scale = out_scale if name.endswith(("w_o", "w_out", "w2")) else 1.0
-                nn.init.normal_(module.weight, std=std * scale)
+                normal_(module.weight, std=std * scale)  # a stacked expert shard: its rows of all experts
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
         # Modules with parameters of their own kind (stacked experts, routers, SSM) initialise those themselves.

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from moep_ds.moe.shard import held_experts
 from moep_ds.routing.plan import RoutingPlan
 
 
@@ -164,7 +165,7 @@ class ExpertStage(nn.Module):
     def __init__(self, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
-        self.first_local_expert = 0  # global index of local expert 0
+        self.first_local_expert = held_experts(num_experts).start  # global index of local expert 0
         self.dispatcher: Dispatcher = LocalDispatcher()
 
     def set_dispatcher(self, dispatcher: Dispatcher) -> None:

@@ -28,6 +28,7 @@ from moep_ds.layers.ffn import GATED, FFNConfig, ffn_hidden_size
 from moep_ds.layers.glu import gated_activation
 from moep_ds.moe.activations import EXPERT_ACTIVATIONS
 from moep_ds.moe.expert_loop import expert_loop_ffn
+from moep_ds.moe.shard import EXPERT_ROWS, held_experts, mark_expert_rows, normal_
 from moep_ds.moe.grouped_mm import expert_offsets, grouped_mm, library_grouped_mm, library_supports
 from moep_ds.routing.plan import counts_on
 
@@ -114,15 +115,18 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"expert type ({cfg.type!r}) must be one of {', '.join(EXPERT_ACTIVATIONS)}")
         hidden = ffn_hidden_size(cfg, d_model)
         self.kind = cfg.type
-        self.num_local_experts = num_experts
+        held = held_experts(num_experts)  # all of them unless built inside `expert_shard` (moe/shard.py)
+        self.num_local_experts = len(held)
         self.kernel: str | None = None  # one of KERNELS; None: chosen per call (`choose_kernel`)
-        E, D, Fh = num_experts, d_model, hidden
+        E, D, Fh = len(held), d_model, hidden
         self.w1_EDF = nn.Parameter(torch.empty(E, D, Fh))
         self.w3_EDF = nn.Parameter(torch.empty(E, D, Fh)) if cfg.type in GATED else None
         self.w2_EFD = nn.Parameter(torch.empty(E, Fh, D))
         self.b1_EF = nn.Parameter(torch.empty(E, Fh)) if cfg.bias else None
         self.b3_EF = nn.Parameter(torch.empty(E, Fh)) if cfg.bias and cfg.type in GATED else None
         self.b2_ED = nn.Parameter(torch.empty(E, D)) if cfg.bias else None
+        for p in self.parameters():
+            mark_expert_rows(p, held.start, num_experts)
         if not self.w1_EDF.is_meta:
             self.init_weights(std=0.02)
 
@@ -133,7 +137,7 @@ class GroupedExperts(nn.Module):
             if name.startswith("b"):
                 nn.init.zeros_(p)
             else:
-                nn.init.normal_(p, std=std * out_scale if name.startswith("w2") else std)
+                normal_(p, std=std * out_scale if name.startswith("w2") else std)
 
     def params_per_expert(self) -> int:
         return sum(p[0].numel() for p in self.parameters())
@@ -160,7 +164,9 @@ class GroupedExperts(nn.Module):
         if start < 0 or count <= 0 or start + count > self.num_local_experts:
             raise ValueError(f"experts [{start}, {start + count}) are not within the {self.num_local_experts} held")
         for name, p in list(self.named_parameters()):
-            setattr(self, name, nn.Parameter(p[start : start + count].clone(), requires_grad=p.requires_grad))
+            first, total = getattr(p, EXPERT_ROWS)
+            kept = nn.Parameter(p[start : start + count].clone(), requires_grad=p.requires_grad)
+            setattr(self, name, mark_expert_rows(kept, first + start, total))
         self.num_local_experts = count
 
     def extra_repr(self) -> str:

@@ -5,8 +5,9 @@
     plan = router(x)                       (which tokens each expert processes, combine weights, aux losses)
     y    = dispatcher(x, plan, experts)    (local, or all-to-all across an expert-parallel group)
 
-Expert parallelism is applied from outside (the trainer): `shard_experts(layer, ep_rank, ep_size)` keeps this
-rank's experts and `layer.set_dispatcher(AllToAllDispatcher(group, layer.num_experts))` moves tokens to them.
+Expert parallelism is applied from outside (the trainer): built inside `moe.shard.expert_shard(ep_rank, ep_size)`
+the layer holds this rank's experts only (`shard_experts(layer, ep_rank, ep_size)` cuts a whole layer down to
+them), and `layer.set_dispatcher(AllToAllDispatcher(group, layer.num_experts))` moves tokens to them.
 """
 from __future__ import annotations
 

@@ -11,11 +11,13 @@ expert is cloned by copying index e of every tensor.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 from torch.func import functional_call
+
+from moep_ds.moe.shard import EXPERT_ROWS, held_experts, mark_expert_rows
 
 
 def set_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:
@@ -29,26 +31,42 @@ def keep_expert_slice_(module: nn.Module, start: int, count: int, held: int) -> 
         raise ValueError(f"experts [{start}, {start + count}) are not within the {held} held")
     with torch.no_grad():
         for name, p in list(module.named_parameters()):
-            set_parameter(module, name, nn.Parameter(p[start : start + count].clone(), requires_grad=p.requires_grad))
+            first, total = getattr(p, EXPERT_ROWS, (0, held))
+            kept = nn.Parameter(p[start : start + count].clone(), requires_grad=p.requires_grad)
+            set_parameter(module, name, mark_expert_rows(kept, first + start, total))
 
 
 class StackedExperts(nn.Module):
     """E experts of one architecture; `expert`'s parameters hold all of them, stacked along dim 0.
 
-    Built from E separately constructed (and initialised) modules of identical structure. Buffers are not
+    Built from separately constructed (and initialised) modules of identical structure: experts
+    [first_expert, first_expert + len(experts)) of `num_experts` (default: all of them). Buffers are not
     stacked: an expert module must keep its state in parameters.
     """
 
-    def __init__(self, experts: Sequence[nn.Module]):
+    def __init__(self, experts: Sequence[nn.Module], first_expert: int = 0, num_experts: int | None = None):
         super().__init__()
-        first = experts[0]
-        if any(True for _ in first.buffers()):
-            raise ValueError(f"{type(first).__name__} has buffers; stacked experts hold parameters only")
-        for name, _ in list(first.named_parameters()):
-            stacked = torch.stack([e.get_parameter(name).detach() for e in experts])
-            set_parameter(first, name, nn.Parameter(stacked))
-        self.expert = first
+        module = experts[0]
+        if any(True for _ in module.buffers()):
+            raise ValueError(f"{type(module).__name__} has buffers; stacked experts hold parameters only")
+        for name, _ in list(module.named_parameters()):
+            stacked = nn.Parameter(torch.stack([e.get_parameter(name).detach() for e in experts]))
+            set_parameter(module, name, mark_expert_rows(stacked, first_expert, num_experts or len(experts)))
+        self.expert = module
         self.num_local_experts = len(experts)
+
+    @classmethod
+    def build(cls, make_expert: Callable[[], nn.Module], num_experts: int) -> StackedExperts:
+        """`num_experts` experts made by `make_expert()`, of which this process keeps the ones it holds
+        (`moe/shard.py`). Every expert is made, in order, so that the random stream advances as in the unsharded
+        model; one that is not held is dropped at once."""
+        held = held_experts(num_experts)
+        experts = []
+        for e in range(num_experts):
+            expert = make_expert()
+            if e in held:
+                experts.append(expert)
+        return cls(experts, held.start, num_experts)
 
     def per_expert(self) -> list[dict[str, torch.Tensor]]:
         """Each held expert's parameters as views (unbind: one backward that stacks the gradients)."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from moep_ds.errors import UserError
 from moep_ds.moe.all_to_all import AllToAllDispatcher
-from moep_ds.moe.dispatch import ExpertStage, shard_experts
+from moep_ds.moe.dispatch import ExpertStage
 from moep_ds.registry import ROUTERS
 from moep_ds.training.ds_config import precision, zero_stage
 
@@ -69,23 +69,41 @@ def engine_view_class(cls: type) -> type:
     return type(f"DeepSpeed{cls.__name__}", (cls, MoE), {"set_deepspeed_parallelism": set_deepspeed_parallelism})
 
 
-def setup_expert_parallel(model: nn.Module, ep_size: int):
-    """Shard every routed stage's experts over `ep_size` ranks and wire the all-to-all dispatcher.
-    Returns the expert-parallel process group (None at ep_size 1, where experts are ordinary parameters)."""
+def expert_parallel_group(ep_size: int):
+    """DeepSpeed's expert-parallel group of this rank (created on first use); None at ep_size 1."""
     if ep_size == 1:
         return None
     from deepspeed.utils import groups
 
+    name = f"ep_size_{ep_size}"
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep_size)
+    return groups._get_expert_parallel_group(name)
+
+
+def shard_of(ep_group) -> tuple[int, int]:
+    """(rank, size) for `moe.shard.expert_shard`: the experts this rank builds."""
+    return (0, 1) if ep_group is None else (dist.get_rank(ep_group), dist.get_world_size(ep_group))
+
+
+def setup_expert_parallel(model: nn.Module, ep_group) -> None:
+    """Wire the all-to-all dispatcher and DeepSpeed's MoE marks into every routed stage of a model built inside
+    `expert_shard(*shard_of(ep_group))`, which holds this rank's experts only (no rank ever builds them all)."""
+    if ep_group is None:
+        return
+    ep_rank, ep_size = shard_of(ep_group)
     layers = expert_stages(model)
     if not layers:
         raise ParallelLayoutError(f"train.expert_parallel_size ({ep_size}) > 1 but the model has no routed experts")
     name = f"ep_size_{ep_size}"
-    if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep_size)
-    ep_group = groups._get_expert_parallel_group(name)
-    ep_rank = dist.get_rank(ep_group)
     for layer in layers:
-        shard_experts(layer, ep_rank, ep_size)
+        local = layer.num_experts // ep_size
+        first, held = layer.first_local_expert, layer.experts.num_local_experts
+        if (first, held) != (ep_rank * local, local):
+            raise ParallelLayoutError(
+                f"a routed stage holds experts [{first}, {first + held}) of {layer.num_experts}; expert-parallel rank "
+                f"{ep_rank} of {ep_size} needs [{ep_rank * local}, {(ep_rank + 1) * local}): build the model inside "
+                f"moe.shard.expert_shard({ep_rank}, {ep_size})")
         layer.set_dispatcher(AllToAllDispatcher(ep_group, layer.num_experts))
         for p in layer.experts.parameters():
             p.allreduce = False  # DeepSpeed's mark of an expert parameter
@@ -93,6 +111,5 @@ def setup_expert_parallel(model: nn.Module, ep_size: int):
         layer.__class__ = engine_view_class(type(layer))
         layer.ep_size = ep_size
         layer.expert_group_name = name
-        layer.num_local_experts = layer.num_experts // ep_size
+        layer.num_local_experts = local
         layer.enable_expert_tensor_parallelism = False
-    return ep_group

@@ -25,14 +25,17 @@ from moep_ds.data.dataset import open_split
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.data.prepare import check_meta, prepare
 from moep_ds.data.sampler import BatchLoader
-from moep_ds.models.accounting import count_params
+from moep_ds.models.accounting import meta_param_report
 from moep_ds.models.causal_lm import build_model
+from moep_ds.moe.shard import expert_shard
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.distributed import init_distributed, setup_logging
 from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
-from moep_ds.training.expert_parallel import check_parallel_layout, moe_layer_classes, setup_expert_parallel
+from moep_ds.training.expert_parallel import (
+    check_parallel_layout, expert_parallel_group, moe_layer_classes, setup_expert_parallel, shard_of,
+)
 from moep_ds.training.grad_norm import ExactClipping
 from moep_ds.training.hooks import step_callbacks
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
@@ -188,10 +191,15 @@ class Trainer:
         self.stop = StopRequest()
 
     def new_model(self):
-        torch.manual_seed(self.cfg.train.seed)  # identical initial weights on every rank
-        model = build_model(self.cfg.model)
-        self.report = count_params(model, self.cfg.data.seq_len)
-        return model, setup_expert_parallel(model, self.cfg.train.expert_parallel_size)
+        """The model with this rank's experts only (moe/shard.py), initialised from the seed alike on every rank
+        and at every expert-parallel size."""
+        ep_group = expert_parallel_group(self.cfg.train.expert_parallel_size)
+        torch.manual_seed(self.cfg.train.seed)
+        with expert_shard(*shard_of(ep_group)):
+            model = build_model(self.cfg.model)
+        self.report = meta_param_report(self.cfg.model, self.cfg.data.seq_len)  # of the whole model
+        setup_expert_parallel(model, ep_group)
+        return model, ep_group
 
     def load_resumed_model(self):
         """The model, with the weights of the checkpoint to resume from (`self.resume_from`, None for a fresh

@@ -351,16 +351,19 @@ def zero2_run(ep: int, out_dir: str) -> None:
 
     from moep_ds.training import state as st
     from moep_ds.training.config import OptimizerConfig
-    from moep_ds.training.expert_parallel import setup_expert_parallel
+    from moep_ds.moe.shard import expert_shard
+    from moep_ds.training.expert_parallel import expert_parallel_group, setup_expert_parallel, shard_of
     from moep_ds.training.optim import param_groups
 
     rank = dist.get_rank()
-    model = tiny_model(ZERO2_LIFECYCLE)
+    ep_group = expert_parallel_group(ep)
+    with expert_shard(*shard_of(ep_group)):
+        model = tiny_model(ZERO2_LIFECYCLE)
     block = model.blocks[0]
     with torch.no_grad():
         block.moe_norm.bias.fill_(1.0)  # router input x_hat + 1: a constant row gives a constant logit
         block.moe.router.weight[3] = 0.3
-    ep_group = setup_expert_parallel(model, ep) if ep > 1 else None
+    setup_expert_parallel(model, ep_group)
     groups = param_groups(model, OptimizerConfig(weight_decay=0.0))
     if ep_group is not None:
         groups = split_params_into_different_moe_groups_for_optimizer(groups)

@@ -1,0 +1,104 @@
+"""Expert shards built at construction (moe/shard.py): a rank's experts only, with the unsharded model's values."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from moep_ds import build_model
+from moep_ds.config import config_from_dict
+from moep_ds.moe.dispatch import ExpertStage
+from moep_ds.moe.shard import EXPERT_ROWS, expert_shard, held_experts, normal_
+
+TOP2 = {"type": "topk", "k": 2, "load_balancing_weight": 0.01}
+ATTN = {"num_heads": 4}
+# every routed stage kind: FFN experts (with biases and without), MSIT branches, MoEP paths and projections
+LAYERS = [
+    {"type": "ffn_moe", "attention": ATTN,
+     "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 24},
+             "router": {"type": "expert_choice", "capacity_factor": 1.25, "rounding": "ceil"}}},
+    {"type": "msit", "attention": ATTN, "experts": {"d_thin": 16, "num_heads": 2, "windows": [8, 4, 2, 1]}},
+    {"type": "ssm_moe", "mixer": {"state_size": 4, "chunk_size": 8},
+     "moe": {"num_experts": 4, "expert": {"type": "gelu", "hidden_size": 24, "bias": True},
+             "router": {**TOP2, "lifecycle": {"min_tokens": 64, "check_interval": 3}}}},
+    {"type": "paths", "attention": ATTN, "d_path": 16, "num_paths": 4, "num_projection_experts": 4,
+     "path_router": TOP2, "projection_router": TOP2},
+]
+
+
+def model_cfg():
+    return config_from_dict({"model": {"flavour": "llama", "vocab_size": 64, "d_model": 32, "max_seq_len": 16,
+                                       "layers": copy.deepcopy(LAYERS)}}).model
+
+
+def build(shard: tuple[int, int] | None, registered: list | None = None) -> nn.Module:
+    torch.manual_seed(0)
+    handle = None
+    if registered is not None:
+        handle = nn.modules.module.register_module_parameter_registration_hook(
+            lambda module, name, p: registered.append(tuple(p.shape)) if p is not None else None)
+    try:
+        if shard is None:
+            return build_model(model_cfg())
+        with expert_shard(*shard):
+            return build_model(model_cfg())
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def stages(model: nn.Module) -> dict[str, ExpertStage]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, ExpertStage)}
+
+
+def test_each_rank_builds_its_experts_with_the_values_of_the_whole_model():
+    whole = build(None)
+    whole_params = dict(whole.named_parameters())
+    assert len(stages(whole)) == 6  # FFN-MoE, MSIT, SSM-MoE; the paths block: contraction, paths, expansion
+    for rank in range(2):
+        shard = build((rank, 2))
+        for name, stage in stages(shard).items():
+            assert (stage.first_local_expert, stage.experts.num_local_experts) == (2 * rank, 2), name
+        params = dict(shard.named_parameters())
+        assert params.keys() == whole_params.keys()
+        for name, p in params.items():
+            first, total = getattr(p, EXPERT_ROWS, (0, len(p)))
+            if name.startswith(tuple(stage + "." for stage in stages(shard))) and total == 4 and len(p) == 2:
+                assert first == 2 * rank, name
+                torch.testing.assert_close(p, whole_params[name][first:first + 2], rtol=0, atol=0, msg=name)
+            else:  # everything else is replicated: the same values on every rank
+                torch.testing.assert_close(p, whole_params[name], rtol=0, atol=0, msg=name)
+        for (name, b), (_, wb) in zip(shard.named_buffers(), whole.named_buffers()):
+            torch.testing.assert_close(b, wb, rtol=0, atol=0, msg=name)
+    # and every expert parameter of the whole model was split (none left replicated by mistake)
+    expert_names = {n for n, p in whole_params.items() if hasattr(p, EXPERT_ROWS)}
+    assert len(expert_names) > 20 and all(len(whole_params[n]) == 4 for n in expert_names)
+    assert expert_names == {n for n, p in build((1, 2)).named_parameters() if hasattr(p, EXPERT_ROWS)}
+
+
+def test_no_parameter_with_every_expert_exists_in_a_sharded_build():
+    whole_registered, shard_registered = [], []
+    whole = build(None, whole_registered)
+    replicated = {tuple(p.shape) for p in whole.parameters() if not hasattr(p, EXPERT_ROWS)}  # e.g. routers' [E, D]
+    all_experts = {tuple(p.shape) for p in whole.parameters() if hasattr(p, EXPERT_ROWS)} - replicated
+    assert len(all_experts) >= 8 and all_experts <= set(whole_registered)  # the hook sees them when they exist
+    build((1, 2), shard_registered)
+    assert not all_experts & set(shard_registered)
+
+
+def test_sharded_normal_is_the_rows_of_the_whole_draw_and_the_shard_is_validated():
+    torch.manual_seed(3)
+    whole = torch.empty(6, 5, 4).normal_(std=0.5)
+    part = nn.Parameter(torch.empty(2, 5, 4))
+    setattr(part, EXPERT_ROWS, (4, 6))
+    torch.manual_seed(3)
+    normal_(part, 0.5)
+    assert torch.equal(part.detach(), whole[4:6])
+    with expert_shard(2, 3):
+        assert held_experts(6) == range(4, 6)
+        with pytest.raises(ValueError, match=r"num_experts \(4\) must be divisible by expert_parallel_size \(3\)"):
+            held_experts(4)
+    assert held_experts(6) == range(0, 6)  # outside the context: every expert
+    with pytest.raises(ValueError, match=r"expert shard rank \(2\) must be in \[0, 2\)"):
+        with expert_shard(2, 2):
+            pass
