@@ -18,7 +18,7 @@ from torch import nn
 
 from moep_ds.checkpointing import sharded
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, FlatShard
-from moep_ds.moe.layer import full_shape
+from moep_ds.moe.shard import full_shape
 
 WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module")
 EXTRA_STATE_FILE = "extra_state.json"  # non-tensor module state (get_extra_state), canonical keys
@@ -69,9 +69,12 @@ def shapes(model: nn.Module, ep: ExpertLayout = ExpertLayout()) -> dict[str, tup
 
 def module_pieces(model: nn.Module, ep: ExpertLayout = ExpertLayout()) -> dict[str, FlatShard]:
     """Every parameter and buffer of `model` as it is held here (local experts at their offset): the target
-    of a load into the module itself, before an engine owns it."""
+    of a load into the module itself, before an engine owns it. ZeRO-3 parameters are left out: their
+    partitions are loaded through the engine."""
     out = {}
     for name, p in model.named_parameters():
+        if hasattr(p, "ds_id"):  # partitioned as it was built (ZeRO-3): the engine loads it (its fp32 master)
+            continue
         offset, numel = expert_offset(p.numel(), is_expert_param(p), ep)
         out[MODEL_PREFIX + canonical_name(name)] = FlatShard(p.data.view(-1), offset, numel)
     out.update({MODEL_PREFIX + n: sharded.whole(b) for n, b in buffers(model).items()})

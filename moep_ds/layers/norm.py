@@ -22,6 +22,11 @@ class LayerNorm(nn.LayerNorm):
     def __init__(self, cfg: NormConfig, dim: int):
         super().__init__(dim, eps=cfg.eps, bias=cfg.bias)
 
+    @torch.no_grad()
+    def init_weights(self, std: float, out_scale: float = 1.0) -> None:
+        """Scale 1, bias 0 (also for a stack of norms [E, dim], which holds no values until initialised)."""
+        self.reset_parameters()
+
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * scale, computed in fp32 and cast back."""
@@ -37,6 +42,10 @@ class RMSNorm(nn.Module):
         self.eps = cfg.eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    @torch.no_grad()
+    def init_weights(self, std: float, out_scale: float = 1.0) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
@@ -49,6 +58,10 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.eps = cfg.eps
         self.weight = nn.Parameter(torch.zeros(dim))
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_scale: float = 1.0) -> None:
+        nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, 1.0 + self.weight.float(), self.eps)

@@ -4,9 +4,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ class CausalLMOutput:
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, initialise: bool = True):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -42,29 +43,33 @@ class CausalLM(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        if not any(p.is_meta for p in self.parameters()):
+        if initialise and not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, materialize: Callable[[nn.Module], ContextManager] | None = None) -> None:
         """Normal(0, std) for linear and embedding weights, output projections of residual branches scaled by
         out_scale so the residual stream's variance does not grow with depth (`ModelConfig.init` picks both:
         GPT-2's or GPT-NeoX's). A submodule with an `init_weights(std, out_scale)` method initialises its own
-        parameters after that."""
+        parameters after that. `materialize(module)`, if given, holds a module's parameters while it is
+        initialised (partitioned parameters: training/zero3.py)."""
+        hold = materialize or (lambda module: contextlib.nullcontext())
         std, out_scale = self.cfg.init_scales(len(self.blocks))
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 scale = out_scale if name.endswith(("w_o", "w_out", "w2")) else 1.0
-                normal_(module.weight, std=std * scale)  # a stacked expert shard: its rows of all experts
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                with hold(module):
+                    normal_(module.weight, std=std * scale)  # a stacked expert shard: its rows of all experts
+                    if getattr(module, "bias", None) is not None:
+                        nn.init.zeros_(module.bias)
         # Modules with parameters of their own kind (stacked experts, routers, SSM) initialise those themselves.
         done: list[str] = []
         for name, module in self.named_modules():
             if name and callable(getattr(module, "init_weights", None)) and not any(
                 name.startswith(prefix + ".") for prefix in done
             ):
-                module.init_weights(std, out_scale)
+                with hold(module):
+                    module.init_weights(std, out_scale)
                 done.append(name)
 
     def embed_tokens(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor) -> torch.Tensor:
@@ -123,5 +128,6 @@ def cache_length(cache: list[Any] | None) -> int:
     return getattr(cache, "length", 0) if cache is not None else 0
 
 
-def build_model(cfg: ModelConfig) -> CausalLM:
-    return CausalLM(cfg)
+def build_model(cfg: ModelConfig, *, initialise: bool = True) -> CausalLM:
+    """`initialise=False` leaves the weights to a later `init_weights` call (the trainer's, after reseeding)."""
+    return CausalLM(cfg, initialise=initialise)

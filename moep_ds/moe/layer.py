@@ -19,6 +19,7 @@ import torch
 from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.dispatch import ExpertBatch, ExpertStage, shard_experts
 from moep_ds.moe.experts import EXPERT_ACTIVATIONS, GroupedExperts
+from moep_ds.moe.shard import full_shape
 from moep_ds.registry import FFNS, ROUTERS
 from moep_ds.routing.lifecycle import ExpertLifecycle, ExpertRows, LifecycleConfig, LifecycleManaged
 from moep_ds.schema import ConfigError, OneOf, PositiveInt, fail
@@ -91,11 +92,6 @@ class MoELayer(ExpertStage, LifecycleManaged):
     def init_weights(self, std: float, out_scale: float = 1.0) -> None:
         self.router.init_weights(std)
         self.experts.init_weights(std, out_scale)
-
-
-def full_shape(p: torch.Tensor) -> torch.Size:
-    """The parameter's shape, also when ZeRO-3 holds only a partition of it (`ds_shape`)."""
-    return getattr(p, "ds_shape", p.shape)
 
 
 def check_lifecycle_placement(cfg: Any, path: str) -> None:

@@ -46,6 +46,11 @@ def held_experts(num_experts: int) -> range:
     return range(rank * n, (rank + 1) * n)
 
 
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """The parameter's shape, also when ZeRO-3 holds only a partition of it (`ds_shape`)."""
+    return getattr(p, "ds_shape", p.shape)
+
+
 def mark_expert_rows(p: nn.Parameter, first: int, num_experts: int) -> nn.Parameter:
     """Record that p's rows are experts [first, first + len(p)) of `num_experts`."""
     setattr(p, EXPERT_ROWS, (first, num_experts))
@@ -63,4 +68,4 @@ def normal_(p: torch.Tensor, std: float) -> torch.Tensor:
     return p.copy_(draw[first : first + len(p)])
 
 
-__all__ = ["EXPERT_ROWS", "expert_shard", "held_experts", "mark_expert_rows", "normal_"]
+__all__ = ["EXPERT_ROWS", "expert_shard", "full_shape", "held_experts", "mark_expert_rows", "normal_"]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from moep_ds.moe.shard import EXPERT_ROWS, held_experts, mark_expert_rows
+from moep_ds.moe.shard import EXPERT_ROWS, full_shape, held_experts, mark_expert_rows
 
 
 def set_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:
@@ -49,8 +49,11 @@ class StackedExperts(nn.Module):
         module = experts[0]
         if any(True for _ in module.buffers()):
             raise ValueError(f"{type(module).__name__} has buffers; stacked experts hold parameters only")
-        for name, _ in list(module.named_parameters()):
-            stacked = nn.Parameter(torch.stack([e.get_parameter(name).detach() for e in experts]))
+        for name, p in list(module.named_parameters()):
+            if p.shape != full_shape(p):  # partitioned as it was built (ZeRO-3): no values yet, initialised later
+                stacked = nn.Parameter(p.new_empty(len(experts), *full_shape(p)))
+            else:
+                stacked = nn.Parameter(torch.stack([e.get_parameter(name).detach() for e in experts]))
             set_parameter(module, name, mark_expert_rows(stacked, first_expert, num_experts or len(experts)))
         self.expert = module
         self.num_local_experts = len(experts)

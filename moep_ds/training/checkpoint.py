@@ -102,13 +102,16 @@ def piece_name(name: str, key: str) -> str:
 
 
 def commit_partitions(model, pieces: dict[str, FlatShard]) -> None:
-    """Write loaded ZeRO-3 partitions back through DeepSpeed (they are copies when the optimizer is offloaded)."""
+    """Write loaded ZeRO-3 partitions back through DeepSpeed (they are copies when the optimizer is offloaded),
+    and the working partition the model computes with from the master (the model itself loaded none)."""
     for name, p in model.named_parameters():
         if hasattr(p, "ds_id"):
             for key in ("param", *st.ADAM_KEYS):
                 piece = pieces.get(piece_name(canonical_name(name), key))
                 if piece is not None:
                     st.set_local_partition(p, key, piece.local)
+            with torch.no_grad():
+                p.ds_tensor.data.copy_(st.local_partition(p, "param").to(p.ds_tensor.dtype))
 
 
 def p_numel(p: torch.nn.Parameter) -> int:

@@ -107,6 +107,9 @@ def load_consolidated_model(model, ckpt: pathlib.Path, ep_group=None) -> None:
     if missing:
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r} lacks {len(missing)} tensors of this model, e.g. {missing[0]!r}")
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_id"):  # partitioned as it was built (ZeRO-3): load_consolidated_engine sets it
+            tensors.pop(name, None)
     model.load_state_dict(tensors, strict=False)
 
 

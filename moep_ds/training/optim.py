@@ -6,12 +6,13 @@ import math
 import torch
 from torch import nn
 
+from moep_ds.moe.shard import full_shape
 from moep_ds.training.config import OptimizerConfig, ScheduleConfig
 
 
 def no_decay(param: nn.Parameter, embedding_ids: set[int], exempt: list[str]) -> bool:
     """Whether `param` is exempt from weight decay: 1-D (biases, norm scales) and/or an embedding table."""
-    return ("1d" in exempt and param.ndim < 2) or ("embedding" in exempt and id(param) in embedding_ids)
+    return ("1d" in exempt and len(full_shape(param)) < 2) or ("embedding" in exempt and id(param) in embedding_ids)
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from typing import Any
 
 import deepspeed
@@ -42,6 +43,7 @@ from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers
 from moep_ds.training.monitor import Monitor, drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
 from moep_ds.training.state import adopt_unfused_masters, loss_for_backward, loss_scaler
+from moep_ds.training.zero3 import check_partitioned, gathered_for_init, partitioned_construction
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +156,20 @@ def peak_flops(cfg: Config, device: torch.device) -> float | None:
     return None
 
 
+def build_rank_model(model_cfg, ds: dict, seed: int, ep_group=None):
+    """What this rank holds of the model: its experts only (moe/shard.py) and, under ZeRO-3, its partition of
+    every parameter only (training/zero3.py). The weights depend on the seed alone: equal on every rank, at every
+    expert-parallel size and ZeRO stage (rounded to the working precision)."""
+    zero3 = zero_stage(ds) == 3
+    with expert_shard(*shard_of(ep_group)), partitioned_construction(ds) if zero3 else nullcontext():
+        model = build_model(model_cfg, initialise=False)
+    if zero3:
+        check_partitioned(model)
+    torch.manual_seed(seed)  # not what construction drew, which differs with the sharding
+    model.init_weights(gathered_for_init if zero3 else None)
+    return model
+
+
 class Trainer:
     def __init__(self, cfg: Config, ds_config_path: str | None, resume: str | None):
         self.cfg = cfg
@@ -191,12 +207,11 @@ class Trainer:
         self.stop = StopRequest()
 
     def new_model(self):
-        """The model with this rank's experts only (moe/shard.py), initialised from the seed alike on every rank
-        and at every expert-parallel size."""
+        """The model with this rank's experts only (moe/shard.py), under ZeRO-3 with this rank's partition of
+        every parameter only (training/zero3.py); initialised from the seed alike on every rank, at every
+        expert-parallel size and ZeRO stage."""
         ep_group = expert_parallel_group(self.cfg.train.expert_parallel_size)
-        torch.manual_seed(self.cfg.train.seed)
-        with expert_shard(*shard_of(ep_group)):
-            model = build_model(self.cfg.model)
+        model = build_rank_model(self.cfg.model, self.ds, self.cfg.train.seed, ep_group)
         self.report = meta_param_report(self.cfg.model, self.cfg.data.seq_len)  # of the whole model
         setup_expert_parallel(model, ep_group)
         return model, ep_group

@@ -200,18 +200,18 @@ def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path):
 def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path, stage):
     """ZeRO-0 included: DeepSpeed 0.19 leaves its loss scaling to us there (training/state.py loss_for_backward)."""
     out = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=12)
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=16)
     ds = json.loads((DS_CONFIGS / f"zero{stage}_fp16.json").read_text())
-    ds["fp16"]["initial_scale_power"] = 32  # overflows at first: the scaler must skip steps and back off
+    ds["fp16"]["initial_scale_power"] = 24  # overflows at first: the scaler must skip steps and back off
     ds_path = tmp_path / "fp16.json"
     ds_path.write_text(json.dumps(ds))
     launch(1, SCRIPTS / "fp16_on_cpu.py", "--config", str(recipe), "--ds_config", str(ds_path))
     rows = metrics(out)
     scales = [r["loss_scale"] for r in rows]
-    assert scales[0] <= 2.0**32 and scales[-1] < scales[0]
-    assert rows[-1]["skipped_steps"] >= 1
+    assert scales[0] <= 2.0**24 and scales[-1] < scales[0]
+    assert 1 <= rows[-1]["skipped_steps"] <= len(rows) - 4  # it backed off, then trained
     assert all(r["loss"] == r["loss"] for r in rows)  # finite, no NaN
-    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
 
 
 def test_fp16_zero0_trains_as_zero2(tmp_path):
