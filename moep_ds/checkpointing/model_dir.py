@@ -24,6 +24,9 @@ import torch
 
 from moep_ds.checkpointing import layout, model_state, sharded
 from moep_ds.checkpointing.model_state import load_module
+from moep_ds.checkpointing.streaming import (
+    TensorEntry, module_entries, safetensors_entries, sharded_entries, write_safetensors,
+)
 from moep_ds.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -36,18 +39,14 @@ COMPLETE_MARKER = layout.COMPLETE
 TIED_HEAD_KEY = "head.weight"
 
 
-def consolidated_state_dict(
-    model: torch.nn.Module, tie_embeddings: bool, params: dict[str, torch.Tensor] | None = None
-) -> dict[str, torch.Tensor]:
-    """fp32 CPU copies of every tensor of the state dict; the tied head (a second name for the embedding) is
-    left out, since safetensors stores no aliases. Non-tensor entries (`extra_state`) are in `extra_state`.
-    `params` (full fp32 parameters gathered from ZeRO partitions by the trainer) replace the module's copies."""
-    state = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous().clone()
-             for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and k not in (params or {})}
-    state.update({k: v.contiguous() for k, v in (params or {}).items()})
-    if tie_embeddings:
-        state.pop(TIED_HEAD_KEY, None)
-    return state
+def state_entries(model: torch.nn.Module, tie_embeddings: bool, params: dict[str, torch.Tensor] | None = None,
+                  prefix: str = "") -> list[TensorEntry]:
+    """Every tensor of the state dict, each copied to fp32 (floating ones) on the CPU only when it is written; the
+    tied head (a second name for the embedding) is left out, since safetensors stores no aliases. `params`
+    (full fp32 parameters gathered from ZeRO partitions) replace the module's copies."""
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    state.update(params or {})
+    return module_entries(state, [k for k in state if not (tie_embeddings and k == TIED_HEAD_KEY)], prefix)
 
 
 def save_model_dir(
@@ -59,7 +58,24 @@ def save_model_dir(
     meta: dict[str, Any] | None = None,
     params: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write `model` (a CausalLM), its recipe `cfg` (root Config), the tokenizer files and `meta` to `out_dir`.
+    """Write `model` (a CausalLM), its recipe `cfg` (root Config), the tokenizer files and `meta` to `out_dir`
+    (`save_weights_dir`)."""
+    entries = state_entries(model, cfg.model.tie_embeddings, params)
+    return save_weights_dir(entries, model_state.extra_states(model), cfg, out_dir, tokenizer_dir=tokenizer_dir,
+                            meta=meta)
+
+
+def save_weights_dir(
+    entries: list[TensorEntry],
+    extra: dict[str, Any],
+    cfg: Any,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    """A model directory of the weights `entries` (written one at a time), the non-tensor state `extra`, the
+    recipe `cfg`, the tokenizer files and `meta`.
 
     A new `out_dir` appears all at once (written to a temporary sibling, then renamed). Into an existing
     directory (e.g. a checkpoint that also holds optimizer shards) each file is replaced atomically and other
@@ -67,16 +83,16 @@ def save_model_dir(
     """
     out = Path(out_dir)
     if out.exists():
-        write_model_files(model, cfg, out, tokenizer_dir, meta, params)
+        write_model_files(entries, extra, cfg, out, tokenizer_dir, meta)
         return out
     with layout.atomic_dir(out) as tmp:
-        write_model_files(model, cfg, tmp, tokenizer_dir, meta, params)
+        write_model_files(entries, extra, cfg, tmp, tokenizer_dir, meta)
     return out
 
 
-def write_model_files(model, cfg, out: Path, tokenizer_dir, meta, params) -> None:
+def write_model_files(entries: list[TensorEntry], extra: dict[str, Any], cfg, out: Path, tokenizer_dir,
+                      meta) -> None:
     """Each file is written beside its final name and renamed (other files of `out` are left alone)."""
-    from safetensors.torch import save_file
 
     def put(name: str, write) -> None:
         tmp = out / f".{name}.tmp"
@@ -84,11 +100,26 @@ def write_model_files(model, cfg, out: Path, tokenizer_dir, meta, params) -> Non
         layout.apply_umask(tmp)
         os.replace(tmp, out / name)
 
-    put(WEIGHTS_FILE, lambda f: save_file(consolidated_state_dict(model, cfg.model.tie_embeddings, params), str(f),
-                                          metadata={"format": "pt"}))
-    if extra := model_state.extra_states(model):  # e.g. the expert lifecycle's event log
+    put(WEIGHTS_FILE, lambda f: write_safetensors(f, entries, metadata={"format": "pt"}))
+    if extra:  # e.g. the expert lifecycle's event log
         put(EXTRA_FILE, lambda f: torch.save(extra, f))
     write_recipe_files(cfg, out, tokenizer_dir, meta)
+
+
+def stored_weights(model_dir: Path, cfg: Any, prefix: str = "") -> tuple[list[TensorEntry], dict[str, Any]]:
+    """The weights of a model directory or sharded checkpoint, each read only when it is written (stored as
+    `prefix + name`), after checking them against the model its recipe builds (on the meta device); and the
+    non-tensor state. Nothing here holds more than one tensor."""
+    from moep_ds.models.causal_lm import build_model
+
+    with torch.device("meta"):
+        shapes = model_state.shapes(build_model(cfg.model))
+    if sharded.is_sharded(model_dir):
+        f = model_dir / model_state.EXTRA_STATE_FILE
+        return sharded_entries(model_dir, shapes, prefix), json.loads(f.read_text()) if f.is_file() else {}
+    key_prefix = "model." if hf_export_recipe(model_dir) is not None else ""
+    extra = torch.load(model_dir / EXTRA_FILE, weights_only=True) if (model_dir / EXTRA_FILE).is_file() else {}
+    return safetensors_entries(model_dir / WEIGHTS_FILE, shapes, key_prefix, prefix), extra
 
 
 def write_recipe_files(cfg: Any, out: Path, tokenizer_dir: str | os.PathLike | None, meta: dict | None) -> None:

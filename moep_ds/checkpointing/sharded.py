@@ -159,6 +159,11 @@ def first_line(err: BaseException) -> str:
     return text[-1] if text else type(err).__name__
 
 
+def read_metadata(path: Path) -> dict[str, Any]:
+    """DCP's metadata of every stored tensor (dtype, flat size) by key."""
+    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
 def read_shapes(path: Path) -> dict[str, list[int]]:
     return json.loads((path / TENSORS_FILE).read_text())
 

@@ -4,7 +4,8 @@
     moep-export runs/x --out exports/x_hf --hf    loads with AutoModelForCausalLM.from_pretrained(
                                                   DIR, trust_remote_code=True); lm-eval --model hf reads it
 
-The Hugging Face directory holds config.json (with `auto_map` and the recipe's `model` section),
+The weights go from the checkpoint (sharded or a model directory) to the export one tensor at a time
+(checkpointing/streaming.py); the model is never built. The Hugging Face directory holds config.json (with `auto_map` and the recipe's `model` section),
 model.safetensors (keys `model.<moep_ds key>`), modeling_moep.py / configuration_moep.py, flat copies of the
 moep_ds model code they import (moep_ds/evaluation/vendor.py), the tokenizer files and meta.json.
 """
@@ -24,7 +25,8 @@ import torch
 from moep_ds.cli import run_command
 from moep_ds.errors import UserError
 from moep_ds.checkpointing import layout
-from moep_ds.checkpointing.model_dir import consolidated_state_dict, save_model_dir
+from moep_ds.checkpointing.model_dir import state_entries
+from moep_ds.checkpointing.streaming import TensorEntry, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +58,11 @@ def hf_config(cfg: Any, eot_id: int | None) -> dict[str, Any]:
     return out
 
 
-def write_hf_dir(model: torch.nn.Module, cfg: Any, tmp: Path, tokenizer_dir: Path | None, eot_id: int | None,
+def write_hf_dir(entries: list[TensorEntry], cfg: Any, tmp: Path, tokenizer_dir: Path | None, eot_id: int | None,
                  meta: dict[str, Any]) -> None:
-    from safetensors.torch import save_file
-
     from moep_ds.evaluation.vendor import vendor_model_code
 
-    state = {f"model.{k}": v for k, v in consolidated_state_dict(model, cfg.model.tie_embeddings).items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(tmp / "model.safetensors", entries, metadata={"format": "pt"})  # keys model.<moep_ds key>
     (tmp / "config.json").write_text(json.dumps(hf_config(cfg, eot_id), indent=2) + "\n", encoding="utf-8")
     if eot_id is not None:
         generation = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": eot_id}
@@ -89,6 +88,20 @@ def export_hf(
 ) -> Path:
     """Write a Hugging Face directory for `model` (a CausalLM built from `cfg.model`); atomic (temporary
     sibling, then rename)."""
+    entries = state_entries(model, cfg.model.tie_embeddings, prefix="model.")
+    return export_hf_weights(entries, cfg, out_dir, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=overwrite)
+
+
+def export_hf_weights(
+    entries: list[TensorEntry],
+    cfg: Any,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    meta: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """A Hugging Face directory of the weights `entries` (keys model.<moep_ds key>, written one at a time)."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
@@ -98,7 +111,7 @@ def export_hf(
 
         eot_id = load_tokenizer(tokenizer_dir).eot_id
     with layout.atomic_dir(out) as tmp:
-        write_hf_dir(model, cfg, tmp, Path(tokenizer_dir) if tokenizer_dir else None, eot_id, meta or {})
+        write_hf_dir(entries, cfg, tmp, Path(tokenizer_dir) if tokenizer_dir else None, eot_id, meta or {})
     return out
 
 
@@ -118,19 +131,21 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from moep_ds.checkpointing.model_dir import load_model_dir
+    """Streams the weights from the checkpoint to the export one tensor at a time: the model is never built."""
+    from moep_ds.checkpointing.model_dir import load_recipe, read_meta, save_weights_dir, stored_weights
 
-    model, cfg, tokenizer, meta = load_model_dir(args.checkpoint, args.set)
-    source = Path(meta.pop("model_dir"))
-    tokenizer_dir = source if tokenizer is not None else None
-    meta = {**meta, "exported_from": str(source.resolve())}
+    source, cfg = load_recipe(args.checkpoint, args.set)
+    tokenizer_dir = source if (source / "tokenizer.json").is_file() else None
+    meta = {**read_meta(source), "exported_from": str(source.resolve())}
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
     if args.hf:
-        out = export_hf(model, cfg, args.out, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=args.force)
+        entries, _ = stored_weights(source, cfg, prefix="model.")
+        export_hf_weights(entries, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=args.force)
     else:
-        out = Path(args.out)
-        if out.exists() and any(out.iterdir()) and not args.force:
-            raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
-        save_model_dir(model, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta)
+        entries, extra = stored_weights(source, cfg)
+        save_weights_dir(entries, extra, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta)
     log.info("wrote %s", out)
     return 0
 
