@@ -1,0 +1,181 @@
+"""What a rank holds while the model is built and while a checkpoint is exported: whole vs sharded, side by side.
+
+    python bench/rank_memory.py [--ranks 2] [--config configs/nova_moe.yaml] [--set model.d_model=256 ...]
+
+Each row is measured in fresh processes (an allocator keeps what a process freed, so one process cannot
+measure two ways), as the peak resident memory a step adds to a rank over its level before it (sampled every
+5 ms; the largest over ranks), with glibc returning freed buffers of 1 MiB and more to the OS
+(training/host_memory.py), so that the peak is what the step holds at once rather than what the heap kept:
+
+  build, ZeRO-3              the whole model on every rank (`build_model`: the trainer before it built
+                             partitioned) vs `build_rank_model` under ZeRO-3 (deepspeed.zero.Init): a rank's
+                             partition plus, while one module is initialised, that module whole
+  build, expert parallel     the whole model vs `build_rank_model` at expert_parallel_size = ranks (ZeRO-2):
+                             each rank builds its experts only
+  export, 1 process          a sharded checkpoint to a model directory: load the model, then save it
+                             (`load_model_dir` + `save_model_dir`) vs `moep-export` (streamed, one tensor)
+
+Prints one markdown table with the model's fp32 size for scale; `--json` writes the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from checkpoint_scale import PeakRSS  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def load_cfg(args):
+    from moep_ds.config import load_config
+
+    return load_config(args.config, ["data.source=builtin", *args.set])
+
+
+def build_worker(args) -> None:
+    """One way of building, on each rank of a torchrun launch; rank 0 writes the largest peak."""
+    import torch
+    import torch.distributed as dist
+
+    from moep_ds.models.causal_lm import build_model
+    from moep_ds.training.distributed import init_distributed
+    from moep_ds.training.expert_parallel import expert_parallel_group, setup_expert_parallel
+    from moep_ds.training.trainer import build_rank_model
+
+    import deepspeed.runtime.zero.partition_parameters  # noqa: F401 - imported before measuring, for every way
+
+    from moep_ds.training.host_memory import return_freed_buffers_to_os
+
+    return_freed_buffers_to_os()  # what a way holds, not what glibc keeps of what it freed
+    init_distributed()
+    cfg = load_cfg(args)
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": 3 if args.way == "zero3" else 2}}
+    ep_group = expert_parallel_group(dist.get_world_size()) if args.way == "ep" else None
+    dist.barrier()
+    with PeakRSS() as peak:
+        if args.way == "whole":
+            torch.manual_seed(0)
+            model = build_model(cfg.model)
+        else:
+            model = build_rank_model(cfg.model, ds, 0, ep_group)
+            setup_expert_parallel(model, ep_group)
+    worst = torch.tensor([peak.added], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        pathlib.Path(args.out).write_text(json.dumps({"added": float(worst)}))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def checkpoint_worker(args) -> None:
+    """A sharded checkpoint of the model (every tensor whole, as one process writes it) with its recipe."""
+    import torch
+
+    from moep_ds.checkpointing import model_state, sharded
+    from moep_ds.checkpointing.model_dir import CONFIG_FILE
+    from moep_ds.config import dump_config
+    from moep_ds.models.causal_lm import build_model
+
+    cfg = load_cfg(args)
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    out = pathlib.Path(args.out)
+    out.mkdir()
+    sharded.dcp.save(model_state.module_pieces(model), storage_writer=sharded.writer(out),
+                     planner=sharded.ShardSavePlanner(), no_dist=True)
+    sharded.save_json({k: list(v) for k, v in model_state.shapes(model).items()}, out / sharded.TENSORS_FILE)
+    (out / CONFIG_FILE).write_text(dump_config(cfg))
+    params = sum(p.numel() for p in model.parameters())
+    (out.parent / "size.json").write_text(json.dumps({"params": params}))
+
+
+def export_worker(args) -> None:
+    from moep_ds.checkpointing.model_dir import load_model_dir, save_model_dir
+    from moep_ds.evaluation.export import main as export
+
+    from moep_ds.training.host_memory import return_freed_buffers_to_os
+
+    return_freed_buffers_to_os()
+    src, dst = pathlib.Path(args.source), pathlib.Path(args.out)
+    with PeakRSS() as peak:
+        if args.way == "whole":
+            model, cfg, _, meta = load_model_dir(src)
+            save_model_dir(model, cfg, dst / "export", meta=meta)
+        else:
+            assert export([str(src), "--out", str(dst / "export")]) == 0
+    (dst / "peak.json").write_text(json.dumps({"added": peak.added}))
+
+
+def run(cmd: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{cmd} failed:\n{proc.stderr[-4000:]}")
+
+
+def common(args) -> list[str]:
+    return ["--config", str(args.config), "--set", *args.set]
+
+
+def measure_build(args, way: str, tmp: pathlib.Path) -> float:
+    out = tmp / f"build_{way}.json"
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}", __file__,
+         "--worker", "build", "--way", way, "--out", str(out), *common(args)])
+    return json.loads(out.read_text())["added"]
+
+
+def measure_export(args, way: str, tmp: pathlib.Path, source: pathlib.Path) -> float:
+    out = tmp / f"export_{way}"
+    out.mkdir()
+    run([sys.executable, __file__, "--worker", "export", "--way", way, "--source", str(source), "--out", str(out),
+         *common(args)])
+    return json.loads((out / "peak.json").read_text())["added"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--config", type=pathlib.Path, default=REPO / "configs/nova_moe.yaml")
+    p.add_argument("--set", nargs="*", default=[])
+    p.add_argument("--json", type=pathlib.Path)
+    p.add_argument("--worker", choices=["build", "checkpoint", "export"], help=argparse.SUPPRESS)
+    p.add_argument("--way", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--source", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return {"build": build_worker, "checkpoint": checkpoint_worker, "export": export_worker}[args.worker](args)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        source = tmp / "ckpt"
+        run([sys.executable, __file__, "--worker", "checkpoint", "--out", str(source), *common(args)])
+        params = json.loads((tmp / "size.json").read_text())["params"]
+        whole = measure_build(args, "whole", tmp)
+        rows = [
+            (f"build, ZeRO-3, {args.ranks} ranks", whole, measure_build(args, "zero3", tmp)),
+            (f"build, expert parallel {args.ranks} (ZeRO-2)", whole, measure_build(args, "ep", tmp)),
+            ("export, 1 process", measure_export(args, "whole", tmp, source),
+             measure_export(args, "streamed", tmp, source)),
+        ]
+    print(f"# rank_memory: {args.config.name} {' '.join(args.set)}: {params:,} parameters, "
+          f"{params * 4 / MiB:,.0f} MiB in fp32")
+    print("| step | whole model MiB | sharded / streamed MiB | sharded / whole |")
+    print("|---|---:|---:|---:|")
+    for name, before, now in rows:
+        print(f"| {name} | {before / MiB:,.0f} | {now / MiB:,.0f} | {now / before:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps([{"step": n, "whole": b, "sharded": s} for n, b, s in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()
