@@ -8,7 +8,7 @@ No rank ever holds the whole model, at Pythia-1B scale 4 GB of fp32 per rank: `d
 a module's parameters over the data-parallel group as soon as that module is built. A parameter set on a module
 that is already built is partitioned when it is registered (stacked experts, `moe/stacked.py`, replace the
 parameters of an expert module with [E, ...] stacks; `zero.Init` would leave those whole until the engine).
-Initialisation runs through `CausalLM.init_weights` like the unpartitioned model's, in fp32, each module's
+Initialisation runs through `CausalLM.init_weights` like the unpartitioned model's, in fp32 on the CPU, each module's
 parameters gathered meanwhile: with the same seed the weights equal the unpartitioned model's (rounded to the
 working precision).
 """
@@ -58,15 +58,16 @@ def partitioned_construction(ds: dict) -> Iterator[None]:
 
 @contextlib.contextmanager
 def gathered_for_init(module: nn.Module) -> Iterator[None]:
-    """`module`'s parameters whole and in fp32 inside; afterwards rank 0's values are every rank's partitions
-    (every rank draws the same values from the same seed)."""
+    """`module`'s parameters whole, in fp32 and on the CPU inside (where the unpartitioned model is initialised:
+    a GPU's random stream differs); afterwards rank 0's values are every rank's partitions (every rank draws the
+    same values from the same seed)."""
     import deepspeed
 
     params = list(module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
         working = [p.data for p in params]
         for p in params:
-            p.data = p.data.float()
+            p.data = p.data.to("cpu", torch.float32)
         try:
             yield
         finally:
