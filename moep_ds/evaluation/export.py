@@ -5,9 +5,10 @@
                                                   DIR, trust_remote_code=True); lm-eval --model hf reads it
 
 The weights go from the checkpoint (sharded or a model directory) to the export one tensor at a time
-(checkpointing/streaming.py); the model is never built. The Hugging Face directory holds config.json (with `auto_map` and the recipe's `model` section),
-model.safetensors (keys `model.<moep_ds key>`), modeling_moep.py / configuration_moep.py, flat copies of the
-moep_ds model code they import (moep_ds/evaluation/vendor.py), the tokenizer files and meta.json.
+(checkpointing/streaming.py); the model is never built. The Hugging Face directory holds config.json (with
+`auto_map` and the recipe's `model` section), model.safetensors (keys `model.<moep_ds key>`), modeling_moep.py /
+configuration_moep.py, flat copies of the moep_ds model code they import (moep_ds/evaluation/vendor.py), the
+tokenizer files and meta.json.
 """
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ def test_streamed_file_reads_back_with_safetensors(tmp_path):
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
-    with pytest.raises(AssertionError, match=r"a\.weight: read torch\.float32 \(3, 5\), announced torch\.float32 \(5, 3\)"):
+    announced = r"a\.weight: read torch\.float32 \(3, 5\), announced torch\.float32 \(5, 3\)"
+    with pytest.raises(AssertionError, match=announced):
         write_safetensors(path, [TensorEntry("a.weight", torch.float32, (5, 3), lambda: tensors["a.weight"])])
 
 
