@@ -102,3 +102,14 @@ def test_sharded_normal_is_the_rows_of_the_whole_draw_and_the_shard_is_validated
     with pytest.raises(ValueError, match=r"expert shard rank \(2\) must be in \[0, 2\)"):
         with expert_shard(2, 2):
             pass
+
+
+def test_expert_parallel_setup_refuses_a_model_built_for_another_rank(monkeypatch):
+    from moep_ds.training import expert_parallel
+
+    monkeypatch.setattr(expert_parallel, "shard_of", lambda group: (1, 2))  # rank 1 of 2, no process group
+    for model, held in ((build(None), "[0, 4)"), (build((0, 2)), "[0, 2)")):  # every expert; rank 0's
+        with pytest.raises(expert_parallel.ParallelLayoutError) as err:
+            expert_parallel.setup_expert_parallel(model, ep_group=object())
+        assert str(err.value) == (f"a routed stage holds experts {held} of 4; expert-parallel rank 1 of 2 needs "
+                                  f"[2, 4): build the model inside moe.shard.expert_shard(1, 2)")
