@@ -41,6 +41,15 @@ def test_every_zero_stage_and_precision_trains_all_routed_blocks(zero_matrix, st
     assert last < first - 0.3, curve
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_built_partitioned_trains_as_zero2(zero_matrix, precision):
+    """ZeRO-3 builds and initialises the model partitioned (training/zero3.py), ZeRO-2 whole: the same initial
+    weights, so the same losses on every routed block type."""
+    zero3, zero2 = losses(zero_matrix[(3, precision)]), losses(zero_matrix[(2, precision)])
+    for step in range(1, 6):
+        assert zero3[step] == pytest.approx(zero2[step], abs=1e-4), (step, zero3, zero2)
+
+
 def test_every_zero_stage_and_precision_logs_the_gradient_norm(zero_matrix):
     """ZeRO-0 fp32's norm is computed by training/grad_norm.py, the others by DeepSpeed: the same quantity."""
     norms = {key: [m["grad_norm"] for m in metrics(run) if "loss" in m] for key, run in zero_matrix.items()}
