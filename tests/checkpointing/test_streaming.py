@@ -11,6 +11,7 @@ from moep_ds.checkpointing import model_dir, model_state, streaming
 from moep_ds.checkpointing.streaming import TensorEntry, write_safetensors
 from moep_ds.config import config_from_dict, dump_config
 from moep_ds.evaluation import export
+from moep_ds.models.causal_lm import CausalLM
 
 from test_model_state import RECIPE, save_whole, tiny
 
@@ -70,12 +71,19 @@ def test_export_of_a_sharded_checkpoint_holds_one_tensor_at_a_time(tmp_path, mon
     ckpt.mkdir()
     save_whole(source, ckpt)
     (ckpt / model_dir.CONFIG_FILE).write_text(dump_config(config_from_dict(RECIPE)))
-    built = []
-    monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: built.append(a))  # nothing materialised
+    built = []  # for every model the export builds: whether it lives on the meta device only
+    init = CausalLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(all(p.is_meta for p in self.parameters()))
+
+    monkeypatch.setattr(CausalLM, "__init__", recording_init)
     alive, overlaps = one_at_a_time(monkeypatch)
     args = [str(ckpt), "--out", str(tmp_path / "out")] + (["--hf"] if hf else [])
     assert export.main(args) == 0
-    assert len(alive) == len(model_state.shapes(source)) and overlaps == [] and built == []
+    assert len(alive) == len(model_state.shapes(source)) and overlaps == [] and built == [True]
+    monkeypatch.setattr(CausalLM, "__init__", init)
     stored = load_file(str(tmp_path / "out" / model_dir.WEIGHTS_FILE))
     prefix = "model." if hf else ""
     expected = {k: v for k, v in source.state_dict().items() if isinstance(v, torch.Tensor)}
