@@ -28,7 +28,8 @@ from moep_ds.layers.ffn import GATED, FFNConfig, ffn_hidden_size
 from moep_ds.layers.glu import gated_activation
 from moep_ds.moe.activations import EXPERT_ACTIVATIONS
 from moep_ds.moe.expert_loop import expert_loop_ffn
-from moep_ds.moe.shard import EXPERT_ROWS, held_experts, mark_expert_rows, normal_
+from moep_ds.moe.shard import held_experts, mark_expert_rows, normal_
+from moep_ds.moe.stacked import keep_expert_slice_
 from moep_ds.moe.grouped_mm import expert_offsets, grouped_mm, library_grouped_mm, library_supports
 from moep_ds.routing.plan import counts_on
 
@@ -158,15 +159,9 @@ class GroupedExperts(nn.Module):
         library = kernel == "library"
         return grouped_expert_ffn(x, counts, *self.weights(), self.kind, library=library).to(x_SD.dtype)
 
-    @torch.no_grad()
     def keep_experts_(self, start: int, count: int) -> None:
         """Keep experts [start, start + count) only (expert parallelism: this rank's shard)."""
-        if start < 0 or count <= 0 or start + count > self.num_local_experts:
-            raise ValueError(f"experts [{start}, {start + count}) are not within the {self.num_local_experts} held")
-        for name, p in list(self.named_parameters()):
-            first, total = getattr(p, EXPERT_ROWS)
-            kept = nn.Parameter(p[start : start + count].clone(), requires_grad=p.requires_grad)
-            setattr(self, name, mark_expert_rows(kept, first + start, total))
+        keep_expert_slice_(self, start, count, self.num_local_experts)
         self.num_local_experts = count
 
     def extra_repr(self) -> str:
