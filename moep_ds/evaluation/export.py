@@ -78,6 +78,11 @@ def write_hf_dir(entries: list[TensorEntry], cfg: Any, tmp: Path, tokenizer_dir:
         copy_tokenizer(tokenizer_dir, tmp)
 
 
+def check_export_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
+
+
 def export_hf(
     model: torch.nn.Module,
     cfg: Any,
@@ -104,8 +109,7 @@ def export_hf_weights(
 ) -> Path:
     """A Hugging Face directory of the weights `entries` (keys model.<moep_ds key>, written one at a time)."""
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
+    check_export_dir(out, overwrite)
     eot_id = None
     if tokenizer_dir is not None:
         from moep_ds.data.tokenizer import load_tokenizer
@@ -139,8 +143,7 @@ def _main(args: argparse.Namespace) -> int:
     tokenizer_dir = source if (source / "tokenizer.json").is_file() else None
     meta = {**read_meta(source), "exported_from": str(source.resolve())}
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.force:
-        raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
+    check_export_dir(out, args.force)  # before anything is read
     if args.hf:
         entries, _ = stored_weights(source, cfg, prefix="model.")
         export_hf_weights(entries, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=args.force)
