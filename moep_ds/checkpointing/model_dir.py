@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -220,19 +221,31 @@ def load_model_dir(path: str | os.PathLike, overrides: list[str] | None = None) 
 
     model_dir, cfg = load_recipe(path, overrides)
     model = build_model(cfg.model)
-    if sharded.is_sharded(model_dir):
-        sharded.check_files(model_dir)
-        load_module(model, model_dir)
-    else:
-        load_consolidated(model, model_dir, cfg)
+    load_weights(model, model_dir, cfg)
     model.eval()
+    return model, cfg, *tokenizer_and_meta(model_dir)
+
+
+def tokenizer_and_meta(model_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer of a model directory (None without tokenizer.json) and its meta.json plus "model_dir"."""
     tokenizer = None
     if (model_dir / "tokenizer.json").is_file():
         from moep_ds.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
-    meta = {**read_meta(model_dir), "model_dir": str(model_dir)}
-    return model, cfg, tokenizer, meta
+    return tokenizer, {**read_meta(model_dir), "model_dir": str(model_dir)}
+
+
+def load_weights(model: torch.nn.Module, model_dir: Path, cfg: Any, partitions: bool = False) -> None:
+    """The weights, buffers and extra state of a model directory or sharded checkpoint into `model`. With
+    `partitions` the model is built partitioned (ZeRO-3, no optimizer): each rank reads its partitions only."""
+    if sharded.is_sharded(model_dir):
+        sharded.check_files(model_dir)
+        load_module(model, model_dir, partitions=partitions)
+    elif partitions:
+        load_consolidated_pieces(model, model_dir)
+    else:
+        load_consolidated(model, model_dir, cfg)
 
 
 def load_consolidated(model: torch.nn.Module, model_dir: Path, cfg: Any) -> None:
@@ -244,6 +257,35 @@ def load_consolidated(model: torch.nn.Module, model_dir: Path, cfg: Any) -> None
     if hf_export_recipe(model_dir) is not None:  # keys are model.<moep_ds key> there
         state = {k.removeprefix("model."): v for k, v in state.items()}
     load_state_dict_into(model, state, cfg.model.tie_embeddings, model_dir / WEIGHTS_FILE)
+
+
+def load_consolidated_pieces(model: torch.nn.Module, model_dir: Path) -> None:
+    """`load_consolidated` for a model whose parameters are ZeRO-3 partitions: each piece
+    (`model_state.module_pieces`) is read alone, as the rows of the stored tensor that hold it."""
+    from safetensors import safe_open
+
+    file = model_dir / WEIGHTS_FILE
+    key_prefix = "model." if hf_export_recipe(model_dir) is not None else ""
+    safetensors_entries(file, model_state.shapes(model), key_prefix)  # one line naming a missing or misshapen tensor
+    with safe_open(str(file), framework="pt") as f, torch.no_grad():
+        for key, piece in model_state.module_pieces(model, partitions=True).items():
+            piece.local.copy_(read_flat_range(f, key_prefix + key.removeprefix(sharded.MODEL_PREFIX), piece.offset,
+                                              piece.local.numel()))
+    if (model_dir / EXTRA_FILE).is_file():
+        model.load_state_dict(torch.load(model_dir / EXTRA_FILE, weights_only=True), strict=False)
+
+
+def read_flat_range(f: Any, key: str, offset: int, numel: int) -> torch.Tensor:
+    """Elements [offset, offset + numel) of the flattened tensor `key` of an open safetensors file, reading only
+    the rows (first-dimension slices) that hold them."""
+    part = f.get_slice(key)
+    shape = part.get_shape()
+    if len(shape) < 2:
+        return f.get_tensor(key).reshape(-1)[offset:offset + numel]
+    row = math.prod(shape[1:])
+    first, end = offset // row, -(-(offset + numel) // row)
+    start = offset - first * row
+    return part[first:end].reshape(-1)[start:start + numel]
 
 
 def routing_eval_modes(model: torch.nn.Module) -> dict[str, str]:

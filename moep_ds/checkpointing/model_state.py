@@ -46,6 +46,16 @@ def expert_offset(local_numel: int, expert: bool, ep: ExpertLayout) -> tuple[int
     return (ep.rank * local_numel, local_numel * ep.size) if expert else (0, local_numel)
 
 
+def zero3_partition(p: torch.Tensor) -> tuple[int, int]:
+    """(flat offset, valid length) of this rank's ZeRO-3 partition of `p` (DeepSpeed's layout: equal partitions
+    of the flattened parameter in rank order, the last padded at its end)."""
+    import torch.distributed as dist
+
+    part = p.ds_tensor.numel()
+    start = dist.get_rank(group=p.ds_process_group) * part
+    return start, max(0, min(part, p.ds_numel - start))
+
+
 def global_shape(shape: torch.Size, expert: bool, ep: ExpertLayout) -> tuple[int, ...]:
     return (shape[0] * ep.size, *shape[1:]) if expert else tuple(shape)
 
@@ -67,13 +77,19 @@ def shapes(model: nn.Module, ep: ExpertLayout = ExpertLayout()) -> dict[str, tup
     return out
 
 
-def module_pieces(model: nn.Module, ep: ExpertLayout = ExpertLayout()) -> dict[str, FlatShard]:
+def module_pieces(model: nn.Module, ep: ExpertLayout = ExpertLayout(), partitions: bool = False
+                  ) -> dict[str, FlatShard]:
     """Every parameter and buffer of `model` as it is held here (local experts at their offset): the target
-    of a load into the module itself, before an engine owns it. ZeRO-3 parameters are left out: their
-    partitions are loaded through the engine."""
+    of a load into the module itself, before an engine owns it. ZeRO-3 parameters are left out (a trainer
+    loads them through the engine, into its fp32 masters) unless `partitions`: then each is this rank's
+    partition, in the working precision (a model without an optimizer, e.g. for evaluation)."""
     out = {}
     for name, p in model.named_parameters():
-        if hasattr(p, "ds_id"):  # partitioned as it was built (ZeRO-3): the engine loads it (its fp32 master)
+        if hasattr(p, "ds_id"):  # partitioned as it was built (ZeRO-3)
+            start, valid = zero3_partition(p)
+            if partitions and valid:
+                out[MODEL_PREFIX + canonical_name(name)] = FlatShard(p.ds_tensor.data.view(-1)[:valid], start,
+                                                                     p.ds_numel)
             continue
         offset, numel = expert_offset(p.numel(), is_expert_param(p), ep)
         out[MODEL_PREFIX + canonical_name(name)] = FlatShard(p.data.view(-1), offset, numel)
@@ -88,10 +104,11 @@ def load_extra_states(model: nn.Module, path: Path) -> None:
     model.load_state_dict({k: saved[c] for k, c in wanted.items() if c in saved}, strict=False)
 
 
-def load_module(model: nn.Module, path: Path, ep: ExpertLayout = ExpertLayout()) -> None:
+def load_module(model: nn.Module, path: Path, ep: ExpertLayout = ExpertLayout(), partitions: bool = False) -> None:
     """Parameters (fp32 masters), buffers and extra state of a sharded checkpoint into `model`, in place; each
-    process reads only the pieces it holds (its experts), never the optimizer state."""
+    process reads only the pieces it holds (its experts; with `partitions` its ZeRO-3 partitions:
+    `module_pieces`), never the optimizer state."""
     sharded.check_shapes(path, shapes(model, ep))
     with torch.no_grad():
-        sharded.load(module_pieces(model, ep), path)
+        sharded.load(module_pieces(model, ep, partitions), path)
     load_extra_states(model, path)

@@ -2,6 +2,7 @@
 
     (the model directory layout and its loaders are in moep_ds/checkpointing/, shared with training)
     harness.py     lm-eval model `moep_ds` (loglikelihood, loglikelihood_rolling, generate_until)
+    partitioned.py under a launcher: the model split over the ranks (ZeRO-3 inference), none holding it whole
     tasks.py       eval/tasks/ YAML templates rendered against a data directory
     run_eval.py    `moep-eval`: simple_evaluate + results.json / results.md
     generate.py    generate() with the decoding cache, `moep-generate`

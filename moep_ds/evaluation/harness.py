@@ -26,6 +26,7 @@ from typing import Any
 
 import lm_eval.models  # noqa: F401 - registers lm-eval's own models first (its registry loads them only if empty)
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 from moep_ds.errors import UserError
 from moep_ds.evaluation.generate import decode_steps, eval_mode
+from moep_ds.evaluation.partitioned import is_partitioned, launched_world_size, load_partitioned_model_dir
 from moep_ds.checkpointing.model_dir import load_model_dir, routing_eval_modes, summarize_routing_modes
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,13 @@ def pick_device(device: str | None) -> torch.device:
 
 
 class MoepLM(TemplateLM):
-    """lm-eval `LM` over a moep_ds CausalLM (loaded from `pretrained`, or given as `model` + `tokenizer`)."""
+    """lm-eval `LM` over a moep_ds CausalLM (loaded from `pretrained`, or given as `model` + `tokenizer`).
+
+    Under a launcher (WORLD_SIZE > 1) `pretrained` is loaded partitioned over the ranks (evaluation/partitioned.py);
+    a partitioned `model` is evaluated as it is, in its own precision and on its rank's device. Each rank then
+    scores every other batch of requests (rank r: batches r, r + N, ...), all ranks run the same number of
+    forward passes, and the scores are gathered onto every rank; lm-eval sees one model (rank 0 of 1, its
+    convention for a model split over ranks) and reports on rank 0."""
 
     def __init__(
         self,
@@ -115,16 +123,26 @@ class MoepLM(TemplateLM):
         if unused:
             log.warning("moep_ds model ignores arguments %s", sorted(unused))
         self.meta: dict[str, Any] = {}
+        self.engine = None  # a partitioned model's DeepSpeed engine (its hooks gather the parameters)
         if model is None:
             if pretrained is None:
                 raise UserError("moep_ds model needs pretrained=<model or run directory>")
             if isinstance(overrides, str):
                 overrides = overrides.split(";")  # model_args are comma-separated; overrides use ';'
-            model, _, tokenizer, self.meta = load_model_dir(pretrained, overrides)
+            if launched_world_size() > 1:
+                model, _, tokenizer, self.meta, self.engine = load_partitioned_model_dir(pretrained, overrides, dtype)
+            else:
+                model, _, tokenizer, self.meta = load_model_dir(pretrained, overrides)
         if tokenizer is None:
             raise UserError(f"{pretrained or 'the model'} has no tokenizer (tokenizer.json); lm-eval needs one")
-        self._device = pick_device(device)
-        self.model = model.to(self._device, getattr(torch, dtype)).eval()
+        self.ranks = (0, 1)
+        if is_partitioned(model):
+            self._device = next(model.parameters()).ds_tensor.device
+            self.model = model.eval()
+            self.ranks = (dist.get_rank(), dist.get_world_size())
+        else:
+            self._device = pick_device(device)
+            self.model = model.to(self._device, getattr(torch, dtype)).eval()
         self.tokenizer = tokenizer
         if not str(batch_size or "").isdigit():
             log.warning("batch_size %r is not a number: using 16 (scores do not depend on it)", batch_size)
@@ -185,14 +203,24 @@ class MoepLM(TemplateLM):
                        disable_tqdm: bool) -> list[tuple[float, bool]]:
         """(log p(chunk | context), greedy) per window; a window's context + chunk is at most max_length + 1."""
         inputs = [(ctx + cont)[:-1] for ctx, cont in windows]
-        results: list[tuple[float, bool] | None] = [None] * len(windows)
-        for batch in tqdm(batch_by_length([len(x) for x in inputs], self.batch_size), disable=disable_tqdm,
-                          desc="moep_ds loglikelihood"):
-            rows = [inputs[i] for i in batch]
+        rank, world = self.ranks
+        batches = batch_by_length([len(x) for x in inputs], self.batch_size)
+        mine = batches[rank::world]
+        scores: dict[int, tuple[float, bool]] = {}
+        # every rank runs as many forward passes (a partitioned model gathers its parameters on all ranks at once)
+        for n in tqdm(range(-(-len(batches) // world)), disable=disable_tqdm or rank > 0, desc="moep_ds loglikelihood"):
+            if n >= len(mine):  # this rank's batches are done: run the model for the others
+                self.model(torch.tensor([[self.eot_token_id]], device=self.device))
+                continue
+            rows = [inputs[i] for i in mine[n]]
             logits_BTV = self.model(right_pad(rows, self.eot_token_id).to(self.device)).logits
-            for i, answer in zip(batch, continuation_logprobs(logits_BTV, rows, [windows[i][1] for i in batch])):
-                results[i] = answer
-        return results
+            conts = [windows[i][1] for i in mine[n]]
+            scores.update(zip(mine[n], continuation_logprobs(logits_BTV, rows, conts)))
+        if world > 1:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, scores)
+            scores = {i: answer for part in gathered for i, answer in part.items()}
+        return [scores[i] for i in range(len(windows))]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Whole-document log-likelihood: the document as a continuation of the end-of-text token, scored in the
@@ -229,7 +257,7 @@ class MoepLM(TemplateLM):
         new: list[int] = []
         with eval_mode(self.model):
             for next_B in steps:
-                token = int(next_B[0])
+                token = self.agreed(int(next_B[0]))
                 if token == self.eot_token_id:
                     break
                 new.append(token)
@@ -240,6 +268,15 @@ class MoepLM(TemplateLM):
                 if len(new) >= max_new:
                     break
         return self.tok_decode(new)
+
+
+    def agreed(self, token: int) -> int:
+        """Rank 0's token on every rank, so that the ranks of a partitioned model stop decoding together."""
+        if self.ranks[1] == 1:
+            return token
+        t = torch.tensor([token], device=self.device)
+        dist.broadcast(t, src=0)
+        return int(t)
 
 
 def register() -> None:

@@ -8,6 +8,9 @@
     moep-eval --list_tasks                            the local task names
     moep-eval --render_tasks DIR                      rendered YAMLs for `lm_eval --include_path DIR`
     moep-eval runs/x --hub --tasks piqa               lm-eval's built-in tasks (downloads the datasets)
+    torchrun --nproc_per_node N -m moep_ds.evaluation.run_eval runs/x ...
+                                                      on N processes, each holding 1/N of the model (ZeRO-3;
+                                                      or `deepspeed --num_gpus N --module moep_ds.evaluation.run_eval`)
 
 Writes results.json (scores, lm-eval's results, parameters, tokens, FLOPs, routing eval mode) and
 results.md (a table), and prints the table.
@@ -41,13 +44,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=float, help="examples per task (a fraction if < 1); for quick checks only")
     p.add_argument("--num_fewshot", type=int)
     p.add_argument("--bootstrap_iters", type=int, default=1000, help="for stderrs of non-mean metrics (0: none)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="one process only; under a launcher each rank uses its own")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--output", help="directory for results.json / results.md (default: CHECKPOINT/eval)")
     p.add_argument("--name", help="run name in reports (default: the checkpoint directory's name)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides before building")
     p.add_argument("--hub", action="store_true", help="use lm-eval's built-in tasks and hub datasets")
     p.add_argument("--list_tasks", action="store_true", help="print the local task names and exit")
     p.add_argument("--render_tasks", metavar="DIR", help="render the task YAMLs into DIR and exit")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 
 
@@ -85,26 +90,34 @@ def task_manager(args: argparse.Namespace, cfg: Any, tasks: list[str], tmp: str)
     return TaskManager(include_defaults=False, include_path=str(rendered.path)), tasks, str(data_dir)
 
 
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    """Check the tasks and data, load the model, run simple_evaluate; returns the results record."""
+def evaluate(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Check the tasks and data, load the model, run simple_evaluate; returns the results record (None on the
+    ranks other than 0 under a launcher: evaluation/partitioned.py)."""
     from lm_eval import simple_evaluate
 
-    from moep_ds.evaluation.harness import MoepLM
     from moep_ds.checkpointing.model_dir import load_model_dir, load_recipe
+    from moep_ds.evaluation.harness import MoepLM
+    from moep_ds.evaluation.partitioned import launched_world_size, load_partitioned_model_dir
 
     model_dir, cfg = load_recipe(args.checkpoint, args.set)  # a run directory resolves (and logs) once
     tasks = split_tasks(args.tasks) if args.tasks else (cfg.eval.tasks or DEFAULT_TASKS)
     batch_size = args.batch_size or cfg.eval.batch_size
     with tempfile.TemporaryDirectory(prefix="moep_eval_tasks_") as tmp:
         manager, names, data_dir = task_manager(args, cfg, tasks, tmp)
-        model, cfg, tokenizer, meta = load_model_dir(model_dir, args.set)
-        lm = MoepLM(model=model, tokenizer=tokenizer, batch_size=batch_size, device=args.device)
-        lm.meta = meta
+        if launched_world_size() > 1:
+            model, cfg, tokenizer, meta, engine = load_partitioned_model_dir(model_dir, args.set, args.dtype)
+        else:
+            (model, cfg, tokenizer, meta), engine = load_model_dir(model_dir, args.set), None
+        lm = MoepLM(model=model, tokenizer=tokenizer, batch_size=batch_size, device=args.device, dtype=args.dtype)
+        lm.meta, lm.engine = meta, engine
         results = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=args.limit,
                                   num_fewshot=args.num_fewshot, bootstrap_iters=args.bootstrap_iters,
                                   log_samples=False)
+    if results is None or lm.ranks[0] != 0:
+        return None
     settings = {"tasks": names, "data_dir": data_dir, "batch_size": batch_size, "limit": args.limit,
-                "num_fewshot": args.num_fewshot, "hub": args.hub, "overrides": args.set}
+                "num_fewshot": args.num_fewshot, "hub": args.hub, "overrides": args.set, "dtype": args.dtype,
+                "ranks": lm.ranks[1]}
     return build_record(results, lm, cfg, meta, name=args.name or run_name(args.checkpoint), settings=settings)
 
 
@@ -117,9 +130,9 @@ def build_record(results: dict[str, Any], lm: Any, cfg: Any, meta: dict[str, Any
                  settings: dict[str, Any]) -> dict[str, Any]:
     from moep_ds.checkpointing.model_dir import summarize_routing_modes
     from moep_ds.evaluation.report import flat_scores
-    from moep_ds.models.accounting import count_params
+    from moep_ds.models.accounting import meta_param_report
 
-    params = count_params(lm.model).as_dict()
+    params = meta_param_report(cfg.model).as_dict()  # of the whole model, also when each rank holds a part
     tokens = meta.get("tokens")
     moep = {
         "model_dir": meta.get("model_dir"), "step": meta.get("step"), "tokens": tokens, **params,
@@ -158,6 +171,8 @@ def _main(args: argparse.Namespace) -> int:
     if not args.checkpoint:
         raise UserError("moep-eval needs a checkpoint: a model directory or a run directory")
     record = evaluate(args)
+    if record is None:  # a rank other than 0 of a partitioned evaluation: rank 0 writes
+        return 0
     json_path, md_path = write_record(record, Path(args.output or Path(args.checkpoint) / "eval"))
     print(md_path.read_text(encoding="utf-8"))  # the table is this command's product
     log.info("wrote %s and %s", json_path, md_path)
@@ -165,7 +180,12 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(_main, parser().parse_args(argv))
+    from moep_ds.evaluation.partitioned import close_process_group
+
+    try:
+        return run_command(_main, parser().parse_args(argv))
+    finally:
+        close_process_group()
 
 
 if __name__ == "__main__":

@@ -68,8 +68,7 @@ def local_pieces(p: torch.nn.Parameter, optimizer, whole_replicas: bool) -> list
 
     `whole_replicas`: a rank loading an unpartitioned parameter needs all of it; saving, it writes its share."""
     if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition, padded at the end of the last one
-        part, start = p.ds_tensor.numel(), dist.get_rank(group=p.ds_process_group) * p.ds_tensor.numel()
-        valid = max(0, min(part, p.ds_numel - start))
+        start, valid = model_state.zero3_partition(p)
         views = {key: st.local_partition(p, key) for key in ("param", *st.ADAM_KEYS)}
         return [(start, {k: v.narrow(0, 0, valid) for k, v in views.items()})] if valid else []
     if hasattr(p, "_hp_mapping"):  # ZeRO-1/2, bf16 optimizer: a fragment of the rank's flat partition, or none

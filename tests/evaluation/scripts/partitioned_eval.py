@@ -1,0 +1,49 @@
+"""Evaluate model directories with the lm-eval model `moep_ds` on every rank of a launcher (torchrun) and record,
+per rank, what the rank holds of the model and what it scored and generated.
+
+    torchrun ... partitioned_eval.py SPEC.json OUT_DIR
+
+SPEC: {"requests": [[context ids, continuation ids], ...], "contexts": [str, ...], "batch_size": int,
+       "runs": [{"name": str, "dir": model directory, "dtype": torch dtype name}, ...]}
+Writes OUT_DIR/rank<r>.json: {name: {"scores": [[logp, greedy], ...], "generated": [str, ...],
+"held": elements of this rank's partitions, "total": elements of the whole model, "whole": names of parameters
+held whole, "params": number of parameters}}.
+"""
+import json
+import os
+import pathlib
+import sys
+
+import torch.distributed as dist
+from lm_eval.api.instance import Instance
+
+from moep_ds.checkpointing.model_state import zero3_partition
+from moep_ds.evaluation.harness import MoepLM
+
+
+def main() -> None:
+    spec, out = json.loads(pathlib.Path(sys.argv[1]).read_text()), pathlib.Path(sys.argv[2])
+    record = {}
+    for run in spec["runs"]:
+        lm = MoepLM(pretrained=run["dir"], batch_size=spec["batch_size"], dtype=run["dtype"])
+        params = list(lm.model.named_parameters())
+        requests = [(None, ctx, cont) for ctx, cont in spec["requests"]]
+        generate = [Instance("generate_until", {}, (c, {"until": ["."], "max_gen_toks": 6}), i)
+                    for i, c in enumerate(spec["contexts"])]
+        record[run["name"]] = {
+            "scores": lm._loglikelihood_tokens(requests, disable_tqdm=True),
+            "generated": lm.generate_until(generate, disable_tqdm=True),
+            "held": sum(zero3_partition(p)[1] for _, p in params if hasattr(p, "ds_id")),
+            "total": sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for _, p in params),
+            "whole": [n for n, p in params if not hasattr(p, "ds_id")],
+            "params": len(params),
+        }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

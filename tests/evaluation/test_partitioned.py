@@ -1,0 +1,132 @@
+"""Evaluation on two processes, each holding half of the model (evaluation/partitioned.py): the same scores and
+generations as one process, from every checkpoint format, in fp32 and bf16; `moep-eval` under torchrun writes
+the single-process results once."""
+import copy
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moep_ds.checkpointing import model_dir, model_state, sharded
+from moep_ds.config import config_from_dict, dump_config
+from moep_ds.data.builtin import generate_corpus
+from moep_ds.data.config import TokenizerConfig
+from moep_ds.data.tokenizer import train_tokenizer
+from moep_ds.evaluation import export, run_eval
+from moep_ds.evaluation.harness import MoepLM
+from moep_ds.evaluation.partitioned import inference_ds_config
+from moep_ds.errors import UserError
+from moep_ds.models.causal_lm import build_model
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
+from tiny import LAYERS, launch  # noqa: E402
+
+SCRIPT = pathlib.Path(__file__).resolve().parent / "scripts" / "partitioned_eval.py"
+CONTEXTS = ["the dog", "a cat sees the", "every bird"]
+
+
+def mixed_recipe() -> dict:
+    """Every routed block type; expert choice scores tokens by thresholds at evaluation (causal)."""
+    layers = copy.deepcopy(LAYERS["mixed"])
+    layers[1]["moe"]["router"]["eval_mode"] = "threshold"
+    return {"model": {"flavour": "llama", "vocab_size": 320, "d_model": 32, "max_seq_len": 32, "init_std": 0.2,
+                      "tie_embeddings": True, "layers": layers}}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """The same weights as a sharded checkpoint, a model directory and a Hugging Face export."""
+    root = tmp_path_factory.mktemp("partitioned")
+    docs = generate_corpus(40_000, seed=0).split("\n\n")
+    train_tokenizer(docs, TokenizerConfig(kind="bpe", vocab_size=300), root / "tok")
+    cfg = config_from_dict(mixed_recipe())
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    with torch.no_grad():  # routers see a training batch: thresholds and the lifecycle's counts move
+        model.train()(torch.randint(0, 320, (4, 32)))
+    ckpt = root / "sharded"
+    ckpt.mkdir()
+    sharded.dcp.save(model_state.module_pieces(model), storage_writer=sharded.writer(ckpt),
+                     planner=sharded.ShardSavePlanner(), no_dist=True)
+    sharded.save_json({k: list(v) for k, v in model_state.shapes(model).items()}, ckpt / sharded.TENSORS_FILE)
+    sharded.save_json(model_state.extra_states(model), ckpt / model_state.EXTRA_STATE_FILE)
+    model_dir.write_recipe_files(cfg, ckpt, root / "tok", {"step": 1})
+    assert export.main([str(ckpt), "--out", str(root / "plain")]) == 0
+    assert export.main([str(ckpt), "--out", str(root / "hf"), "--hf"]) == 0
+    return {name: root / name for name in ("sharded", "plain", "hf")}
+
+
+def requests(vocab: int = 300) -> list[tuple[list[int], list[int]]]:
+    """Nine requests, one with a continuation longer than the window (scored in two windows): ten windows, five
+    batches of two, so the second rank also runs the model for the first's last batch."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [(1, 3), (5, 2), (12, 9), (20, 11), (3, 40), (8, 1), (30, 2), (2, 2), (17, 6)]
+    return [(torch.randint(1, vocab, (c,), generator=g).tolist(), torch.randint(1, vocab, (n,), generator=g).tolist())
+            for c, n in lengths]
+
+
+def single_process(directory: pathlib.Path, dtype: str) -> dict:
+    lm = MoepLM(pretrained=str(directory), batch_size=2, dtype=dtype)
+    generate = [Instance("generate_until", {}, (c, {"until": ["."], "max_gen_toks": 6}), i)
+                for i, c in enumerate(CONTEXTS)]
+    return {"scores": [list(s) for s in lm._loglikelihood_tokens([(None, *r) for r in requests()])],
+            "generated": lm.generate_until(generate)}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_two_ranks_each_holding_half_score_and_generate_as_one_process(model_dirs, tmp_path):
+    runs = [{"name": name, "dir": str(d), "dtype": "float32"} for name, d in model_dirs.items()]
+    runs.append({"name": "sharded_bf16", "dir": str(model_dirs["sharded"]), "dtype": "bfloat16"})
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"requests": requests(), "contexts": CONTEXTS, "batch_size": 2, "runs": runs}))
+    launch(2, SCRIPT, str(spec), str(tmp_path / "out"))
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for run in runs:
+        got = [rank[run["name"]] for rank in ranks]
+        assert got[0]["whole"] == [] and got[1]["whole"] == [], run["name"]  # every parameter partitioned
+        assert got[0]["held"] + got[1]["held"] == got[0]["total"] > 0
+        assert abs(got[0]["held"] - got[1]["held"]) <= got[0]["params"]  # half each, up to one element a parameter
+        want = single_process(pathlib.Path(run["dir"]), run["dtype"])
+        for g in got:  # the scores gathered onto every rank; the same batches as one process runs, exactly
+            assert g["scores"] == want["scores"], run["name"]
+            assert g["generated"] == want["generated"], run["name"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_dirs, tmp_path):
+    args = ["--tasks", "grammar_pairs", "--limit", "6", "--batch_size", "4"]
+    assert run_eval.main([str(model_dirs["sharded"]), *args, "--output", str(tmp_path / "one")]) == 0
+    launch(2, "-m", "moep_ds.evaluation.run_eval", str(model_dirs["sharded"]), *args,
+           "--output", str(tmp_path / "two"))
+    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    assert two["scores"] == one["scores"] and one["scores"]
+    assert (one["moep"]["ranks"], two["moep"]["ranks"]) == (1, 2)
+    assert two["moep"]["params_total"] == one["moep"]["params_total"]
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["results.json", "results.md"]
+
+
+def test_a_piece_is_read_from_the_rows_that_hold_it(tmp_path):
+    tensors = {"m": torch.randn(7, 5, 3), "v": torch.randn(11), "s": torch.tensor(2.5)}
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        for name, t in tensors.items():
+            flat = t.reshape(-1)
+            for offset in range(flat.numel()):
+                for numel in (0, 1, 4, 16, flat.numel() - offset):
+                    numel = min(numel, flat.numel() - offset)
+                    got = model_dir.read_flat_range(f, name, offset, numel)
+                    assert torch.equal(got, flat[offset:offset + numel]), (name, offset, numel)
+
+
+def test_inference_config_names_a_bad_dtype():
+    assert inference_ds_config("bfloat16") == {"train_micro_batch_size_per_gpu": 1,
+                                               "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    with pytest.raises(UserError, match=r"^dtype \('half'\) must be one of \['bfloat16', 'float16', 'float32'\]$"):
+        inference_ds_config("half")
