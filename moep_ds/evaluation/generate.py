@@ -6,6 +6,9 @@ Every block type decodes through `model.new_cache()`: attention keeps keys/value
 keys/values of the tokens they selected, SSM blocks carry their recurrent state (step mode). Routing at
 decoding time is the routers' eval mode: expert-choice routers must use `eval_mode: threshold` (a token's
 experts then depend on that token alone); top-k expert choice over a growing sequence is not causal.
+
+Under a launcher (`torchrun --nproc_per_node N -m moep_ds.evaluation.generate ...`) the model is split over the
+ranks (evaluation/partitioned.py): every rank decodes the same rows with rank 0's tokens, rank 0 prints.
 """
 from __future__ import annotations
 
@@ -16,10 +19,14 @@ import sys
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moep_ds.cli import run_command
 from moep_ds.errors import UserError
+from moep_ds.evaluation.partitioned import (
+    close_process_group, is_partitioned, launched_world_size, load_partitioned_model_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +99,12 @@ def decode_steps(
     """
     seq_BT = input_ids_BT
     cache = model.new_cache() if use_cache else None
+    split = is_partitioned(model) and dist.get_world_size() > 1
     logits_BV = model(seq_BT, cache=cache).logits[:, -1]
     for _ in range(model.cfg.max_seq_len - input_ids_BT.shape[1]):
         next_B = sample_next(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        if split:  # every rank of a split model runs each step: all continue with rank 0's tokens, stop together
+            dist.broadcast(next_B, src=0)
         yield next_B
         seq_BT = torch.cat([seq_BT, next_B[:, None]], dim=1)
         if seq_BT.shape[1] < model.cfg.max_seq_len:
@@ -146,9 +156,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--no_cache", action="store_true", help="recompute the whole sequence at every step")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="one process only; under a launcher each rank uses its own")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="recipe overrides, e.g. model.layers[1].router.eval_mode=threshold")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 
 
@@ -167,7 +179,13 @@ def _main(args: argparse.Namespace) -> int:
     from moep_ds.checkpointing.model_dir import load_model_dir
 
     check_sampling_args(args)
-    model, cfg, tokenizer, _ = load_model_dir(args.checkpoint, args.set)
+    if launched_world_size() > 1:  # the engine's hooks gather the parameters while the model runs: keep it
+        model, cfg, tokenizer, _, engine = load_partitioned_model_dir(args.checkpoint, args.set, args.dtype)
+        device = next(model.parameters()).ds_tensor.device
+    else:
+        model, cfg, tokenizer, _ = load_model_dir(args.checkpoint, args.set)
+        device = torch.device(args.device)
+        model.to(device, getattr(torch, args.dtype))
     if tokenizer is None:
         raise UserError(f"{args.checkpoint} has no tokenizer.json; moep-generate needs one to read the prompt")
     max_len = cfg.model.max_seq_len
@@ -178,11 +196,12 @@ def _main(args: argparse.Namespace) -> int:
     if len(ids) > keep:
         log.warning("prompt of %d tokens cut to its last %d to fit max_seq_len %d", len(ids), keep, max_len)
         ids = ids[-keep:]
-    model.to(args.device)
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    prompt_BT = torch.tensor([ids] * args.num_samples, device=args.device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    prompt_BT = torch.tensor([ids] * args.num_samples, device=device)
     out_BT = generate(model, prompt_BT, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, generator=generator, eos_id=tokenizer.eot_id, use_cache=not args.no_cache)
+    if dist.is_initialized() and dist.get_rank() > 0:  # a split model's other ranks: rank 0 prints
+        return 0
     for row in out_BT.tolist():
         new = row[len(ids):]
         if tokenizer.eot_id in new:
@@ -192,7 +211,10 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(_main, parser().parse_args(argv))
+    try:
+        return run_command(_main, parser().parse_args(argv))
+    finally:
+        close_process_group()
 
 
 if __name__ == "__main__":

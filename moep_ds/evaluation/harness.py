@@ -103,7 +103,8 @@ class MoepLM(TemplateLM):
     Under a launcher (WORLD_SIZE > 1) `pretrained` is loaded partitioned over the ranks (evaluation/partitioned.py);
     a partitioned `model` is evaluated as it is, in its own precision and on its rank's device. Each rank then
     scores every other batch of requests (rank r: batches r, r + N, ...), all ranks run the same number of
-    forward passes, and the scores are gathered onto every rank; lm-eval sees one model (rank 0 of 1, its
+    forward passes, and the scores are gathered onto every rank; generation decodes with rank 0's tokens on
+    every rank (`decode_steps`); lm-eval sees one model (rank 0 of 1, its
     convention for a model split over ranks) and reports on rank 0."""
 
     def __init__(
@@ -257,7 +258,7 @@ class MoepLM(TemplateLM):
         new: list[int] = []
         with eval_mode(self.model):
             for next_B in steps:
-                token = self.agreed(int(next_B[0]))
+                token = int(next_B[0])  # rank 0's on every rank of a split model (decode_steps)
                 if token == self.eot_token_id:
                     break
                 new.append(token)
@@ -268,15 +269,6 @@ class MoepLM(TemplateLM):
                 if len(new) >= max_new:
                     break
         return self.tok_decode(new)
-
-
-    def agreed(self, token: int) -> int:
-        """Rank 0's token on every rank, so that the ranks of a partitioned model stop decoding together."""
-        if self.ranks[1] == 1:
-            return token
-        t = torch.tensor([token], device=self.device)
-        dist.broadcast(t, src=0)
-        return int(t)
 
 
 def register() -> None:

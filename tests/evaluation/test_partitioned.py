@@ -1,6 +1,6 @@
 """Evaluation on two processes, each holding half of the model (evaluation/partitioned.py): the same scores and
 generations as one process, from every checkpoint format, in fp32 and bf16; `moep-eval` under torchrun writes
-the single-process results once."""
+the single-process results once; `moep-generate` under torchrun samples what one process samples."""
 import copy
 import json
 import pathlib
@@ -17,7 +17,7 @@ from moep_ds.config import config_from_dict, dump_config
 from moep_ds.data.builtin import generate_corpus
 from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.tokenizer import train_tokenizer
-from moep_ds.evaluation import export, run_eval
+from moep_ds.evaluation import export, generate, run_eval
 from moep_ds.evaluation.harness import MoepLM
 from moep_ds.evaluation.partitioned import inference_ds_config
 from moep_ds.errors import UserError
@@ -96,6 +96,7 @@ def test_two_ranks_each_holding_half_score_and_generate_as_one_process(model_dir
         for g in got:  # the scores gathered onto every rank; the same batches as one process runs, exactly
             assert g["scores"] == want["scores"], run["name"]
             assert g["generated"] == want["generated"], run["name"]
+        assert got[0]["sampled"] == got[1]["sampled"], run["name"]  # decoded in lockstep, with rank 0's draws
 
 
 @pytest.mark.slow
@@ -110,6 +111,18 @@ def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_d
     assert (one["moep"]["ranks"], two["moep"]["ranks"]) == (1, 2)
     assert two["moep"]["params_total"] == one["moep"]["params_total"]
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["results.json", "results.md"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_moep_generate_under_torchrun_samples_as_one_process(model_dirs, capsys):
+    args = [str(model_dirs["hf"]), "--prompt", "the dog", "--num_samples", "3", "--max_new_tokens", "10",
+            "--temperature", "1.5", "--seed", "7"]
+    assert generate.main(args) == 0
+    one = capsys.readouterr().out
+    two = launch(2, "-m", "moep_ds.evaluation.generate", *args).stdout  # with DeepSpeed's log lines
+    assert two.count(one) == 1 and one.count("the dog") >= 3  # printed once (rank 0), three samples
+    assert len(set(one.split("the dog"))) > 2  # that differ: sampled
 
 
 def test_a_piece_is_read_from_the_rows_that_hold_it(tmp_path):

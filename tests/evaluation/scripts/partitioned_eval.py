@@ -5,7 +5,8 @@ per rank, what the rank holds of the model and what it scored and generated.
 
 SPEC: {"requests": [[context ids, continuation ids], ...], "contexts": [str, ...], "batch_size": int,
        "runs": [{"name": str, "dir": model directory, "dtype": torch dtype name}, ...]}
-Writes OUT_DIR/rank<r>.json: {name: {"scores": [[logp, greedy], ...], "generated": [str, ...],
+Writes OUT_DIR/rank<r>.json: {name: {"scores": [[logp, greedy], ...], "generated": [str, ...] (greedy),
+"sampled": [str, ...] (drawn with a different seed on each rank),
 "held": elements of this rank's partitions, "total": elements of the whole model, "whole": names of parameters
 held whole, "params": number of parameters}}.
 """
@@ -14,6 +15,7 @@ import os
 import pathlib
 import sys
 
+import torch
 import torch.distributed as dist
 from lm_eval.api.instance import Instance
 
@@ -30,9 +32,13 @@ def main() -> None:
         requests = [(None, ctx, cont) for ctx, cont in spec["requests"]]
         generate = [Instance("generate_until", {}, (c, {"until": ["."], "max_gen_toks": 6}), i)
                     for i, c in enumerate(spec["contexts"])]
+        sample = [Instance("generate_until", {}, (c, {"until": ["."], "max_gen_toks": 6, "do_sample": True}), i)
+                  for i, c in enumerate(spec["contexts"])]
+        torch.manual_seed(dist.get_rank())  # each rank draws differently: the ranks must follow rank 0's tokens
         record[run["name"]] = {
             "scores": lm._loglikelihood_tokens(requests, disable_tqdm=True),
             "generated": lm.generate_until(generate, disable_tqdm=True),
+            "sampled": lm.generate_until(sample, disable_tqdm=True),
             "held": sum(zero3_partition(p)[1] for _, p in params if hasattr(p, "ds_id")),
             "total": sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for _, p in params),
             "whole": [n for n, p in params if not hasattr(p, "ds_id")],
