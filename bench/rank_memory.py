@@ -14,6 +14,10 @@ measure two ways), as the peak resident memory a step adds to a rank over its le
                              each rank builds its experts only
   export, 1 process          a sharded checkpoint to a model directory: load the model, then save it
                              (`load_model_dir` + `save_model_dir`) vs `moep-export` (streamed, one tensor)
+  evaluate, ZeRO-3           load a sharded checkpoint on every rank and score one sequence of 256 tokens:
+                             the whole model on each rank (`load_model_dir`) vs `moep-eval` under a launcher
+                             (evaluation/partitioned.py: each rank reads its partitions, modules gathered
+                             one at a time while they run)
 
 Prints one markdown table with the model's fp32 size for scale; `--json` writes the rows.
 """
@@ -116,6 +120,38 @@ def export_worker(args) -> None:
     (dst / "peak.json").write_text(json.dumps({"added": peak.added}))
 
 
+def eval_worker(args) -> None:
+    """One way of loading a checkpoint for evaluation and scoring one sequence, on each rank of a torchrun
+    launch; rank 0 writes the largest peak."""
+    import torch
+    import torch.distributed as dist
+
+    from moep_ds.checkpointing.model_dir import load_model_dir
+    from moep_ds.evaluation.partitioned import load_partitioned_model_dir
+    from moep_ds.training.distributed import init_distributed
+    from moep_ds.training.host_memory import return_freed_buffers_to_os
+
+    import deepspeed.runtime.zero.partition_parameters  # noqa: F401 - imported before measuring, for every way
+
+    return_freed_buffers_to_os()
+    init_distributed()
+    dist.barrier()
+    with PeakRSS() as peak:
+        if args.way == "whole":
+            model, cfg, _, _ = load_model_dir(args.source)
+        else:
+            model, cfg, _, _, engine = load_partitioned_model_dir(args.source)  # noqa: F841 - its hooks gather
+        with torch.no_grad():
+            model(torch.zeros(1, min(256, cfg.model.max_seq_len), dtype=torch.long))
+    worst = torch.tensor([peak.added], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        pathlib.Path(args.out).write_text(json.dumps({"added": float(worst)}))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def run(cmd: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -142,19 +178,28 @@ def measure_export(args, way: str, tmp: pathlib.Path, source: pathlib.Path) -> f
     return json.loads((out / "peak.json").read_text())["added"]
 
 
+def measure_eval(args, way: str, tmp: pathlib.Path, source: pathlib.Path) -> float:
+    out = tmp / f"eval_{way}.json"
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}", __file__,
+         "--worker", "eval", "--way", way, "--source", str(source), "--out", str(out), *common(args)])
+    return json.loads(out.read_text())["added"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--config", type=pathlib.Path, default=REPO / "configs/nova_moe.yaml")
     p.add_argument("--set", nargs="*", default=[])
     p.add_argument("--json", type=pathlib.Path)
-    p.add_argument("--worker", choices=["build", "checkpoint", "export"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["build", "checkpoint", "export", "eval"], help=argparse.SUPPRESS)
     p.add_argument("--way", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--source", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        return {"build": build_worker, "checkpoint": checkpoint_worker, "export": export_worker}[args.worker](args)
+        workers = {"build": build_worker, "checkpoint": checkpoint_worker, "export": export_worker,
+                   "eval": eval_worker}
+        return workers[args.worker](args)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         source = tmp / "ckpt"
@@ -166,6 +211,8 @@ def main() -> None:
             (f"build, expert parallel {args.ranks} (ZeRO-2)", whole, measure_build(args, "ep", tmp)),
             ("export, 1 process", measure_export(args, "whole", tmp, source),
              measure_export(args, "streamed", tmp, source)),
+            (f"evaluate, ZeRO-3, {args.ranks} ranks", measure_eval(args, "whole", tmp, source),
+             measure_eval(args, "partitioned", tmp, source)),
         ]
     print(f"# rank_memory: {args.config.name} {' '.join(args.set)}: {params:,} parameters, "
           f"{params * 4 / MiB:,.0f} MiB in fp32")
