@@ -6,8 +6,10 @@ evaluated and exported; `save_consolidated` is kept for comparison in bench/chec
     optimizer.pt         full fp32 Adam moments per parameter name, Adam's step count
     trainer_state.json, rng_rank{r}.pt, config.yaml, tokenizer files, meta.json, COMPLETE
 
-Every rank gathers and reads the whole state here, which is what the sharded format (training/checkpoint.py)
-avoids; reading goes through safetensors and torch.load(weights_only=True).
+Saving gathers the whole state on every rank, which is what the sharded format (training/checkpoint.py) avoids.
+Loading reads one tensor at a time, and of an expert stack only this rank's experts: weights through
+safetensors' slices, moments from optimizer.pt memory-mapped (torch.load(weights_only=True, mmap=True)), so
+that a rank never holds the whole state; what it keeps of each tensor is what its optimizer partition owns.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from moep_ds.checkpointing import layout
 from moep_ds.checkpointing.model_dir import EXTRA_FILE, WEIGHTS_FILE, save_model_dir
@@ -53,10 +54,18 @@ def gather_experts(t: torch.Tensor, ep_group) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def local_experts(t: torch.Tensor, ep_group) -> torch.Tensor:
+def local_experts(t: Any, ep_group) -> Any:
+    """This rank's experts of a stack [E, ...]: a tensor's rows, or a safetensors slice's (read only then)."""
     size, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    n = t.shape[0] // size
+    n = t.get_shape()[0] // size if hasattr(t, "get_shape") else t.shape[0] // size
     return t[rank * n:(rank + 1) * n]
+
+
+def read_weight(f: Any, name: str, p: torch.Tensor, ep_group) -> torch.Tensor:
+    """Parameter or buffer `name` from the open model.safetensors `f`: this rank's experts of an expert stack."""
+    if ep_group is not None and is_expert_param(p):
+        return local_experts(f.get_slice(name), ep_group)
+    return f.get_tensor(name)
 
 
 def collect_full_state(engine, model, ep_group) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -94,37 +103,38 @@ def save_consolidated(engine, model, cfg, out: pathlib.Path, trainer_state: dict
 
 
 def load_consolidated_model(model, ckpt: pathlib.Path, ep_group=None) -> None:
-    """Load weights, buffers and extra state into the (unwrapped, not yet engine-owned) model."""
-    tensors = load_file(str(ckpt / WEIGHTS_FILE))
+    """Load weights, buffers and extra state into the (unwrapped, not yet engine-owned) model, one tensor at
+    a time."""
     extra_path = ckpt / EXTRA_FILE
-    if extra_path.is_file():
-        tensors.update(torch.load(extra_path, weights_only=True))
-    own = model.state_dict()
-    for name, p in model.named_parameters():
-        if ep_group is not None and is_expert_param(p) and name in tensors:
-            tensors[name] = local_experts(tensors[name], ep_group)
-    missing = [k for k in own if k not in tensors and not (k == "head.weight" and model.cfg.tie_embeddings)]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {str(ckpt)!r} lacks {len(missing)} tensors of this model, e.g. {missing[0]!r}")
-    for name, p in model.named_parameters():
-        if hasattr(p, "ds_id"):  # partitioned as it was built (ZeRO-3): load_consolidated_engine sets it
-            tensors.pop(name, None)
-    model.load_state_dict(tensors, strict=False)
+    extra = torch.load(extra_path, weights_only=True) if extra_path.is_file() else {}
+    own = model.state_dict(keep_vars=True)
+    with safe_open(str(ckpt / WEIGHTS_FILE), framework="pt") as f:
+        weights = set(f.keys())
+        missing = [k for k in own
+                   if k not in weights and k not in extra and not (k == "head.weight" and model.cfg.tie_embeddings)]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {str(ckpt)!r} lacks {len(missing)} tensors of this model, e.g. {missing[0]!r}")
+        with torch.no_grad():
+            for name, t in own.items():
+                # ZeRO-3 partitions are set by load_consolidated_engine; extra state is not a tensor
+                if name in weights and not hasattr(t, "ds_id"):
+                    t.copy_(read_weight(f, name, t, ep_group))
+    model.load_state_dict(extra, strict=False)
 
 
 def load_consolidated_engine(engine, model, ckpt: pathlib.Path, ep_group=None) -> dict[str, Any]:
-    """Restore fp32 masters and Adam moments/step; returns the trainer state."""
-    tensors = load_file(str(ckpt / WEIGHTS_FILE))
-    optim = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True)
+    """Restore fp32 masters and Adam moments/step, one parameter at a time; returns the trainer state."""
+    optim = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True, mmap=True)  # read where a rank touches it
     params = named_unique_params(model)
     st.init_optimizer_state(engine.optimizer)
-    for name, p in params:
-        values = {"param": tensors[name], **optim["moments"][name]}
-        if ep_group is not None and is_expert_param(p):
-            values = {k: local_experts(v, ep_group) for k, v in values.items()}
-        st.set_fp32_param(p, values["param"])
-        for key in st.ADAM_KEYS:
-            st.set_optimizer_state(p, engine.optimizer, key, values[key])
+    with safe_open(str(ckpt / WEIGHTS_FILE), framework="pt") as f:
+        for name, p in params:
+            moments = optim["moments"][name]
+            if ep_group is not None and is_expert_param(p):
+                moments = {k: local_experts(v, ep_group) for k, v in moments.items()}
+            st.set_fp32_param(p, read_weight(f, name, p, ep_group))
+            for key in st.ADAM_KEYS:
+                st.set_optimizer_state(p, engine.optimizer, key, moments[key])
     st.set_optimizer_step_count(engine.optimizer, [p for _, p in params], optim["step"])
     return json.loads((ckpt / "trainer_state.json").read_text())

@@ -34,6 +34,11 @@ def matrix(tmp_path_factory):
         jobs.append({"recipe": str(recipe), "ds_config": ds(s)})
         sources[s] = (recipe, out)
     jobs[1]["consolidated"] = str(tmp / "consolidated")
+    # the same with experts sharded over an expert-parallel group of 2 (a rank reads its experts' rows only)
+    ep = write_recipe(tmp / "src_ep.yaml", "top2", tmp / "src_ep", max_steps=5, exit_at_step=4,
+                      checkpoint={"every_steps": 3}, expert_parallel_size=2)
+    jobs.append({"recipe": str(ep), "ds_config": ds(1), "consolidated": str(tmp / "consolidated_ep")})
+    sources["ep"] = (ep, tmp / "src_ep")
     bf16 = write_recipe(tmp / "src_bf16.yaml", "top2", tmp / "src_bf16", max_steps=5, exit_at_step=4,
                         checkpoint={"every_steps": 3})
     jobs.append({"recipe": str(bf16), "ds_config": ds(1, "bf16")})
@@ -85,9 +90,11 @@ def matrix(tmp_path_factory):
                                    f"train.activation_checkpointing={switch}"]})
         resumed[(s, "ac")] = dest
     # today's consolidated format (written by ZeRO-1 at step 4, beside a sharded checkpoint) resumes the same
-    for name, ckpt in (("from_consolidated", tmp / "consolidated"), ("from_sharded", sources[1][1] / "checkpoints/step_00000004")):
-        jobs.append({"recipe": str(sources[1][0]), "ds_config": ds(2), "resume": str(ckpt),
-                     "overrides": [f"train.output_dir={tmp / name}", "train.exit_at_step=null"]})
+    for source, suffix in ((1, ""), ("ep", "_ep")):
+        for name, ckpt in ((f"from_consolidated{suffix}", tmp / f"consolidated{suffix}"),
+                           (f"from_sharded{suffix}", sources[source][1] / "checkpoints/step_00000004")):
+            jobs.append({"recipe": str(sources[source][0]), "ds_config": ds(2), "resume": str(ckpt),
+                         "overrides": [f"train.output_dir={tmp / name}", "train.exit_at_step=null"]})
     (tmp / "resumes.json").write_text(json.dumps(jobs))
     launch(2, SCRIPTS / "run_many.py", str(tmp / "resumes.json"))
     return tmp, sources, resumed
@@ -124,8 +131,9 @@ def test_consolidated_checkpoint_of_today_still_resumes_and_loads(matrix):
 
     tmp, sources, _ = matrix
     assert (tmp / "consolidated" / "model.safetensors").is_file()
-    got, reference = losses(tmp / "from_consolidated"), losses(tmp / "from_sharded")
-    assert sorted(got) == [5] and got == reference
+    for suffix in ("", "_ep"):
+        got, reference = losses(tmp / f"from_consolidated{suffix}"), losses(tmp / f"from_sharded{suffix}")
+        assert sorted(got) == [5] and got == reference, suffix
     model, cfg, _, meta = load_model_dir(tmp / "consolidated")
     assert meta["step"] == 4
 
