@@ -211,10 +211,9 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run_command(_main, parser().parse_args(argv))
-    finally:
-        close_process_group()
+    code = run_command(_main, parser().parse_args(argv))
+    close_process_group(finished=code == 0)
+    return code
 
 
 if __name__ == "__main__":

@@ -17,10 +17,8 @@ def main() -> None:
     from moep_ds.evaluation.partitioned import close_process_group
 
     sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]  # the deepspeed launcher's; lm-eval has none
-    try:
-        cli_evaluate()
-    finally:
-        close_process_group()
+    cli_evaluate()
+    close_process_group(finished=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moep_ds.errors import UserError
+from moep_ds.errors import SharedUserError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,12 @@ def load_partitioned_model_dir(path: str, overrides: list[str] | None = None, dt
     with partitioned_construction(ds):
         model = build_model(cfg.model, initialise=False)  # every weight comes from the checkpoint
     check_partitioned(model)
-    load_weights(model, model_dir, cfg, partitions=True)
+    error = None
+    try:
+        load_weights(model, model_dir, cfg, partitions=True)
+    except UserError as err:  # e.g. a file that one node reads differently
+        error = err
+    stop_together(error, f"checkpoint {str(model_dir)!r}")
     if routed_module_classes(model):  # routing differs between ranks' batches: fetch a routed block as one unit
         deepspeed.utils.set_z3_leaf_modules(model, routed_module_classes(model))
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds, dist_init_required=False)
@@ -70,14 +75,35 @@ def load_partitioned_model_dir(path: str, overrides: list[str] | None = None, dt
     return model, cfg, *tokenizer_and_meta(model_dir), engine
 
 
+def stop_together(error: UserError | None, what: str) -> None:
+    """Raise on every rank if any rank failed (instead of the others waiting for it in the next collective):
+    an error every rank had is reported once, by rank 0; else each failed rank reports its own and the others
+    say that another rank failed."""
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    if dist.get_backend() == "nccl":
+        failed = failed.cuda()
+    dist.all_reduce(failed)
+    count = int(failed.item())
+    if count == 0:
+        return
+    if error is None:
+        raise UserError(f"{what} could not be read on {count} other rank(s); their errors are above")
+    if count == dist.get_world_size() and isinstance(error, SharedUserError):
+        raise error
+    raise UserError(str(error)) from None  # reported by this rank, not only by rank 0
+
+
 def is_partitioned(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def close_process_group() -> None:
-    """At the end of an evaluation command: leave the process group a partitioned evaluation joined, if any."""
+def close_process_group(finished: bool) -> None:
+    """At the end of an evaluation command: leave the process group a partitioned evaluation joined, if any,
+    together with the other ranks when every rank `finished` (a rank that failed exits, and its launcher stops
+    the others)."""
     if dist.is_initialized():
-        dist.barrier()
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

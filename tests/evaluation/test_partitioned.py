@@ -26,7 +26,8 @@ from moep_ds.models.causal_lm import build_model
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
 from tiny import LAYERS, launch  # noqa: E402
 
-SCRIPT = pathlib.Path(__file__).resolve().parent / "scripts" / "partitioned_eval.py"
+SCRIPTS = pathlib.Path(__file__).resolve().parent / "scripts"
+SCRIPT = SCRIPTS / "partitioned_eval.py"
 CONTEXTS = ["the dog", "a cat sees the", "every bird"]
 
 
@@ -111,6 +112,18 @@ def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_d
     assert (one["moep"]["ranks"], two["moep"]["ranks"]) == (1, 2)
     assert two["moep"]["params_total"] == one["moep"]["params_total"]
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["results.json", "results.md"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_one_line_each(model_dirs, tmp_path):
+    proc = launch(2, SCRIPTS / "failing_rank_eval.py", str(model_dirs["sharded"]), "--tasks", "grammar_pairs",
+                  "--output", str(tmp_path / "out"), check=False, timeout=300)
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    errors = [line for line in proc.stderr.splitlines() if "error: " in line and "checkpoint" in line]
+    sharded_dir = str(model_dirs["sharded"])
+    assert f"[rank 1] error: checkpoint {sharded_dir!r} could not be read: simulated on this rank" in errors
+    assert (f"error: checkpoint {sharded_dir!r} could not be read on 1 other rank(s); their errors are above"
+            in errors)
 
 
 @pytest.mark.slow
