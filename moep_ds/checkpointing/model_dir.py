@@ -236,14 +236,16 @@ def tokenizer_and_meta(model_dir: Path) -> tuple[Any, dict[str, Any]]:
     return tokenizer, {**read_meta(model_dir), "model_dir": str(model_dir)}
 
 
-def load_weights(model: torch.nn.Module, model_dir: Path, cfg: Any, partitions: bool = False) -> None:
+def load_weights(model: torch.nn.Module, model_dir: Path, cfg: Any, partitions: bool = False,
+                 ep: model_state.ExpertLayout = model_state.ExpertLayout()) -> None:
     """The weights, buffers and extra state of a model directory or sharded checkpoint into `model`. With
-    `partitions` the model is built partitioned (ZeRO-3, no optimizer): each rank reads its partitions only."""
+    `partitions` the model is built partitioned (ZeRO-3, no optimizer), with `ep` it holds expert-parallel rank
+    ep.rank's experts: each rank reads what it holds only."""
     if sharded.is_sharded(model_dir):
         sharded.check_files(model_dir)
-        load_module(model, model_dir, partitions=partitions)
-    elif partitions:
-        load_consolidated_pieces(model, model_dir)
+        load_module(model, model_dir, ep, partitions=partitions)
+    elif partitions or ep.size > 1:
+        load_consolidated_pieces(model, model_dir, ep)
     else:
         load_consolidated(model, model_dir, cfg)
 
@@ -259,16 +261,18 @@ def load_consolidated(model: torch.nn.Module, model_dir: Path, cfg: Any) -> None
     load_state_dict_into(model, state, cfg.model.tie_embeddings, model_dir / WEIGHTS_FILE)
 
 
-def load_consolidated_pieces(model: torch.nn.Module, model_dir: Path) -> None:
-    """`load_consolidated` for a model whose parameters are ZeRO-3 partitions: each piece
-    (`model_state.module_pieces`) is read alone, as the rows of the stored tensor that hold it."""
+def load_consolidated_pieces(model: torch.nn.Module, model_dir: Path,
+                             ep: model_state.ExpertLayout = model_state.ExpertLayout()) -> None:
+    """`load_consolidated` for a model that holds parts of its tensors (ZeRO-3 partitions, expert-parallel rank
+    ep.rank's experts): each piece (`model_state.module_pieces`) is read alone, as the rows of the stored tensor
+    that hold it."""
     from safetensors import safe_open
 
     file = model_dir / WEIGHTS_FILE
     key_prefix = "model." if hf_export_recipe(model_dir) is not None else ""
-    safetensors_entries(file, model_state.shapes(model), key_prefix)  # one line naming a missing or misshapen tensor
+    safetensors_entries(file, model_state.shapes(model, ep), key_prefix)  # one line naming a missing/misshapen tensor
     with safe_open(str(file), framework="pt") as f, torch.no_grad():
-        for key, piece in model_state.module_pieces(model, partitions=True).items():
+        for key, piece in model_state.module_pieces(model, ep, partitions=True).items():
             piece.local.copy_(read_flat_range(f, key_prefix + key.removeprefix(sharded.MODEL_PREFIX), piece.offset,
                                               piece.local.numel()))
     if (model_dir / EXTRA_FILE).is_file():

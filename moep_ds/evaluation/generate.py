@@ -25,7 +25,8 @@ from torch import nn
 from moep_ds.cli import run_command
 from moep_ds.errors import UserError
 from moep_ds.evaluation.partitioned import (
-    close_process_group, is_partitioned, launched_world_size, load_partitioned_model_dir,
+    close_process_group, experts_sharded, launched_world_size, load_partitioned_model_dir, model_device,
+    split_over_ranks,
 )
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def decode_steps(
     """
     seq_BT = input_ids_BT
     cache = model.new_cache() if use_cache else None
-    split = is_partitioned(model) and dist.get_world_size() > 1
+    split = split_over_ranks(model) and dist.get_world_size() > 1
     logits_BV = model(seq_BT, cache=cache).logits[:, -1]
     for _ in range(model.cfg.max_seq_len - input_ids_BT.shape[1]):
         next_B = sample_next(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
@@ -158,6 +159,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no_cache", action="store_true", help="recompute the whole sequence at every step")
     p.add_argument("--device", default="cpu", help="one process only; under a launcher each rank uses its own")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--expert_parallel", action="store_true",
+                   help="under a launcher: shard the experts over the ranks instead of ZeRO-3 (decodes without cache)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="recipe overrides, e.g. model.layers[1].router.eval_mode=threshold")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
@@ -180,8 +183,9 @@ def _main(args: argparse.Namespace) -> int:
 
     check_sampling_args(args)
     if launched_world_size() > 1:  # the engine's hooks gather the parameters while the model runs: keep it
-        model, cfg, tokenizer, _, engine = load_partitioned_model_dir(args.checkpoint, args.set, args.dtype)
-        device = next(model.parameters()).ds_tensor.device
+        model, cfg, tokenizer, _, engine = load_partitioned_model_dir(args.checkpoint, args.set, args.dtype,
+                                                                      expert_parallel=args.expert_parallel)
+        device = model_device(model)
     else:
         model, cfg, tokenizer, _ = load_model_dir(args.checkpoint, args.set)
         device = torch.device(args.device)
@@ -199,7 +203,8 @@ def _main(args: argparse.Namespace) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     prompt_BT = torch.tensor([ids] * args.num_samples, device=device)
     out_BT = generate(model, prompt_BT, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, generator=generator, eos_id=tokenizer.eot_id, use_cache=not args.no_cache)
+                      top_p=args.top_p, generator=generator, eos_id=tokenizer.eot_id,
+                      use_cache=not args.no_cache and not experts_sharded(model))
     if dist.is_initialized() and dist.get_rank() > 0:  # a split model's other ranks: rank 0 prints
         return 0
     for row in out_BT.tolist():

@@ -34,7 +34,9 @@ from tqdm import tqdm
 
 from moep_ds.errors import UserError
 from moep_ds.evaluation.generate import decode_steps, eval_mode
-from moep_ds.evaluation.partitioned import is_partitioned, launched_world_size, load_partitioned_model_dir
+from moep_ds.evaluation.partitioned import (
+    experts_sharded, launched_world_size, load_partitioned_model_dir, model_device, split_over_ranks,
+)
 from moep_ds.checkpointing.model_dir import load_model_dir, routing_eval_modes, summarize_routing_modes
 
 log = logging.getLogger(__name__)
@@ -100,8 +102,9 @@ def pick_device(device: str | None) -> torch.device:
 class MoepLM(TemplateLM):
     """lm-eval `LM` over a moep_ds CausalLM (loaded from `pretrained`, or given as `model` + `tokenizer`).
 
-    Under a launcher (WORLD_SIZE > 1) `pretrained` is loaded partitioned over the ranks (evaluation/partitioned.py);
-    a partitioned `model` is evaluated as it is, in its own precision and on its rank's device. Each rank then
+    Under a launcher (WORLD_SIZE > 1) `pretrained` is loaded split over the ranks (evaluation/partitioned.py:
+    ZeRO-3, or with `expert_parallel` its experts sharded); a split `model` is evaluated as it is, in its own
+    precision and on its rank's device. Each rank then
     scores every other batch of requests (rank r: batches r, r + N, ...), all ranks run the same number of
     forward passes, and the scores are gathered onto every rank; generation decodes with rank 0's tokens on
     every rank (`decode_steps`); lm-eval sees one model (rank 0 of 1, its
@@ -118,6 +121,7 @@ class MoepLM(TemplateLM):
         device: str | None = None,
         max_length: int | None = None,
         dtype: str = "float32",
+        expert_parallel: bool | str = False,
         **unused: Any,
     ):
         super().__init__()
@@ -131,14 +135,16 @@ class MoepLM(TemplateLM):
             if isinstance(overrides, str):
                 overrides = overrides.split(";")  # model_args are comma-separated; overrides use ';'
             if launched_world_size() > 1:
-                model, _, tokenizer, self.meta, self.engine = load_partitioned_model_dir(pretrained, overrides, dtype)
+                ep = str(expert_parallel).lower() in ("true", "1")  # model_args are strings
+                model, _, tokenizer, self.meta, self.engine = load_partitioned_model_dir(pretrained, overrides, dtype,
+                                                                                         expert_parallel=ep)
             else:
                 model, _, tokenizer, self.meta = load_model_dir(pretrained, overrides)
         if tokenizer is None:
             raise UserError(f"{pretrained or 'the model'} has no tokenizer (tokenizer.json); lm-eval needs one")
         self.ranks = (0, 1)
-        if is_partitioned(model):
-            self._device = next(model.parameters()).ds_tensor.device
+        if split_over_ranks(model):
+            self._device = model_device(model)
             self.model = model.eval()
             self.ranks = (dist.get_rank(), dist.get_world_size())
         else:
@@ -251,7 +257,8 @@ class MoepLM(TemplateLM):
         sample = bool(gen_kwargs.pop("do_sample", False)) and float(gen_kwargs.get("temperature", 1.0)) > 0
         ids = (self.tok_encode(context) or [self.prefix_token_id])[-(self.max_length - max_new):]
         # a token-choice or top-k router is not causal over a growing sequence: recompute instead of caching
-        use_cache = "topk" not in self.routing_eval_mode.values()
+        # (MSIT and MoEP paths decode from their caches only with every expert at hand)
+        use_cache = "topk" not in self.routing_eval_mode.values() and not experts_sharded(self.model)
         steps = decode_steps(self.model, torch.tensor([ids], device=self.device), use_cache=use_cache,
                              temperature=float(gen_kwargs.get("temperature", 1.0)) if sample else 0.0,
                              top_k=gen_kwargs.get("top_k"), top_p=gen_kwargs.get("top_p"))

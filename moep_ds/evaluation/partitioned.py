@@ -1,19 +1,28 @@
-"""Evaluation on several processes without any of them holding the whole model (ZeRO-3 inference).
+"""Evaluation on several processes without any of them holding the whole model.
 
     torchrun --nproc_per_node N -m moep_ds.evaluation.run_eval runs/x ...          (or deepspeed --num_gpus N
     --module moep_ds.evaluation.run_eval ..., or lm_eval_cli under either launcher)
 
-Under a launcher (WORLD_SIZE > 1) the model is built inside `deepspeed.zero.Init` (training/zero3.py), every
-rank reads only its partition of each weight from the checkpoint (`checkpointing.model_dir.load_weights`), and a
-DeepSpeed engine without an optimizer gathers each module's parameters while it runs (each routed block as one
-unit, as in training) and frees them after. Every rank sees every request, as lm-eval expects of a model split
-over ranks (it reports and writes on rank 0); the harness spreads the scoring batches over the ranks and
-gathers the scores, and generation decodes in lockstep with rank 0's tokens (evaluation/harness.py).
+Under a launcher (WORLD_SIZE > 1) the model is split over the ranks in one of two ways:
+
+  ZeRO-3 (default)   built inside `deepspeed.zero.Init` (training/zero3.py); every rank reads only its partition
+                     of each weight from the checkpoint (`checkpointing.model_dir.load_weights`), and a DeepSpeed
+                     engine without an optimizer gathers each module's parameters while it runs (each routed block
+                     as one unit, as in training) and frees them after. Any model.
+  expert parallel    (`expert_parallel`) every routed stage built with this rank's 1/N of the experts only
+                     (moe/shard.py) and the tokens sent to their experts' ranks (all-to-all), as in training at
+                     expert_parallel_size N; the other parameters are whole on every rank. No expert is ever
+                     gathered; MoE models only.
+
+Every rank sees every request, as lm-eval expects of a model split over ranks (it reports and writes on rank 0);
+the harness spreads the scoring batches over the ranks, every rank runs each forward pass, the scores are
+gathered, and generation decodes in lockstep with rank 0's tokens (evaluation/harness.py, generate.py).
 """
 from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -41,37 +50,51 @@ def inference_ds_config(dtype: str) -> dict[str, Any]:
     return ds
 
 
-def load_partitioned_model_dir(path: str, overrides: list[str] | None = None, dtype: str = "float32"
-                               ) -> tuple[Any, Any, Any, dict[str, Any], Any]:
-    """`load_model_dir` for one rank of a launched group: (model holding this rank's partitions, root Config,
-    tokenizer, meta, the DeepSpeed engine around the model, whose hooks gather its parameters while it runs:
-    keep it as long as the model). The engine's `device` is this rank's."""
+def load_partitioned_model_dir(path: str, overrides: list[str] | None = None, dtype: str = "float32",
+                               expert_parallel: bool = False) -> tuple[Any, Any, Any, dict[str, Any], Any]:
+    """`load_model_dir` for one rank of a launched group: (model holding this rank's part, root Config,
+    tokenizer, meta, the DeepSpeed engine around a ZeRO-3 model, whose hooks gather its parameters while it
+    runs: keep it as long as the model; None for expert parallelism)."""
     import deepspeed
 
     from moep_ds.checkpointing.model_dir import load_recipe, load_weights, tokenizer_and_meta
+    from moep_ds.checkpointing.model_state import ExpertLayout
     from moep_ds.models.causal_lm import build_model
+    from moep_ds.moe.shard import expert_shard
     from moep_ds.training.distributed import init_distributed
-    from moep_ds.training.expert_parallel import routed_module_classes
+    from moep_ds.training.expert_parallel import (
+        expert_parallel_group, routed_module_classes, setup_expert_parallel, shard_of,
+    )
     from moep_ds.training.zero3 import check_partitioned, partitioned_construction
 
     ds = inference_ds_config(dtype)
-    init_distributed()
+    world = launched_world_size()
+    if expert_parallel:  # checked like a training recipe's: every routed stage's experts divide over the ranks
+        overrides = [*(overrides or []), f"train.expert_parallel_size={world}"]
     model_dir, cfg = load_recipe(path, overrides)
-    with partitioned_construction(ds):
+    device = init_distributed()
+    ep_group = expert_parallel_group(world) if expert_parallel else None
+    with expert_shard(*shard_of(ep_group)), partitioned_construction(ds) if not expert_parallel else nullcontext():
         model = build_model(cfg.model, initialise=False)  # every weight comes from the checkpoint
-    check_partitioned(model)
+    if not expert_parallel:
+        check_partitioned(model)
+    setup_expert_parallel(model, ep_group)
     error = None
     try:
-        load_weights(model, model_dir, cfg, partitions=True)
+        load_weights(model, model_dir, cfg, partitions=not expert_parallel, ep=ExpertLayout(*shard_of(ep_group)))
     except UserError as err:  # e.g. a file that one node reads differently
         error = err
     stop_together(error, f"checkpoint {str(model_dir)!r}")
-    if routed_module_classes(model):  # routing differs between ranks' batches: fetch a routed block as one unit
-        deepspeed.utils.set_z3_leaf_modules(model, routed_module_classes(model))
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ds, dist_init_required=False)
+    engine = None
+    if expert_parallel:
+        model.to(device, getattr(torch, dtype))
+    else:
+        if routed_module_classes(model):  # routing differs between ranks' batches: fetch a routed block as one unit
+            deepspeed.utils.set_z3_leaf_modules(model, routed_module_classes(model))
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds, dist_init_required=False)
     model.eval()
-    log.info("evaluating on %d ranks, each holding 1/%d of the model (ZeRO-3), %s", dist.get_world_size(),
-             dist.get_world_size(), dtype)
+    held = "of the experts, the rest whole" if expert_parallel else "of the model (ZeRO-3)"
+    log.info("evaluating on %d ranks, each holding 1/%d %s, %s", world, world, held, dtype)
     return model, cfg, *tokenizer_and_meta(model_dir), engine
 
 
@@ -94,7 +117,23 @@ def stop_together(error: UserError | None, what: str) -> None:
 
 
 def is_partitioned(model: torch.nn.Module) -> bool:
+    """Built partitioned (ZeRO-3)."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def experts_sharded(model: torch.nn.Module) -> bool:
+    """Routed stages hold some of their experts (expert parallel; DeepSpeed's mark of an expert parameter)."""
+    return any(getattr(p, "allreduce", True) is False for p in model.parameters())
+
+
+def split_over_ranks(model: torch.nn.Module) -> bool:
+    """Whether the ranks hold parts of `model`: then every rank must run each of its forward passes."""
+    return is_partitioned(model) or experts_sharded(model)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters())
+    return p.ds_tensor.device if hasattr(p, "ds_id") else p.device
 
 
 def close_process_group(finished: bool) -> None:
@@ -107,5 +146,5 @@ def close_process_group(finished: bool) -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["close_process_group", "inference_ds_config", "is_partitioned", "launched_world_size",
-           "load_partitioned_model_dir"]
+__all__ = ["close_process_group", "experts_sharded", "inference_ds_config", "is_partitioned",
+           "launched_world_size", "load_partitioned_model_dir", "model_device", "split_over_ranks"]

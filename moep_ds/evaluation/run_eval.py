@@ -10,7 +10,8 @@
     moep-eval runs/x --hub --tasks piqa               lm-eval's built-in tasks (downloads the datasets)
     torchrun --nproc_per_node N -m moep_ds.evaluation.run_eval runs/x ...
                                                       on N processes, each holding 1/N of the model (ZeRO-3;
-                                                      or `deepspeed --num_gpus N --module moep_ds.evaluation.run_eval`)
+                                                      or `deepspeed --num_gpus N --module moep_ds.evaluation.run_eval`;
+                                                      `--expert_parallel`: 1/N of the experts, the rest whole)
 
 Writes results.json (scores, lm-eval's results, parameters, tokens, FLOPs, routing eval mode) and
 results.md (a table), and prints the table.
@@ -46,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap_iters", type=int, default=1000, help="for stderrs of non-mean metrics (0: none)")
     p.add_argument("--device", default="cpu", help="one process only; under a launcher each rank uses its own")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--expert_parallel", action="store_true",
+                   help="under a launcher: shard the experts over the ranks (all-to-all) instead of ZeRO-3")
     p.add_argument("--output", help="directory for results.json / results.md (default: CHECKPOINT/eval)")
     p.add_argument("--name", help="run name in reports (default: the checkpoint directory's name)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides before building")
@@ -105,7 +108,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory(prefix="moep_eval_tasks_") as tmp:
         manager, names, data_dir = task_manager(args, cfg, tasks, tmp)
         if launched_world_size() > 1:
-            model, cfg, tokenizer, meta, engine = load_partitioned_model_dir(model_dir, args.set, args.dtype)
+            model, cfg, tokenizer, meta, engine = load_partitioned_model_dir(model_dir, args.set, args.dtype,
+                                                                             expert_parallel=args.expert_parallel)
         else:
             (model, cfg, tokenizer, meta), engine = load_model_dir(model_dir, args.set), None
         lm = MoepLM(model=model, tokenizer=tokenizer, batch_size=batch_size, device=args.device, dtype=args.dtype)
@@ -117,8 +121,15 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     settings = {"tasks": names, "data_dir": data_dir, "batch_size": batch_size, "limit": args.limit,
                 "num_fewshot": args.num_fewshot, "hub": args.hub, "overrides": args.set, "dtype": args.dtype,
-                "ranks": lm.ranks[1]}
+                "ranks": lm.ranks[1], "split": split_name(lm.model, lm.ranks[1])}
     return build_record(results, lm, cfg, meta, name=args.name or run_name(args.checkpoint), settings=settings)
+
+
+def split_name(model: Any, ranks: int) -> str | None:
+    """How the model was split over the ranks of a launch (None: one process)."""
+    from moep_ds.evaluation.partitioned import experts_sharded
+
+    return None if ranks == 1 else "expert_parallel" if experts_sharded(model) else "zero3"
 
 
 def run_name(checkpoint: str) -> str:

@@ -1,5 +1,5 @@
-"""Evaluation on two processes, each holding half of the model (evaluation/partitioned.py): the same scores and
-generations as one process, from every checkpoint format, in fp32 and bf16; `moep-eval` under torchrun writes
+"""Evaluation on two processes, each holding half of the model (evaluation/partitioned.py: ZeRO-3, or half of the
+experts): the same scores and generations as one process, from every checkpoint format, in fp32 and bf16; `moep-eval` under torchrun writes
 the single-process results once; `moep-generate` under torchrun samples what one process samples."""
 import copy
 import json
@@ -22,6 +22,7 @@ from moep_ds.evaluation.harness import MoepLM
 from moep_ds.evaluation.partitioned import inference_ds_config
 from moep_ds.errors import UserError
 from moep_ds.models.causal_lm import build_model
+from moep_ds.training.expert_parallel import expert_stages
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
 from tiny import LAYERS, launch  # noqa: E402
@@ -84,10 +85,24 @@ def single_process(directory: pathlib.Path, dtype: str) -> dict:
 def test_two_ranks_each_holding_half_score_and_generate_as_one_process(model_dirs, tmp_path):
     runs = [{"name": name, "dir": str(d), "dtype": "float32"} for name, d in model_dirs.items()]
     runs.append({"name": "sharded_bf16", "dir": str(model_dirs["sharded"]), "dtype": "bfloat16"})
+    experts = [{"name": f"{name}_ep", "dir": str(model_dirs[name]), "dtype": "float32", "expert_parallel": True}
+               for name in ("sharded", "hf")]
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"requests": requests(), "contexts": CONTEXTS, "batch_size": 2, "runs": runs}))
+    spec.write_text(json.dumps({"requests": requests(), "contexts": CONTEXTS, "batch_size": 2,
+                                "runs": runs + experts}))
     launch(2, SCRIPT, str(spec), str(tmp_path / "out"))
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    stages = expert_stages(MoepLM(pretrained=str(model_dirs["sharded"])).model)
+    all_experts = sum(p.numel() for stage in stages for p in stage.experts.parameters())
+    for run in experts:  # each rank holds half of every stage's experts and every other parameter whole
+        got = [rank[run["name"]] for rank in ranks]
+        assert [g["experts_held"] for g in got] == [all_experts // 2] * 2 and len(got[0]["whole"]) == got[0]["params"]
+        want = single_process(pathlib.Path(run["dir"]), run["dtype"])
+        for g in got:  # each expert's tokens from both ranks' batches in one matmul: equal up to rounding
+            assert [s[1] for s in g["scores"]] == [s[1] for s in want["scores"]], run["name"]
+            assert [s[0] for s in g["scores"]] == pytest.approx([s[0] for s in want["scores"]], rel=1e-5, abs=1e-5)
+            assert g["generated"] == want["generated"], run["name"]
+        assert got[0]["sampled"] == got[1]["sampled"], run["name"]
     for run in runs:
         got = [rank[run["name"]] for rank in ranks]
         assert got[0]["whole"] == [] and got[1]["whole"] == [], run["name"]  # every parameter partitioned
@@ -102,14 +117,16 @@ def test_two_ranks_each_holding_half_score_and_generate_as_one_process(model_dir
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_dirs, tmp_path):
+@pytest.mark.parametrize("split", ["zero3", "expert_parallel"])
+def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_dirs, tmp_path, split):
     args = ["--tasks", "grammar_pairs", "--limit", "6", "--batch_size", "4"]
     assert run_eval.main([str(model_dirs["sharded"]), *args, "--output", str(tmp_path / "one")]) == 0
     launch(2, "-m", "moep_ds.evaluation.run_eval", str(model_dirs["sharded"]), *args,
-           "--output", str(tmp_path / "two"))
+           "--output", str(tmp_path / "two"), *(["--expert_parallel"] if split == "expert_parallel" else []))
     one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
-    assert two["scores"] == one["scores"] and one["scores"]
+    assert two["scores"] == one["scores"] and one["scores"]  # accuracies: no margin is near a tie
     assert (one["moep"]["ranks"], two["moep"]["ranks"]) == (1, 2)
+    assert (one["moep"]["split"], two["moep"]["split"]) == (None, split)
     assert two["moep"]["params_total"] == one["moep"]["params_total"]
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["results.json", "results.md"]
 

@@ -14,10 +14,10 @@ from moep_ds.evaluation import run_eval
 read = model_dir.load_weights
 
 
-def load_weights(model, path, cfg, partitions=False):
+def load_weights(model, path, cfg, **kwargs):
     if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
         raise DamagedCheckpoint(f"checkpoint {str(path)!r} could not be read: simulated on this rank")
-    return read(model, path, cfg, partitions)
+    return read(model, path, cfg, **kwargs)
 
 
 if __name__ == "__main__":

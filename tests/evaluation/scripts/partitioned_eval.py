@@ -4,11 +4,11 @@ per rank, what the rank holds of the model and what it scored and generated.
     torchrun ... partitioned_eval.py SPEC.json OUT_DIR
 
 SPEC: {"requests": [[context ids, continuation ids], ...], "contexts": [str, ...], "batch_size": int,
-       "runs": [{"name": str, "dir": model directory, "dtype": torch dtype name}, ...]}
+       "runs": [{"name": str, "dir": model directory, "dtype": torch dtype name, "expert_parallel": bool}, ...]}
 Writes OUT_DIR/rank<r>.json: {name: {"scores": [[logp, greedy], ...], "generated": [str, ...] (greedy),
 "sampled": [str, ...] (drawn with a different seed on each rank),
 "held": elements of this rank's partitions, "total": elements of the whole model, "whole": names of parameters
-held whole, "params": number of parameters}}.
+held whole, "params": number of parameters, "experts_held": elements of the expert parameters held here}}.
 """
 import json
 import os
@@ -27,7 +27,8 @@ def main() -> None:
     spec, out = json.loads(pathlib.Path(sys.argv[1]).read_text()), pathlib.Path(sys.argv[2])
     record = {}
     for run in spec["runs"]:
-        lm = MoepLM(pretrained=run["dir"], batch_size=spec["batch_size"], dtype=run["dtype"])
+        lm = MoepLM(pretrained=run["dir"], batch_size=spec["batch_size"], dtype=run["dtype"],
+                    expert_parallel=run.get("expert_parallel", False))
         params = list(lm.model.named_parameters())
         requests = [(None, ctx, cont) for ctx, cont in spec["requests"]]
         generate = [Instance("generate_until", {}, (c, {"until": ["."], "max_gen_toks": 6}), i)
@@ -43,6 +44,7 @@ def main() -> None:
             "total": sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for _, p in params),
             "whole": [n for n, p in params if not hasattr(p, "ds_id")],
             "params": len(params),
+            "experts_held": sum(p.numel() for _, p in params if getattr(p, "allreduce", True) is False),
         }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
