@@ -18,6 +18,8 @@ measure two ways), as the peak resident memory a step adds to a rank over its le
                              the whole model on each rank (`load_model_dir`) vs `moep-eval` under a launcher
                              (evaluation/partitioned.py: each rank reads its partitions, modules gathered
                              one at a time while they run)
+  evaluate, expert parallel  the same vs `moep-eval --expert_parallel`: each rank builds and reads 1/N of the
+                             experts (all-to-all dispatch), the rest whole
 
 Prints one markdown table with the model's fp32 size for scale; `--json` writes the rows.
 """
@@ -139,8 +141,8 @@ def eval_worker(args) -> None:
     with PeakRSS() as peak:
         if args.way == "whole":
             model, cfg, _, _ = load_model_dir(args.source)
-        else:
-            model, cfg, _, _, engine = load_partitioned_model_dir(args.source)  # noqa: F841 - its hooks gather
+        else:  # the engine (ZeRO-3) lives while the model runs: its hooks gather the parameters
+            model, cfg, _, _, engine = load_partitioned_model_dir(args.source, expert_parallel=args.way == "ep")
         with torch.no_grad():
             model(torch.zeros(1, min(256, cfg.model.max_seq_len), dtype=torch.long))
     worst = torch.tensor([peak.added], dtype=torch.float64)
@@ -211,9 +213,10 @@ def main() -> None:
             (f"build, expert parallel {args.ranks} (ZeRO-2)", whole, measure_build(args, "ep", tmp)),
             ("export, 1 process", measure_export(args, "whole", tmp, source),
              measure_export(args, "streamed", tmp, source)),
-            (f"evaluate, ZeRO-3, {args.ranks} ranks", measure_eval(args, "whole", tmp, source),
-             measure_eval(args, "partitioned", tmp, source)),
         ]
+        whole = measure_eval(args, "whole", tmp, source)
+        rows += [(f"evaluate, ZeRO-3, {args.ranks} ranks", whole, measure_eval(args, "partitioned", tmp, source)),
+                 (f"evaluate, expert parallel {args.ranks}", whole, measure_eval(args, "ep", tmp, source))]
     print(f"# rank_memory: {args.config.name} {' '.join(args.set)}: {params:,} parameters, "
           f"{params * 4 / MiB:,.0f} MiB in fp32")
     print("| step | whole model MiB | sharded / streamed MiB | sharded / whole |")

@@ -16,8 +16,10 @@ def test_toy_run_prints_every_row(tmp_path):
                "model.layers[0].layers[0].ffn.hidden_size=512", timeout=600)
     rows = json.loads(out.read_text())
     assert [r["step"] for r in rows] == ["build, ZeRO-3, 2 ranks", "build, expert parallel 2 (ZeRO-2)",
-                                         "export, 1 process", "evaluate, ZeRO-3, 2 ranks"]
+                                         "export, 1 process", "evaluate, ZeRO-3, 2 ranks",
+                                         "evaluate, expert parallel 2"]
     assert "| step | whole model MiB | sharded / streamed MiB | sharded / whole |" in proc.stdout
-    zero3, ep, export, evaluate = rows
-    assert ep["sharded"] > 0 and 0 < export["sharded"] < export["whole"] and evaluate["sharded"] > 0
+    zero3, ep, export, evaluate, evaluate_ep = rows
+    assert ep["sharded"] > 0 and 0 < export["sharded"] < export["whole"]
+    assert evaluate["sharded"] > 0 and evaluate_ep["sharded"] > 0 and evaluate["whole"] == evaluate_ep["whole"]
     assert zero3["sharded"] > 0 and zero3["whole"] == ep["whole"]  # one whole-model measurement for both
