@@ -33,6 +33,7 @@ from torch import nn
 
 from moep_ds.blocks.base import Block, BlockOutput
 from moep_ds.blocks.dense import DenseBlock, DenseBlockConfig
+from moep_ds.deferred_init import init_at_construction
 from moep_ds.layers.attention import AttentionConfig, KVCache
 from moep_ds.layers.ffn import FFNConfig, build_ffn
 from moep_ds.layers.norm import NormConfig, build_norm
@@ -160,7 +161,7 @@ class LinearExperts(ExpertStage):
         self.active_share = active_experts_per_token / num_experts
         self.residual_output = residual_output
         self.use_library = True  # False: the per-expert matmuls (tests compare the two)
-        if not self.w_EOI.is_meta:
+        if not self.w_EOI.is_meta and init_at_construction():
             self.init_weights(std=0.02)
 
     @property

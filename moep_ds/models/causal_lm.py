@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moep_ds.deferred_init import deferred_init
 from moep_ds.layers.norm import build_norm
 from moep_ds.moe.shard import normal_
 from moep_ds.models.config import ModelConfig
@@ -36,9 +37,10 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position_embedding == "learned" else None
-        self.blocks = nn.ModuleList(
-            BLOCKS.build(layer, d_model=cfg.d_model, layer_idx=i) for i, layer in enumerate(cfg.expanded_layers())
-        )
+        with contextlib.nullcontext() if initialise else deferred_init():  # routers and experts draw nothing
+            self.blocks = nn.ModuleList(
+                BLOCKS.build(layer, d_model=cfg.d_model, layer_idx=i) for i, layer in enumerate(cfg.expanded_layers())
+            )
         self.norm = build_norm(cfg.final_norm, cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from moep_ds.deferred_init import init_at_construction
 from moep_ds.layers.ffn import GATED, FFNConfig, ffn_hidden_size
 from moep_ds.layers.glu import gated_activation
 from moep_ds.moe.activations import EXPERT_ACTIVATIONS
@@ -128,7 +129,7 @@ class GroupedExperts(nn.Module):
         self.b2_ED = nn.Parameter(torch.empty(E, D)) if cfg.bias else None
         for p in self.parameters():
             mark_expert_rows(p, held.start, num_experts)
-        if not self.w1_EDF.is_meta:
+        if not self.w1_EDF.is_meta and init_at_construction():
             self.init_weights(std=0.02)
 
     @torch.no_grad()

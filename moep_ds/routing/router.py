@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moep_ds.deferred_init import init_at_construction
 from moep_ds.routing.lifecycle import ExpertLifecycle
 from moep_ds.routing.plan import RoutingPlan
 
@@ -35,7 +36,8 @@ class Router(nn.Module):
         self.num_experts = num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         self.lifecycle: ExpertLifecycle | None = None
-        self.init_weights(std=0.02)
+        if init_at_construction():
+            self.init_weights(std=0.02)
 
     @torch.no_grad()
     def init_weights(self, std: float, out_scale: float = 1.0) -> None:

@@ -113,3 +113,21 @@ def test_expert_parallel_setup_refuses_a_model_built_for_another_rank(monkeypatc
             expert_parallel.setup_expert_parallel(model, ep_group=object())
         assert str(err.value) == (f"a routed stage holds experts {held} of 4; expert-parallel rank 1 of 2 needs "
                                   f"[2, 4): build the model inside moe.shard.expert_shard(1, 2)")
+
+
+def test_a_build_left_to_a_later_initialisation_draws_nothing_over_all_experts(monkeypatch):
+    """build_model(initialise=False) (the trainer's, after which it reseeds and initialises; an evaluation's,
+    which loads a checkpoint): the stacked experts and routers leave their parameters alone."""
+    whole = {tuple(p.shape) for stage in stages(build(None)).values() for p in stage.experts.parameters()}
+    drawn = []
+    draw = torch.Tensor.normal_
+    monkeypatch.setattr(torch.Tensor, "normal_", lambda t, *a, **k: drawn.append(tuple(t.shape)) or draw(t, *a, **k))
+    for initialise in (True, False):
+        drawn.clear()
+        with expert_shard(0, 2):
+            model = build_model(model_cfg(), initialise=initialise)
+        routers = {tuple(m.weight.shape) for m in model.modules() if type(m).__name__.endswith("Router")}
+        if initialise:  # draws over every expert (and the routers' weights), each rank keeping its rows
+            assert whole & set(drawn) and routers & set(drawn)
+        else:
+            assert not whole & set(drawn) and not routers & set(drawn), set(drawn)
