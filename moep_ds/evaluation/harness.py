@@ -104,11 +104,10 @@ class MoepLM(TemplateLM):
 
     Under a launcher (WORLD_SIZE > 1) `pretrained` is loaded split over the ranks (evaluation/partitioned.py:
     ZeRO-3, or with `expert_parallel` its experts sharded); a split `model` is evaluated as it is, in its own
-    precision and on its rank's device. Each rank then
-    scores every other batch of requests (rank r: batches r, r + N, ...), all ranks run the same number of
-    forward passes, and the scores are gathered onto every rank; generation decodes with rank 0's tokens on
-    every rank (`decode_steps`); lm-eval sees one model (rank 0 of 1, its
-    convention for a model split over ranks) and reports on rank 0."""
+    precision and on its rank's device. Rank r of N then scores batches r, r + N, ... of the requests, every
+    rank runs as many forward passes, and the scores are gathered onto every rank; generation decodes with
+    rank 0's tokens on every rank (`decode_steps`). lm-eval sees one model (rank 0 of 1, its convention for a
+    model split over ranks) and reports on rank 0."""
 
     def __init__(
         self,
