@@ -63,13 +63,18 @@ def load_partitioned_model_dir(path: str, overrides: list[str] | None = None, dt
     from moep_ds.moe.shard import expert_shard
     from moep_ds.training.distributed import init_distributed
     from moep_ds.training.expert_parallel import (
-        expert_parallel_group, routed_module_classes, setup_expert_parallel, shard_of,
+        expert_parallel_group, expert_stages, routed_module_classes, setup_expert_parallel, shard_of,
     )
     from moep_ds.training.zero3 import check_partitioned, partitioned_construction
 
     ds = inference_ds_config(dtype)
     world = launched_world_size()
     if expert_parallel:  # checked like a training recipe's: every routed stage's experts divide over the ranks
+        model_dir, cfg = load_recipe(path, overrides)
+        with torch.device("meta"):
+            if not expert_stages(build_model(cfg.model)):
+                raise SharedUserError(f"--expert_parallel: {str(model_dir)!r} has no routed experts to shard over "
+                                      f"{world} ranks; without it the model is split with ZeRO-3")
         overrides = [*(overrides or []), f"train.expert_parallel_size={world}"]
     model_dir, cfg = load_recipe(path, overrides)
     device = init_distributed()

@@ -152,6 +152,18 @@ def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_one_line_e
 
 
 @pytest.mark.slow
+def test_expert_parallel_evaluation_of_a_model_without_experts_is_one_line(tmp_path):
+    cfg = config_from_dict({"model": {"flavour": "llama", "vocab_size": 64, "d_model": 16, "max_seq_len": 16,
+                                      "layers": [{"type": "dense", "attention": {"num_heads": 2}}]}})
+    model_dir.save_model_dir(build_model(cfg.model), cfg, tmp_path / "dense")
+    proc = launch(2, "-m", "moep_ds.evaluation.generate", str(tmp_path / "dense"), "--expert_parallel", check=False)
+    errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+    assert proc.returncode != 0 and errors == [
+        f"error: --expert_parallel: {str(tmp_path / 'dense')!r} has no routed experts to shard over 2 ranks; "
+        "without it the model is split with ZeRO-3"]
+
+
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_moep_generate_under_torchrun_samples_as_one_process(model_dirs, capsys):
     args = [str(model_dirs["hf"]), "--prompt", "the dog", "--num_samples", "3", "--max_new_tokens", "10",
