@@ -129,7 +129,7 @@ def eval_worker(args) -> None:
     import torch.distributed as dist
 
     from moep_ds.checkpointing.model_dir import load_model_dir
-    from moep_ds.evaluation.partitioned import load_partitioned_model_dir
+    from moep_ds.evaluation.partitioned import load_partitioned_model_dir, model_device
     from moep_ds.training.distributed import init_distributed
     from moep_ds.training.host_memory import return_freed_buffers_to_os
 
@@ -144,7 +144,7 @@ def eval_worker(args) -> None:
         else:  # the engine (ZeRO-3) lives while the model runs: its hooks gather the parameters
             model, cfg, _, _, engine = load_partitioned_model_dir(args.source, expert_parallel=args.way == "ep")
         with torch.no_grad():
-            model(torch.zeros(1, min(256, cfg.model.max_seq_len), dtype=torch.long))
+            model(torch.zeros(1, min(256, cfg.model.max_seq_len), dtype=torch.long, device=model_device(model)))
     worst = torch.tensor([peak.added], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:

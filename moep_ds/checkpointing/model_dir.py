@@ -270,11 +270,16 @@ def load_consolidated_pieces(model: torch.nn.Module, model_dir: Path,
 
     file = model_dir / WEIGHTS_FILE
     key_prefix = "model." if hf_export_recipe(model_dir) is not None else ""
-    safetensors_entries(file, model_state.shapes(model, ep), key_prefix)  # one line naming a missing/misshapen tensor
-    with safe_open(str(file), framework="pt") as f, torch.no_grad():
-        for key, piece in model_state.module_pieces(model, ep, partitions=True).items():
-            piece.local.copy_(read_flat_range(f, key_prefix + key.removeprefix(sharded.MODEL_PREFIX), piece.offset,
-                                              piece.local.numel()))
+    try:
+        safetensors_entries(file, model_state.shapes(model, ep), key_prefix)  # one line: a missing/misshapen tensor
+        with safe_open(str(file), framework="pt") as f, torch.no_grad():
+            for key, piece in model_state.module_pieces(model, ep, partitions=True).items():
+                name = key_prefix + key.removeprefix(sharded.MODEL_PREFIX)
+                piece.local.copy_(read_flat_range(f, name, piece.offset, piece.local.numel()))
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a missing, truncated or unreadable file (safetensors' own errors)
+        raise sharded.DamagedCheckpoint(f"{str(file)!r} could not be read: {sharded.first_line(err)}") from None
     if (model_dir / EXTRA_FILE).is_file():
         model.load_state_dict(torch.load(model_dir / EXTRA_FILE, weights_only=True), strict=False)
 

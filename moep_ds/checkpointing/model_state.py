@@ -105,9 +105,9 @@ def load_extra_states(model: nn.Module, path: Path) -> None:
 
 
 def load_module(model: nn.Module, path: Path, ep: ExpertLayout = ExpertLayout(), partitions: bool = False) -> None:
-    """Parameters (fp32 masters), buffers and extra state of a sharded checkpoint into `model`, in place; each
-    process reads only the pieces it holds (its experts; with `partitions` its ZeRO-3 partitions:
-    `module_pieces`), never the optimizer state."""
+    """Parameters (the fp32 masters, in the model's precision), buffers and extra state of a sharded checkpoint
+    into `model`, in place; each process reads only the pieces it holds (its experts; with `partitions` its
+    ZeRO-3 partitions: `module_pieces`), never the optimizer state."""
     sharded.check_shapes(path, shapes(model, ep))
     with torch.no_grad():
         sharded.load(module_pieces(model, ep, partitions), path)

@@ -25,8 +25,7 @@ from torch import nn
 from moep_ds.cli import run_command
 from moep_ds.errors import UserError
 from moep_ds.evaluation.partitioned import (
-    close_process_group, experts_sharded, launched_world_size, load_partitioned_model_dir, model_device,
-    split_over_ranks,
+    experts_sharded, launched_world_size, load_partitioned_model_dir, model_device, run_split, split_over_ranks,
 )
 
 log = logging.getLogger(__name__)
@@ -216,9 +215,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    code = run_command(_main, parser().parse_args(argv))
-    close_process_group(finished=code == 0)
-    return code
+    return run_split(run_command, _main, parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry
 from tqdm import tqdm
 
-from moep_ds.errors import UserError
+from moep_ds.errors import SharedUserError, UserError
 from moep_ds.evaluation.generate import decode_steps, eval_mode
 from moep_ds.evaluation.partitioned import (
     experts_sharded, launched_world_size, load_partitioned_model_dir, model_device, split_over_ranks,
@@ -133,11 +133,13 @@ class MoepLM(TemplateLM):
                 raise UserError("moep_ds model needs pretrained=<model or run directory>")
             if isinstance(overrides, str):
                 overrides = overrides.split(";")  # model_args are comma-separated; overrides use ';'
+            ep = as_bool("expert_parallel", expert_parallel)  # model_args are strings
             if launched_world_size() > 1:
-                ep = str(expert_parallel).lower() in ("true", "1")  # model_args are strings
                 model, _, tokenizer, self.meta, self.engine = load_partitioned_model_dir(pretrained, overrides, dtype,
                                                                                          expert_parallel=ep)
             else:
+                if ep:
+                    log.warning("expert_parallel=%s ignored: one process holds every expert", expert_parallel)
                 model, _, tokenizer, self.meta = load_model_dir(pretrained, overrides)
         if tokenizer is None:
             raise UserError(f"{pretrained or 'the model'} has no tokenizer (tokenizer.json); lm-eval needs one")
@@ -210,6 +212,7 @@ class MoepLM(TemplateLM):
         """(log p(chunk | context), greedy) per window; a window's context + chunk is at most max_length + 1."""
         inputs = [(ctx + cont)[:-1] for ctx, cont in windows]
         rank, world = self.ranks
+        self.check_same_work(len(windows), "windows to score")
         batches = batch_by_length([len(x) for x in inputs], self.batch_size)
         mine = batches[rank::world]
         scores: dict[int, tuple[float, bool]] = {}
@@ -240,6 +243,7 @@ class MoepLM(TemplateLM):
     # ---- generation
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        self.check_same_work(len(requests), "generation requests")
         out = []
         for req in tqdm(requests, disable=disable_tqdm, desc="moep_ds generate"):
             context, gen_kwargs = req.args
@@ -275,6 +279,24 @@ class MoepLM(TemplateLM):
                 if len(new) >= max_new:
                     break
         return self.tok_decode(new)
+
+
+    def check_same_work(self, count: int, what: str) -> None:
+        """Every rank of a split model must run the same forward passes: the same requests on every rank."""
+        if self.ranks[1] == 1:
+            return
+        counts: list[Any] = [None] * self.ranks[1]
+        dist.all_gather_object(counts, count)
+        if len(set(counts)) > 1:
+            raise SharedUserError(f"the ranks of a split model were given different work: {what} per rank {counts}")
+
+
+def as_bool(name: str, value: bool | str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() not in ("true", "false", "1", "0"):
+        raise UserError(f"{name} ({value!r}) must be true or false")
+    return str(value).lower() in ("true", "1")
 
 
 def register() -> None:

@@ -3,23 +3,55 @@
     python -m moep_ds.evaluation.lm_eval_cli --model moep_ds --model_args pretrained=runs/x --batch_size 16 \
         --tasks blimp_filtered --include_path "$(moep-eval --render_tasks /tmp/moep_tasks)"
 
-Under `torchrun -m` or `deepspeed --module` the model is split over the ranks (evaluation/partitioned.py) and
-lm-eval writes its results once.
+Under `torchrun -m` or `deepspeed --module` the model is split over the ranks (evaluation/partitioned.py); only
+rank 0 writes `--output_path` (lm-eval would write on every node's first rank). lm-eval's `--use_cache` is
+refused there: it gives each rank its own cache, so ranks could skip requests the others compute.
 """
 import sys
 
 import moep_ds.evaluation.harness  # noqa: F401 - registers the model under the name moep_ds
+from moep_ds.cli import launcher_rank, run_guarded
+from moep_ds.errors import SharedUserError
+from moep_ds.evaluation.partitioned import launched_world_size, run_split
+
+OUTPUT_FLAGS = ("--output_path", "-o")
+CACHE_FLAGS = ("--use_cache", "-c")
 
 
-def main() -> None:
+def is_flag(arg: str, flags: tuple[str, ...]) -> bool:
+    return arg in flags or any(arg.startswith(f"{flag}=") for flag in flags)
+
+
+def launched_argv(argv: list[str], rank: int) -> list[str]:
+    """lm-eval's arguments on `rank` of a launch: without the deepspeed launcher's --local_rank (lm-eval has no
+    such option) and, except on rank 0, without the output path."""
+    out, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--local_rank"):
+            skip = False
+            continue
+        if rank > 0 and is_flag(arg, OUTPUT_FLAGS):
+            skip = "=" not in arg  # its value is the next argument
+            continue
+        out.append(arg)
+    return out
+
+
+def main() -> int:
     from lm_eval.__main__ import cli_evaluate
 
-    from moep_ds.evaluation.partitioned import close_process_group
+    def body() -> int:
+        if launched_world_size() > 1:
+            cached = [arg for arg in sys.argv[1:] if is_flag(arg, CACHE_FLAGS)]
+            if cached:
+                raise SharedUserError(f"{cached[0]} is not supported under a launcher (each rank would keep its own "
+                                      "cache and skip requests the other ranks compute)")
+            sys.argv = [sys.argv[0], *launched_argv(sys.argv[1:], launcher_rank())]
+        cli_evaluate()
+        return 0
 
-    sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]  # the deepspeed launcher's; lm-eval has none
-    cli_evaluate()
-    close_process_group(finished=True)
+    return run_split(run_guarded, body)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

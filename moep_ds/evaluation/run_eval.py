@@ -191,11 +191,9 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moep_ds.evaluation.partitioned import close_process_group
+    from moep_ds.evaluation.partitioned import run_split
 
-    code = run_command(_main, parser().parse_args(argv))
-    close_process_group(finished=code == 0)
-    return code
+    return run_split(run_command, _main, parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from moep_ds.checkpointing import layout
 from moep_ds.checkpointing.model_dir import EXTRA_FILE, WEIGHTS_FILE, save_model_dir
 from moep_ds.checkpointing.model_state import is_expert_param
+from moep_ds.moe.shard import full_shape
 from moep_ds.checkpointing.sharded import CheckpointError, DamagedCheckpoint, first_line
 from moep_ds.training import state as st
 
@@ -61,11 +62,17 @@ def local_experts(t: Any, ep_group) -> Any:
     return t[rank * n:(rank + 1) * n]
 
 
-def read_weight(f: Any, name: str, p: torch.Tensor, ep_group) -> torch.Tensor:
-    """Parameter or buffer `name` from the open model.safetensors `f`: this rank's experts of an expert stack."""
+def read_weight(f: Any, name: str, p: torch.Tensor, ep_group, ckpt: pathlib.Path) -> torch.Tensor:
+    """Parameter or buffer `name` from the open model.safetensors `f`: this rank's experts of an expert stack;
+    one line naming the tensor when its shape is not the model's."""
     if ep_group is not None and is_expert_param(p):
-        return local_experts(f.get_slice(name), ep_group)
-    return f.get_tensor(name)
+        t = local_experts(f.get_slice(name), ep_group)
+    else:
+        t = f.get_tensor(name)
+    if t.shape != full_shape(p):
+        raise CheckpointError(f"checkpoint {str(ckpt)!r}: tensor {name!r} has shape {list(t.shape)} there but "
+                              f"{list(full_shape(p))} in this model")
+    return t
 
 
 def collect_full_state(engine, model, ep_group) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -119,7 +126,7 @@ def load_consolidated_model(model, ckpt: pathlib.Path, ep_group=None) -> None:
             for name, t in own.items():
                 # ZeRO-3 partitions are set by load_consolidated_engine; extra state is not a tensor
                 if name in weights and not hasattr(t, "ds_id"):
-                    t.copy_(read_weight(f, name, t, ep_group))
+                    t.copy_(read_weight(f, name, t, ep_group, ckpt))
     model.load_state_dict(extra, strict=False)
 
 
@@ -133,7 +140,7 @@ def load_consolidated_engine(engine, model, ckpt: pathlib.Path, ep_group=None) -
             moments = optim["moments"][name]
             if ep_group is not None and is_expert_param(p):
                 moments = {k: local_experts(v, ep_group) for k, v in moments.items()}
-            st.set_fp32_param(p, read_weight(f, name, p, ep_group))
+            st.set_fp32_param(p, read_weight(f, name, p, ep_group, ckpt))
             for key in st.ADAM_KEYS:
                 st.set_optimizer_state(p, engine.optimizer, key, moments[key])
     st.set_optimizer_step_count(engine.optimizer, [p for _, p in params], optim["step"])

@@ -17,12 +17,12 @@ from moep_ds.config import config_from_dict, dump_config
 from moep_ds.data.builtin import generate_corpus
 from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.tokenizer import train_tokenizer
-from moep_ds.evaluation import export, generate, run_eval
+from moep_ds.evaluation import export, generate, lm_eval_cli, run_eval
 from moep_ds.evaluation.harness import MoepLM
-from moep_ds.evaluation.partitioned import inference_ds_config
 from moep_ds.errors import UserError
 from moep_ds.models.causal_lm import build_model
 from moep_ds.training.expert_parallel import expert_stages
+from moep_ds.training.inference import inference_ds_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
 from tiny import LAYERS, launch  # noqa: E402
@@ -121,6 +121,24 @@ def test_two_ranks_each_holding_half_score_and_generate_as_one_process(model_dir
             assert g["scores"] == want["scores"], run["name"]
             assert g["generated"] == want["generated"], run["name"]
         assert got[0]["sampled"] == got[1]["sampled"], run["name"]  # decoded in lockstep, with rank 0's draws
+        assert [g["different_work"] for g in got] == [
+            "the ranks of a split model were given different work: windows to score per rank [1, 2]"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_three_ranks_load_padded_partitions_as_one_process(model_dirs, tmp_path):
+    """Most parameters of the model do not divide by 3: their last partitions are padded."""
+    runs = [{"name": name, "dir": str(model_dirs[name]), "dtype": "float32"} for name in ("sharded", "plain")]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"requests": requests(), "contexts": CONTEXTS, "batch_size": 2, "runs": runs}))
+    launch(3, SCRIPT, str(spec), str(tmp_path / "out"))
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(3)]
+    for run in runs:
+        got = [rank[run["name"]] for rank in ranks]
+        assert got[0]["padded"] > 0 and sum(g["held"] for g in got) == got[0]["total"]
+        want = single_process(pathlib.Path(run["dir"]), run["dtype"])
+        assert all(g["scores"] == want["scores"] and g["generated"] == want["generated"] for g in got), run["name"]
 
 
 @pytest.mark.slow
@@ -141,14 +159,43 @@ def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_d
 
 @pytest.mark.slow
 def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_one_line_each(model_dirs, tmp_path):
-    proc = launch(2, SCRIPTS / "failing_rank_eval.py", str(model_dirs["sharded"]), "--tasks", "grammar_pairs",
+    proc = launch(2, SCRIPTS / "failing_rank_eval.py", "read", str(model_dirs["sharded"]), "--tasks", "grammar_pairs",
                   "--output", str(tmp_path / "out"), check=False, timeout=300)
     assert proc.returncode != 0 and not (tmp_path / "out").exists()
-    errors = [line for line in proc.stderr.splitlines() if "error: " in line and "checkpoint" in line]
     sharded_dir = str(model_dirs["sharded"])
-    assert f"[rank 1] error: checkpoint {sharded_dir!r} could not be read: simulated on this rank" in errors
-    assert (f"error: checkpoint {sharded_dir!r} could not be read on 1 other rank(s); their errors are above"
-            in errors)
+    stderr = proc.stderr  # two processes' lines, which may interleave
+    assert f"[rank 1] error: checkpoint {sharded_dir!r} could not be read: simulated on this rank\n" in stderr
+    assert (f"error: checkpoint {sharded_dir!r} could not be read on 1 other rank(s); their errors are above\n"
+            in stderr)
+    assert stderr.count("error: checkpoint") == 2
+
+
+@pytest.mark.slow
+def test_rank_0_failing_after_the_evaluation_fails_the_command_on_every_rank(model_dirs, tmp_path):
+    proc = launch(2, SCRIPTS / "failing_rank_eval.py", "write", str(model_dirs["sharded"]), "--tasks",
+                  "grammar_pairs", "--limit", "2", "--output", str(tmp_path / "out"), check=False, timeout=300)
+    assert proc.returncode != 0 and "OSError: simulated: cannot write" in proc.stderr
+    exits = [line.split(":")[1].split()[0] for line in proc.stderr.splitlines() if line.startswith("  exitcode")]
+    # both ranks failed and none waited for the other (the launcher may stop rank 1 as rank 0 exits: -15)
+    assert len(exits) == 2 and "0" not in exits and exits[0] in ("1", "-15"), proc.stderr[-3000:]
+
+
+def test_lm_eval_cli_arguments_on_each_rank_of_a_launch():
+    argv = ["--model", "moep_ds", "--local_rank=1", "-o", "out", "--output_path=out2", "--tasks", "x"]
+    assert lm_eval_cli.launched_argv(argv, 0) == ["--model", "moep_ds", "-o", "out", "--output_path=out2",
+                                                   "--tasks", "x"]
+    assert lm_eval_cli.launched_argv(argv, 1) == ["--model", "moep_ds", "--tasks", "x"]
+
+
+@pytest.mark.slow
+def test_lm_eval_cli_refuses_its_cache_under_a_launcher(model_dirs, tmp_path):
+    proc = launch(2, "-m", "moep_ds.evaluation.lm_eval_cli", "--model", "moep_ds", "--model_args",
+                  f"pretrained={model_dirs['sharded']}", "--tasks", "grammar_pairs", "--use_cache", str(tmp_path / "c"),
+                  check=False)
+    errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+    assert proc.returncode != 0 and errors == [
+        "error: --use_cache is not supported under a launcher (each rank would keep its own cache and skip "
+        "requests the other ranks compute)"]
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
-"""`moep-eval` under a launcher where the last rank cannot read the checkpoint (torchrun, 2 processes).
+"""`moep-eval` under a launcher where one rank fails (torchrun, 2 processes).
 
-    torchrun ... failing_rank_eval.py MOEP_EVAL_ARGS...
+    torchrun ... failing_rank_eval.py read|write MOEP_EVAL_ARGS...
 
-The last rank's read raises DamagedCheckpoint; exits with `moep-eval`'s status.
+read: the last rank cannot read the checkpoint (DamagedCheckpoint); write: rank 0 cannot write the results
+(OSError, after every rank evaluated). Exits with `moep-eval`'s status.
 """
 import os
 import sys
@@ -11,15 +12,23 @@ from moep_ds.checkpointing import model_dir
 from moep_ds.checkpointing.sharded import DamagedCheckpoint
 from moep_ds.evaluation import run_eval
 
-read = model_dir.load_weights
+read, write = model_dir.load_weights, run_eval.write_record
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def load_weights(model, path, cfg, **kwargs):
-    if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
+    if RANK == WORLD - 1:
         raise DamagedCheckpoint(f"checkpoint {str(path)!r} could not be read: simulated on this rank")
     return read(model, path, cfg, **kwargs)
 
 
+def write_record(record, out_dir):
+    raise OSError(f"simulated: cannot write {out_dir}")
+
+
 if __name__ == "__main__":
-    model_dir.load_weights = load_weights
-    sys.exit(run_eval.main(sys.argv[1:]))
+    if sys.argv[1] == "read":
+        model_dir.load_weights = load_weights
+    else:
+        run_eval.write_record = write_record
+    sys.exit(run_eval.main(sys.argv[2:]))

@@ -8,7 +8,9 @@ SPEC: {"requests": [[context ids, continuation ids], ...], "contexts": [str, ...
 Writes OUT_DIR/rank<r>.json: {name: {"scores": [[logp, greedy], ...], "generated": [str, ...] (greedy),
 "sampled": [str, ...] (drawn with a different seed on each rank),
 "held": elements of this rank's partitions, "total": elements of the whole model, "whole": names of parameters
-held whole, "params": number of parameters, "experts_held": elements of the expert parameters held here}}.
+held whole, "params": number of parameters, "experts_held": elements of the expert parameters held here,
+"different_work": the error when each rank is given different requests, "padded": ZeRO-3 parameters whose
+last partition is padded}}.
 """
 import json
 import os
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from lm_eval.api.instance import Instance
 
 from moep_ds.checkpointing.model_state import zero3_partition
+from moep_ds.errors import SharedUserError
 from moep_ds.evaluation.harness import MoepLM
 
 
@@ -44,8 +47,13 @@ def main() -> None:
             "total": sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for _, p in params),
             "whole": [n for n, p in params if not hasattr(p, "ds_id")],
             "params": len(params),
+            "padded": sum(p.ds_numel % dist.get_world_size() != 0 for _, p in params if hasattr(p, "ds_id")),
             "experts_held": sum(p.numel() for _, p in params if getattr(p, "allreduce", True) is False),
         }
+        try:  # ranks given different requests: refused on every rank before any forward pass
+            lm._loglikelihood_tokens(requests[:1 + dist.get_rank()], disable_tqdm=True)
+        except SharedUserError as err:
+            record[run["name"]]["different_work"] = str(err)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
     dist.barrier()
