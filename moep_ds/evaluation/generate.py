@@ -31,6 +31,17 @@ from moep_ds.evaluation.partitioned import (
 log = logging.getLogger(__name__)
 
 
+def pick_device(device: str | None) -> torch.device:
+    """The requested device, by default cuda when there is a GPU; lm-eval's CLI asks for cuda by default, which
+    falls back to cpu without a GPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        log.warning("device %s requested but CUDA is not available: evaluating on cpu", device)
+        return torch.device("cpu")
+    return torch.device(device)
+
+
 def filter_top_k(logits_BV: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k largest logits of each row, -inf elsewhere (ties at the k-th value are kept)."""
     if k >= logits_BV.shape[-1]:
@@ -156,7 +167,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--no_cache", action="store_true", help="recompute the whole sequence at every step")
-    p.add_argument("--device", default="cpu", help="one process only; under a launcher each rank uses its own")
+    p.add_argument("--device", help="default: cuda when there is a GPU, else cpu (one process; under a launcher "
+                   "each rank uses its own)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--expert_parallel", action="store_true",
                    help="under a launcher: shard the experts over the ranks instead of ZeRO-3 (decodes without cache)")
@@ -187,7 +199,7 @@ def _main(args: argparse.Namespace) -> int:
         device = model_device(model)
     else:
         model, cfg, tokenizer, _ = load_model_dir(args.checkpoint, args.set)
-        device = torch.device(args.device)
+        device = pick_device(args.device)
         model.to(device, getattr(torch, args.dtype))
     if tokenizer is None:
         raise UserError(f"{args.checkpoint} has no tokenizer.json; moep-generate needs one to read the prompt")

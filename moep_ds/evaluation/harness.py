@@ -33,7 +33,7 @@ from lm_eval.api.registry import model_registry
 from tqdm import tqdm
 
 from moep_ds.errors import SharedUserError, UserError
-from moep_ds.evaluation.generate import decode_steps, eval_mode
+from moep_ds.evaluation.generate import decode_steps, eval_mode, pick_device
 from moep_ds.evaluation.partitioned import (
     experts_sharded, launched_world_size, load_partitioned_model_dir, model_device, split_over_ranks,
 )
@@ -89,14 +89,6 @@ def continuation_windows(context: list[int], continuation: list[int], max_length
         end = min(begin + max_length, len(full))
         windows.append((full[max(0, end - 1 - max_length):begin], full[begin:end]))
     return windows
-
-
-def pick_device(device: str | None) -> torch.device:
-    """The requested device; lm-eval's CLI asks for cuda by default, which falls back to cpu without a GPU."""
-    if device and device.startswith("cuda") and not torch.cuda.is_available():
-        log.warning("device %s requested but CUDA is not available: evaluating on cpu", device)
-        return torch.device("cpu")
-    return torch.device(device or "cpu")
 
 
 class MoepLM(TemplateLM):

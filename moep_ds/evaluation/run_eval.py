@@ -45,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=float, help="examples per task (a fraction if < 1); for quick checks only")
     p.add_argument("--num_fewshot", type=int)
     p.add_argument("--bootstrap_iters", type=int, default=1000, help="for stderrs of non-mean metrics (0: none)")
-    p.add_argument("--device", default="cpu", help="one process only; under a launcher each rank uses its own")
+    p.add_argument("--device", help="default: cuda when there is a GPU, else cpu (one process; under a launcher "
+                   "each rank uses its own)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--expert_parallel", action="store_true",
                    help="under a launcher: shard the experts over the ranks (all-to-all) instead of ZeRO-3")

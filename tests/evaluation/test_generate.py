@@ -120,3 +120,13 @@ def test_moep_generate_cli(tmp_path, capsys):
     bare = save_model_dir(model, cfg, tmp_path / "bare")
     assert generate_main([str(bare)]) == 2
     assert "has no tokenizer.json" in capsys.readouterr().err
+
+
+def test_the_default_device_is_the_gpu_when_there_is_one(monkeypatch, caplog):
+    from moep_ds.evaluation.generate import pick_device
+
+    for available, default in ((True, "cuda"), (False, "cpu")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+        assert pick_device(None) == torch.device(default) and pick_device("cpu") == torch.device("cpu")
+    assert pick_device("cuda:1") == torch.device("cpu")  # still without a GPU: falls back, with a warning
+    assert "device cuda:1 requested but CUDA is not available: evaluating on cpu" in caplog.text
