@@ -155,17 +155,19 @@ class MSITExperts(ExpertStage):
         return torch.cat([self.branches.call(p, u, pos, seq, window=w) for (u, pos, seq, p), w in zip(parts, windows)])
 
     def forward_cached(self, g_BTD, plan: RoutingPlan, positions_BT, caches: list[RoutedKVCache]) -> torch.Tensor:
-        """Decoding: every new token runs through every branch against its cache; unselected ones get 0."""
-        self.check_unsharded("decoding with a cache")
+        """Decoding: every new token runs through every branch held here against its cache; unselected ones get 0;
+        with sharded branches the ranks' shares are summed (`Dispatcher.sum_over_ranks`)."""
         B, T, _ = g_BTD.shape
         u_BTF = self.w_down(g_BTD)
-        routed_EBT, weight_EBT = dense_routing(plan, B, T)
+        routed_EBT, weight_EBT = (m[self.held()] for m in dense_routing(plan, B, T))
         y_EBTF = [self.branches.call(p, u_BTF, positions_BT, window=w, routed=routed, cache=cache)
-                  for p, w, routed, cache in zip(self.branches.per_expert(), self.windows, routed_EBT, caches)]
-        return self.w_up(combine_dense(y_EBTF, routed_EBT, weight_EBT))
+                  for p, w, routed, cache in zip(self.branches.per_expert(), self.windows[self.held()], routed_EBT,
+                                                 caches)]
+        return self.w_up(self.dispatcher.sum_over_ranks(combine_dense(y_EBTF, routed_EBT, weight_EBT)))
 
     def new_caches(self) -> list[RoutedKVCache]:
-        return [RoutedKVCache(window=w) for w in self.windows]
+        """One per branch held here."""
+        return [RoutedKVCache(window=w) for w in self.windows[self.held()]]
 
     def num_active_params(self) -> int:
         """Per token: W_down, W_up and the router's active experts of the E branches (a share of each)."""

@@ -224,16 +224,18 @@ class ParallelPaths(ExpertStage):
         return torch.cat([self.paths.call(p, z, pos, seq) - z for z, pos, seq, p in parts])
 
     def forward_cached(self, z_BTP, plan: RoutingPlan, positions_BT, caches: list[list[RoutedKVCache]]):
-        """Decoding: every new token runs through every path against its caches; unrouted ones get 0."""
-        self.check_unsharded("decoding with a cache")
+        """Decoding: every new token runs through every path held here against its caches; unrouted ones get 0;
+        with sharded paths the ranks' shares are summed (`Dispatcher.sum_over_ranks`)."""
         B, T, _ = z_BTP.shape
-        routed_EBT, weight_EBT = dense_routing(plan, B, T)
+        routed_EBT, weight_EBT = (m[self.held()] for m in dense_routing(plan, B, T))
         delta_EBTP = [self.paths.call(p, z_BTP, positions_BT, routed=routed, cache=cache) - z_BTP
                       for p, routed, cache in zip(self.paths.per_expert(), routed_EBT, caches)]
-        return z_BTP + combine_dense(delta_EBTP, routed_EBT, weight_EBT)
+        return z_BTP + self.dispatcher.sum_over_ranks(combine_dense(delta_EBTP, routed_EBT, weight_EBT))
 
     def new_caches(self) -> list[list[RoutedKVCache]]:
-        return [[layer.attn.new_cache() for layer in self.paths.expert.layers] for _ in range(self.num_experts)]
+        """One per layer of every path held here."""
+        return [[layer.attn.new_cache() for layer in self.paths.expert.layers]
+                for _ in range(self.paths.num_local_experts)]
 
     def num_active_params(self) -> int:
         return round(self.active_share * self.num_experts * self.paths.params_per_expert())

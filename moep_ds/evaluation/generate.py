@@ -25,7 +25,7 @@ from torch import nn
 from moep_ds.cli import run_command
 from moep_ds.errors import UserError
 from moep_ds.evaluation.partitioned import (
-    experts_sharded, launched_world_size, load_partitioned_model_dir, model_device, run_split, split_over_ranks,
+    launched_world_size, load_partitioned_model_dir, model_device, run_split, split_over_ranks,
 )
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ def parser() -> argparse.ArgumentParser:
                    "each rank uses its own)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--expert_parallel", action="store_true",
-                   help="under a launcher: shard the experts over the ranks instead of ZeRO-3 (decodes without cache)")
+                   help="under a launcher: shard the experts over the ranks instead of ZeRO-3")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="recipe overrides, e.g. model.layers[1].router.eval_mode=threshold")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
@@ -214,8 +214,7 @@ def _main(args: argparse.Namespace) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     prompt_BT = torch.tensor([ids] * args.num_samples, device=device)
     out_BT = generate(model, prompt_BT, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, generator=generator, eos_id=tokenizer.eot_id,
-                      use_cache=not args.no_cache and not experts_sharded(model))
+                      top_p=args.top_p, generator=generator, eos_id=tokenizer.eot_id, use_cache=not args.no_cache)
     if dist.is_initialized() and dist.get_rank() > 0:  # a split model's other ranks: rank 0 prints
         return 0
     for row in out_BT.tolist():

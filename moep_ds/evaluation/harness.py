@@ -35,7 +35,7 @@ from tqdm import tqdm
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.evaluation.generate import decode_steps, eval_mode, pick_device
 from moep_ds.evaluation.partitioned import (
-    experts_sharded, launched_world_size, load_partitioned_model_dir, model_device, split_over_ranks,
+    launched_world_size, load_partitioned_model_dir, model_device, split_over_ranks,
 )
 from moep_ds.checkpointing.model_dir import load_model_dir, routing_eval_modes, summarize_routing_modes
 
@@ -252,8 +252,7 @@ class MoepLM(TemplateLM):
         sample = bool(gen_kwargs.pop("do_sample", False)) and float(gen_kwargs.get("temperature", 1.0)) > 0
         ids = (self.tok_encode(context) or [self.prefix_token_id])[-(self.max_length - max_new):]
         # a token-choice or top-k router is not causal over a growing sequence: recompute instead of caching
-        # (MSIT and MoEP paths decode from their caches only with every expert at hand)
-        use_cache = "topk" not in self.routing_eval_mode.values() and not experts_sharded(self.model)
+        use_cache = "topk" not in self.routing_eval_mode.values()
         steps = decode_steps(self.model, torch.tensor([ids], device=self.device), use_cache=use_cache,
                              temperature=float(gen_kwargs.get("temperature", 1.0)) if sample else 0.0,
                              top_k=gen_kwargs.get("top_k"), top_p=gen_kwargs.get("top_p"))

@@ -139,5 +139,10 @@ class AllToAllDispatcher(Dispatcher):
         y_back = _AllToAll.apply(y_SD.index_select(0, inverse_U), self.group, state.send_splits, state.recv_splits)
         return combine_tokens(y_back, plan, out_dtype)
 
+    def sum_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
 
 __all__ = ["SEQ_ID_STRIDE", "AllToAllDispatcher", "source_to_expert_order"]

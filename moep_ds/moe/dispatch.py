@@ -88,6 +88,12 @@ class Dispatcher:
     def combine(self, y_SD: torch.Tensor, plan: RoutingPlan, state: Any, out_dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def sum_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """Decoding with a cache: the sum of every rank's `x`, each rank having computed its own experts' share
+        for the same tokens (the ranks of a split model decode in lockstep: evaluation/generate.py). All
+        experts live here: `x` itself."""
+        return x
+
     def __call__(
         self,
         x_TD: torch.Tensor,
@@ -190,10 +196,9 @@ class ExpertStage(nn.Module):
                 f"{self.experts.num_local_experts}; after shard_experts set an AllToAllDispatcher"
             )
 
-    def check_unsharded(self, what: str) -> None:
-        if self.experts.num_local_experts != self.num_experts:
-            raise RuntimeError(f"{what} needs every expert on this process ({self.experts.num_local_experts} "
-                               f"of {self.num_experts} held)")
+    def held(self) -> slice:
+        """The global indices of this process's experts."""
+        return slice(self.first_local_expert, self.first_local_expert + self.experts.num_local_experts)
 
 
 def shard_experts(stage: ExpertStage, ep_rank: int, ep_size: int) -> None:
