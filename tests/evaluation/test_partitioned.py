@@ -188,6 +188,17 @@ def test_lm_eval_cli_arguments_on_each_rank_of_a_launch():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lm_eval_cli_under_torchrun_writes_one_result_file(model_dirs, tmp_path):
+    assert run_eval.main(["--render_tasks", str(tmp_path / "tasks")]) == 0
+    launch_command("moep_ds.evaluation.lm_eval_cli", "--model", "moep_ds", "--model_args",
+                   f"pretrained={model_dirs['sharded']},expert_parallel=true", "--include_path", str(tmp_path / "tasks"),
+                   "--tasks", "grammar_pairs", "--limit", "3", "--output_path", str(tmp_path / "out"))
+    written = list((tmp_path / "out").rglob("results_*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["results"]["grammar_pairs"]
+
+
+@pytest.mark.slow
 def test_lm_eval_cli_refuses_its_cache_under_a_launcher(model_dirs, tmp_path):
     proc = launch(2, "-m", "moep_ds.evaluation.lm_eval_cli", "--model", "moep_ds", "--model_args",
                   f"pretrained={model_dirs['sharded']}", "--tasks", "grammar_pairs", "--use_cache", str(tmp_path / "c"),
