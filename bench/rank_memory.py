@@ -46,6 +46,20 @@ def load_cfg(args):
     return load_config(args.config, ["data.source=builtin", *args.set])
 
 
+def report_worst_and_exit(added: float, out: str) -> None:
+    """A torchrun worker's end: rank 0 writes the largest peak over the ranks to `out`; every rank exits."""
+    import torch
+    import torch.distributed as dist
+
+    worst = torch.tensor([added], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        pathlib.Path(out).write_text(json.dumps({"added": float(worst)}))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def build_worker(args) -> None:
     """One way of building, on each rank of a torchrun launch; rank 0 writes the largest peak."""
     import torch
@@ -74,13 +88,7 @@ def build_worker(args) -> None:
         else:
             model = build_rank_model(cfg.model, ds, 0, ep_group)
             setup_expert_parallel(model, ep_group)
-    worst = torch.tensor([peak.added], dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    if dist.get_rank() == 0:
-        pathlib.Path(args.out).write_text(json.dumps({"added": float(worst)}))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    report_worst_and_exit(peak.added, args.out)
 
 
 def checkpoint_worker(args) -> None:
@@ -145,13 +153,7 @@ def eval_worker(args) -> None:
             model, cfg, _, _, engine = load_partitioned_model_dir(args.source, expert_parallel=args.way == "ep")
         with torch.no_grad():
             model(torch.zeros(1, min(256, cfg.model.max_seq_len), dtype=torch.long, device=model_device(model)))
-    worst = torch.tensor([peak.added], dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    if dist.get_rank() == 0:
-        pathlib.Path(args.out).write_text(json.dumps({"added": float(worst)}))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    report_worst_and_exit(peak.added, args.out)
 
 
 def run(cmd: list[str]) -> None:
@@ -165,11 +167,16 @@ def common(args) -> list[str]:
     return ["--config", str(args.config), "--set", *args.set]
 
 
-def measure_build(args, way: str, tmp: pathlib.Path) -> float:
-    out = tmp / f"build_{way}.json"
+def measure_on_ranks(args, worker: str, way: str, tmp: pathlib.Path, *extra: str) -> float:
+    """The largest peak over the ranks of a torchrun launch of `worker` (`report_worst_and_exit`)."""
+    out = tmp / f"{worker}_{way}.json"
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}", __file__,
-         "--worker", "build", "--way", way, "--out", str(out), *common(args)])
+         "--worker", worker, "--way", way, "--out", str(out), *extra, *common(args)])
     return json.loads(out.read_text())["added"]
+
+
+def measure_build(args, way: str, tmp: pathlib.Path) -> float:
+    return measure_on_ranks(args, "build", way, tmp)
 
 
 def measure_export(args, way: str, tmp: pathlib.Path, source: pathlib.Path) -> float:
@@ -181,10 +188,7 @@ def measure_export(args, way: str, tmp: pathlib.Path, source: pathlib.Path) -> f
 
 
 def measure_eval(args, way: str, tmp: pathlib.Path, source: pathlib.Path) -> float:
-    out = tmp / f"eval_{way}.json"
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}", __file__,
-         "--worker", "eval", "--way", way, "--source", str(source), "--out", str(out), *common(args)])
-    return json.loads(out.read_text())["added"]
+    return measure_on_ranks(args, "eval", way, tmp, "--source", str(source))
 
 
 def main() -> None:
