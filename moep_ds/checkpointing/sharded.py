@@ -209,15 +209,20 @@ def is_sharded(path: Path) -> bool:
     return (path / METADATA_FILE).is_file() or (path / TENSORS_FILE).is_file()
 
 
+def all_reduce_value(value: float, op=dist.ReduceOp.SUM, group=None) -> float:
+    """`value` reduced over the ranks of `group` (through the GPU under NCCL, which takes no CPU tensors)."""
+    t = torch.tensor([float(value)])
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=op, group=group)
+    return float(t.item())
+
+
 def agree(ok: bool, group=None) -> bool:
     """True on every rank iff `ok` on every rank (True off-distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return ok
-    flag = torch.tensor([0.0 if ok else 1.0])
-    if dist.get_backend(group) == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return float(flag) == 0.0
+    return all_reduce_value(0.0 if ok else 1.0, dist.ReduceOp.MAX, group) == 0.0
 
 
 def save_json(obj: Any, path: Path) -> None:

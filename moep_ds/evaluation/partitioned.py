@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moep_ds.checkpointing.sharded import all_reduce_value
 from moep_ds.errors import SharedUserError
 
 def launched_world_size() -> int:
@@ -87,11 +88,7 @@ def run_split(body, *args: Any) -> int:
         code = body(*args)
     finally:
         if dist.is_initialized():
-            status = torch.tensor([float(code)])
-            if dist.get_backend() == "nccl":
-                status = status.cuda()
-            dist.all_reduce(status, op=dist.ReduceOp.MAX)
-            code = int(status.item())
+            code = int(all_reduce_value(code, dist.ReduceOp.MAX))
             dist.destroy_process_group()
     return code
 

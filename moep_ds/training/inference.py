@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moep_ds.checkpointing import sharded
 from moep_ds.errors import SharedUserError, UserError
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,7 @@ def stop_together(error: UserError | None, what: str) -> None:
     """Raise on every rank if any rank failed (instead of the others waiting for it in the next collective).
     A `SharedUserError` that every rank had is reported once, by rank 0; else each failed rank reports its own
     error and the others say that another rank failed."""
-    failed = torch.tensor([0.0 if error is None else 1.0])
-    if dist.get_backend() == "nccl":
-        failed = failed.cuda()
-    dist.all_reduce(failed)
-    count = int(failed.item())
+    count = int(sharded.all_reduce_value(0.0 if error is None else 1.0))
     if count == 0:
         return
     if error is None:
