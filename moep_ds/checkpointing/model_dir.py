@@ -26,7 +26,7 @@ import torch
 from moep_ds.checkpointing import layout, model_state, sharded
 from moep_ds.checkpointing.model_state import load_module
 from moep_ds.checkpointing.streaming import (
-    TensorEntry, module_entries, safetensors_entries, sharded_entries, write_safetensors,
+    TensorEntry, check_safetensors, module_entries, safetensors_entries, sharded_entries, write_safetensors,
 )
 from moep_ds.errors import UserError
 
@@ -118,9 +118,19 @@ def stored_weights(model_dir: Path, cfg: Any, prefix: str = "") -> tuple[list[Te
     if sharded.is_sharded(model_dir):
         f = model_dir / model_state.EXTRA_STATE_FILE
         return sharded_entries(model_dir, shapes, prefix), json.loads(f.read_text()) if f.is_file() else {}
-    key_prefix = "model." if hf_export_recipe(model_dir) is not None else ""
-    extra = torch.load(model_dir / EXTRA_FILE, weights_only=True) if (model_dir / EXTRA_FILE).is_file() else {}
-    return safetensors_entries(model_dir / WEIGHTS_FILE, shapes, key_prefix, prefix), extra
+    entries = safetensors_entries(model_dir / WEIGHTS_FILE, shapes, weights_key_prefix(model_dir), prefix)
+    return entries, stored_extra_state(model_dir)
+
+
+def weights_key_prefix(model_dir: Path) -> str:
+    """What names a tensor in model.safetensors before its moep_ds key: "model." in a Hugging Face export."""
+    return "model." if hf_export_recipe(model_dir) is not None else ""
+
+
+def stored_extra_state(model_dir: Path) -> dict[str, Any]:
+    """The non-tensor module state of a model directory (the expert lifecycle's event log), {} without any."""
+    f = model_dir / EXTRA_FILE
+    return torch.load(f, weights_only=True) if f.is_file() else {}
 
 
 def write_recipe_files(cfg: Any, out: Path, tokenizer_dir: str | os.PathLike | None, meta: dict | None) -> None:
@@ -253,11 +263,9 @@ def load_weights(model: torch.nn.Module, model_dir: Path, cfg: Any, partitions: 
 def load_consolidated(model: torch.nn.Module, model_dir: Path, cfg: Any) -> None:
     from safetensors.torch import load_file
 
-    state: dict[str, Any] = load_file(str(model_dir / WEIGHTS_FILE))
-    if (model_dir / EXTRA_FILE).is_file():
-        state.update(torch.load(model_dir / EXTRA_FILE, weights_only=True))
-    if hf_export_recipe(model_dir) is not None:  # keys are model.<moep_ds key> there
-        state = {k.removeprefix("model."): v for k, v in state.items()}
+    state: dict[str, Any] = {**load_file(str(model_dir / WEIGHTS_FILE)), **stored_extra_state(model_dir)}
+    if key_prefix := weights_key_prefix(model_dir):
+        state = {k.removeprefix(key_prefix): v for k, v in state.items()}
     load_state_dict_into(model, state, cfg.model.tie_embeddings, model_dir / WEIGHTS_FILE)
 
 
@@ -268,10 +276,9 @@ def load_consolidated_pieces(model: torch.nn.Module, model_dir: Path,
     that hold it."""
     from safetensors import safe_open
 
-    file = model_dir / WEIGHTS_FILE
-    key_prefix = "model." if hf_export_recipe(model_dir) is not None else ""
+    file, key_prefix = model_dir / WEIGHTS_FILE, weights_key_prefix(model_dir)
     try:
-        safetensors_entries(file, model_state.shapes(model, ep), key_prefix)  # one line: a missing/misshapen tensor
+        check_safetensors(file, model_state.shapes(model, ep), key_prefix)
         with safe_open(str(file), framework="pt") as f, torch.no_grad():
             for key, piece in model_state.module_pieces(model, ep, partitions=True).items():
                 name = key_prefix + key.removeprefix(sharded.MODEL_PREFIX)
@@ -280,8 +287,7 @@ def load_consolidated_pieces(model: torch.nn.Module, model_dir: Path,
         raise
     except Exception as err:  # noqa: BLE001 - a missing, truncated or unreadable file (safetensors' own errors)
         raise sharded.DamagedCheckpoint(f"{str(file)!r} could not be read: {sharded.first_line(err)}") from None
-    if (model_dir / EXTRA_FILE).is_file():
-        model.load_state_dict(torch.load(model_dir / EXTRA_FILE, weights_only=True), strict=False)
+    model.load_state_dict(stored_extra_state(model_dir), strict=False)
 
 
 def read_flat_range(f: Any, key: str, offset: int, numel: int) -> torch.Tensor:

@@ -97,9 +97,10 @@ def sharded_entries(path: Path, shapes: dict[str, tuple[int, ...]], prefix: str 
     return entries
 
 
-def safetensors_entries(file: Path, shapes: dict[str, tuple[int, ...]], key_prefix: str = "",
-                        prefix: str = "") -> list[TensorEntry]:
-    """The tensors `shapes` of a safetensors file whose keys are `key_prefix + name`, each read alone."""
+def check_safetensors(file: Path, shapes: dict[str, tuple[int, ...]], key_prefix: str = ""
+                      ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """{key: (dtype, shape)} of a safetensors file (its header only), after checking that it holds every tensor
+    `shapes` names (as `key_prefix + name`) in that shape: one line naming the first that it does not."""
     from safetensors import safe_open
 
     with safe_open(str(file), framework="pt") as f:
@@ -112,6 +113,15 @@ def safetensors_entries(file: Path, shapes: dict[str, tuple[int, ...]], key_pref
         if saved[key_prefix + name][1] != tuple(shape):
             raise UserError(f"{file} does not match the model built from its config.yaml: {name!r} has shape "
                             f"{list(saved[key_prefix + name][1])} there but {list(shape)} in the model")
+    return saved
+
+
+def safetensors_entries(file: Path, shapes: dict[str, tuple[int, ...]], key_prefix: str = "",
+                        prefix: str = "") -> list[TensorEntry]:
+    """The tensors `shapes` of a safetensors file whose keys are `key_prefix + name`, each read alone."""
+    from safetensors import safe_open
+
+    saved = check_safetensors(file, shapes, key_prefix)
 
     def read(key: str) -> torch.Tensor:
         with safe_open(str(file), framework="pt") as f:
@@ -123,5 +133,5 @@ def safetensors_entries(file: Path, shapes: dict[str, tuple[int, ...]], key_pref
             for n, shape in shapes.items()]
 
 
-__all__ = ["TensorEntry", "module_entries", "safetensors_entries", "sharded_entries", "stored_dtype",
-           "write_safetensors"]
+__all__ = ["TensorEntry", "check_safetensors", "module_entries", "safetensors_entries", "sharded_entries",
+           "stored_dtype", "write_safetensors"]

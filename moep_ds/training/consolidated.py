@@ -22,7 +22,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from moep_ds.checkpointing import layout
-from moep_ds.checkpointing.model_dir import EXTRA_FILE, WEIGHTS_FILE, save_model_dir
+from moep_ds.checkpointing.model_dir import WEIGHTS_FILE, save_model_dir, stored_extra_state
 from moep_ds.checkpointing.model_state import is_expert_param
 from moep_ds.moe.shard import full_shape
 from moep_ds.checkpointing.sharded import CheckpointError, DamagedCheckpoint, first_line
@@ -112,8 +112,7 @@ def save_consolidated(engine, model, cfg, out: pathlib.Path, trainer_state: dict
 def load_consolidated_model(model, ckpt: pathlib.Path, ep_group=None) -> None:
     """Load weights, buffers and extra state into the (unwrapped, not yet engine-owned) model, one tensor at
     a time."""
-    extra_path = ckpt / EXTRA_FILE
-    extra = torch.load(extra_path, weights_only=True) if extra_path.is_file() else {}
+    extra = stored_extra_state(ckpt)
     own = model.state_dict(keep_vars=True)
     with safe_open(str(ckpt / WEIGHTS_FILE), framework="pt") as f:
         weights = set(f.keys())
