@@ -25,7 +25,7 @@ from torch import nn
 from moep_ds.cli import run_command
 from moep_ds.errors import UserError
 from moep_ds.evaluation.partitioned import (
-    launched_world_size, load_partitioned_model_dir, model_device, run_split, split_over_ranks,
+    load_eval_model, model_device, run_split, split_over_ranks,
 )
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,16 @@ def pick_device(device: str | None) -> torch.device:
         log.warning("device %s requested but CUDA is not available: evaluating on cpu", device)
         return torch.device("cpu")
     return torch.device(device)
+
+
+def place_model(model: nn.Module, device: str | None, dtype: str) -> torch.device:
+    """The device `model` runs on: a model split over the ranks stays on its rank's device, in the precision it
+    was loaded in; a whole model is moved to `device` (`pick_device`) and `dtype`."""
+    if split_over_ranks(model):
+        return model_device(model)
+    where = pick_device(device)
+    model.to(where, getattr(torch, dtype))
+    return where
 
 
 def filter_top_k(logits_BV: torch.Tensor, k: int) -> torch.Tensor:
@@ -190,17 +200,10 @@ def check_sampling_args(args: argparse.Namespace) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from moep_ds.checkpointing.model_dir import load_model_dir
-
     check_sampling_args(args)
-    if launched_world_size() > 1:  # the engine's hooks gather the parameters while the model runs: keep it
-        model, cfg, tokenizer, _, engine = load_partitioned_model_dir(args.checkpoint, args.set, args.dtype,
-                                                                      expert_parallel=args.expert_parallel)
-        device = model_device(model)
-    else:
-        model, cfg, tokenizer, _ = load_model_dir(args.checkpoint, args.set)
-        device = pick_device(args.device)
-        model.to(device, getattr(torch, args.dtype))
+    # a split model's engine (ZeRO-3) gathers the parameters while the model runs: keep it
+    model, cfg, tokenizer, _, engine = load_eval_model(args.checkpoint, args.set, args.dtype, args.expert_parallel)
+    device = place_model(model, args.device, args.dtype)
     if tokenizer is None:
         raise UserError(f"{args.checkpoint} has no tokenizer.json; moep-generate needs one to read the prompt")
     max_len = cfg.model.max_seq_len

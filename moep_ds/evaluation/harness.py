@@ -33,11 +33,9 @@ from lm_eval.api.registry import model_registry
 from tqdm import tqdm
 
 from moep_ds.errors import SharedUserError, UserError
-from moep_ds.evaluation.generate import decode_steps, eval_mode, pick_device
-from moep_ds.evaluation.partitioned import (
-    launched_world_size, load_partitioned_model_dir, model_device, split_over_ranks,
-)
-from moep_ds.checkpointing.model_dir import load_model_dir, routing_eval_modes, summarize_routing_modes
+from moep_ds.evaluation.generate import decode_steps, eval_mode, place_model
+from moep_ds.evaluation.partitioned import load_eval_model, split_over_ranks
+from moep_ds.checkpointing.model_dir import routing_eval_modes, summarize_routing_modes
 
 log = logging.getLogger(__name__)
 
@@ -126,23 +124,12 @@ class MoepLM(TemplateLM):
             if isinstance(overrides, str):
                 overrides = overrides.split(";")  # model_args are comma-separated; overrides use ';'
             ep = as_bool("expert_parallel", expert_parallel)  # model_args are strings
-            if launched_world_size() > 1:
-                model, _, tokenizer, self.meta, self.engine = load_partitioned_model_dir(pretrained, overrides, dtype,
-                                                                                         expert_parallel=ep)
-            else:
-                if ep:
-                    log.warning("expert_parallel=%s ignored: one process holds every expert", expert_parallel)
-                model, _, tokenizer, self.meta = load_model_dir(pretrained, overrides)
+            model, _, tokenizer, self.meta, self.engine = load_eval_model(pretrained, overrides, dtype, ep)
         if tokenizer is None:
             raise UserError(f"{pretrained or 'the model'} has no tokenizer (tokenizer.json); lm-eval needs one")
-        self.ranks = (0, 1)
-        if split_over_ranks(model):
-            self._device = model_device(model)
-            self.model = model.eval()
-            self.ranks = (dist.get_rank(), dist.get_world_size())
-        else:
-            self._device = pick_device(device)
-            self.model = model.to(self._device, getattr(torch, dtype)).eval()
+        self._device = place_model(model, device, dtype)
+        self.model = model.eval()
+        self.ranks = (dist.get_rank(), dist.get_world_size()) if split_over_ranks(model) else (0, 1)
         self.tokenizer = tokenizer
         if not str(batch_size or "").isdigit():
             log.warning("batch_size %r is not a number: using 16 (scores do not depend on it)", batch_size)

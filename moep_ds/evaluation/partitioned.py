@@ -21,6 +21,7 @@ gathered, and generation decodes in lockstep with rank 0's tokens (evaluation/ha
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -29,6 +30,8 @@ import torch.distributed as dist
 
 from moep_ds.checkpointing.sharded import all_reduce_value
 from moep_ds.errors import SharedUserError
+
+log = logging.getLogger(__name__)
 
 def launched_world_size() -> int:
     """Processes started by a launcher (torchrun, deepspeed, srun via env); 1 for a plain process."""
@@ -47,16 +50,28 @@ def load_partitioned_model_dir(path: str, overrides: list[str] | None = None, dt
 
     inference_ds_config(dtype)  # a bad dtype is one line before anything is read
     world = launched_world_size()
+    model_dir, cfg = load_recipe(path, overrides)  # a run directory resolves (and logs) once
     if expert_parallel:  # checked like a training recipe's: every routed stage's experts divide over the ranks
-        model_dir, cfg = load_recipe(path, overrides)
         with torch.device("meta"):
             if not expert_stages(build_model(cfg.model)):
                 raise SharedUserError(f"--expert_parallel: {str(model_dir)!r} has no routed experts to shard over "
                                       f"{world} ranks; without it the model is split with ZeRO-3")
-        overrides = [*(overrides or []), f"train.expert_parallel_size={world}"]
-    model_dir, cfg = load_recipe(path, overrides)
+        _, cfg = load_recipe(model_dir, [*(overrides or []), f"train.expert_parallel_size={world}"])
     model, engine = split_model(cfg, model_dir, dtype, expert_parallel)
     return model, cfg, *tokenizer_and_meta(model_dir), engine
+
+
+def load_eval_model(path: str, overrides: list[str] | None = None, dtype: str = "float32",
+                    expert_parallel: bool = False) -> tuple[Any, Any, Any, dict[str, Any], Any]:
+    """(model, root Config, tokenizer, meta, engine) for evaluation: under a launcher split over the ranks
+    (`load_partitioned_model_dir`), in one process the whole model (`load_model_dir`, engine None)."""
+    from moep_ds.checkpointing.model_dir import load_model_dir
+
+    if launched_world_size() > 1:
+        return load_partitioned_model_dir(path, overrides, dtype, expert_parallel)
+    if expert_parallel:
+        log.warning("expert_parallel ignored: one process holds every expert")
+    return (*load_model_dir(path, overrides), None)
 
 
 def is_partitioned(model: torch.nn.Module) -> bool:
@@ -93,5 +108,5 @@ def run_split(body, *args: Any) -> int:
     return code
 
 
-__all__ = ["experts_sharded", "is_partitioned", "launched_world_size", "load_partitioned_model_dir",
+__all__ = ["experts_sharded", "is_partitioned", "launched_world_size", "load_eval_model", "load_partitioned_model_dir",
            "model_device", "run_split", "split_over_ranks"]

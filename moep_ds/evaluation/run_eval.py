@@ -99,20 +99,16 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any] | None:
     ranks other than 0 under a launcher: evaluation/partitioned.py)."""
     from lm_eval import simple_evaluate
 
-    from moep_ds.checkpointing.model_dir import load_model_dir, load_recipe
+    from moep_ds.checkpointing.model_dir import load_recipe
     from moep_ds.evaluation.harness import MoepLM
-    from moep_ds.evaluation.partitioned import launched_world_size, load_partitioned_model_dir
+    from moep_ds.evaluation.partitioned import load_eval_model
 
     model_dir, cfg = load_recipe(args.checkpoint, args.set)  # a run directory resolves (and logs) once
     tasks = split_tasks(args.tasks) if args.tasks else (cfg.eval.tasks or DEFAULT_TASKS)
     batch_size = args.batch_size or cfg.eval.batch_size
     with tempfile.TemporaryDirectory(prefix="moep_eval_tasks_") as tmp:
         manager, names, data_dir = task_manager(args, cfg, tasks, tmp)
-        if launched_world_size() > 1:
-            model, cfg, tokenizer, meta, engine = load_partitioned_model_dir(model_dir, args.set, args.dtype,
-                                                                             expert_parallel=args.expert_parallel)
-        else:
-            (model, cfg, tokenizer, meta), engine = load_model_dir(model_dir, args.set), None
+        model, cfg, tokenizer, meta, engine = load_eval_model(model_dir, args.set, args.dtype, args.expert_parallel)
         lm = MoepLM(model=model, tokenizer=tokenizer, batch_size=batch_size, device=args.device, dtype=args.dtype)
         lm.meta, lm.engine = meta, engine
         results = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=args.limit,
