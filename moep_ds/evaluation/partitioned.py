@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from moep_ds.checkpointing.sharded import all_reduce_value
 from moep_ds.errors import SharedUserError
+from moep_ds.training.distributed import leave_process_group
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def run_split(body, *args: Any) -> int:
     finally:
         if dist.is_initialized():
             code = int(all_reduce_value(code, dist.ReduceOp.MAX))
-            dist.destroy_process_group()
+            leave_process_group()
     return code
 
 

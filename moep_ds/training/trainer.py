@@ -32,7 +32,7 @@ from moep_ds.moe.shard import expert_shard
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.blocks import apply_block_options
-from moep_ds.training.distributed import init_distributed, setup_logging
+from moep_ds.training.distributed import init_distributed, leave_process_group, setup_logging
 from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import (
     check_parallel_layout, expert_parallel_group, moe_layer_classes, setup_expert_parallel, shard_of,
@@ -401,5 +401,4 @@ def fit(cfg: Config, ds_config_path: str | None = None, resume: str | None = Non
     try:
         return trainer.fit()
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_process_group()
