@@ -1,5 +1,6 @@
 """Strict config loading: overrides, repeat/groups, flavours, and one-line errors for bad recipes."""
 import copy
+import os
 import subprocess
 import sys
 
@@ -150,6 +151,27 @@ def test_under_a_launcher_config_errors_are_printed_by_rank_0_only(tmp_path, cap
     monkeypatch.setenv("RANK", "1")
     assert run_guarded(missing_file) == 2
     assert capsys.readouterr().err == "[rank 1] error: checkpoint '/x' does not exist\n"
+
+
+LEAVES_ALONE_AFTER_A_FAILURE = """
+import torch.distributed as dist
+from moep_ds.cli import run_guarded
+from moep_ds.errors import UserError
+from moep_ds.training.distributed import free_port
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+def fails():
+    raise UserError("bad input")
+print(run_guarded(fails), dist.is_initialized())
+"""
+
+
+def test_a_failure_in_a_process_group_of_one_leaves_the_group():
+    """(Several ranks exit at once instead: tests/training/test_checkpoint_faults.py.)"""
+    proc = subprocess.run([sys.executable, "-c", LEAVES_ALONE_AFTER_A_FAILURE], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.split() == ["2", "False"], proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: bad input"
 
 
 def test_pretrain_script_bad_config_has_no_traceback(tmp_path):

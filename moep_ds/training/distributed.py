@@ -33,15 +33,15 @@ def init_distributed() -> torch.device:
 
 
 def leave_process_group() -> None:
-    """Leave torch.distributed at the end of a command so that the interpreter can exit cleanly.
+    """Leave torch.distributed at the end of a command, on every rank, so that the interpreter exits cleanly.
 
-    Gloo runs each collective on a worker thread, which drops its reference to the collective's tensors just
-    after the caller's wait() has returned. If Python dropped them first (e.g. the one-element tensor of a last
-    all-reduce), that release needs the GIL; when it comes while the main thread is already finalising the
-    interpreter, CPython ends the worker thread and C++ aborts the process ("terminate called without an active
-    exception", seen at exit in ~1 of 15 two-process evaluations before this). `destroy_process_group` does not
-    join gloo's threads. The barrier first lets every earlier collective's worker finish, with the GIL free while
-    this thread waits; the barrier itself holds no tensors."""
+    Gloo runs each collective on a worker thread, which lets go of the collective's tensors just after the
+    caller's wait() has returned; letting go of a tensor that Python knows needs the GIL. When that comes while
+    the main thread is already finalising the interpreter, CPython ends the worker thread and C++ aborts the
+    process ("terminate called without an active exception"): seen at exit in ~1 of 15 two-process evaluations
+    before this, whose last step was an all-reduce. `destroy_process_group` does not stop gloo's threads. The
+    barrier lets every earlier collective's worker finish while this thread waits without the GIL; the barrier
+    holds no tensors. A command that fails with the group still joined exits through `cli.exit_joined`."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -3,6 +3,7 @@ a damaged newest checkpoint (skipped by --resume auto, an error for --resume PAT
 an unwritable output directory; logs follow the checkpoint."""
 import os
 import pathlib
+import re
 
 import pytest
 
@@ -77,3 +78,19 @@ def test_unwritable_output_dir_is_one_line_before_data_preparation(tmp_path):
     assert proc.returncode == 2
     assert last_line(proc) == f"error: train.output_dir ('{tmp_path / 'a_file' / 'run'}') is not writable: Not a directory"
     assert "prepar" not in proc.stderr.lower()  # checked before any data preparation
+
+
+def test_an_error_every_rank_agrees_on_exits_2_on_each_without_an_abort(tmp_path):
+    """Both ranks find the output directory unwritable, agree, and exit 2 at once (cli.exit_joined); before, ~1
+    launch in 10 aborted in the interpreter's teardown while gloo's worker let go of the agreement's tensor
+    (training/distributed.py). A few launches, since the abort was a race."""
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", tmp_path / "run", max_steps=2)
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "run"
+    for _ in range(3):
+        proc = pretrain(recipe, "--set", f"train.output_dir={out}", nproc=2)
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)  # torchrun's report per failed rank
+        assert "2" in codes and set(codes) <= {"2", "-15"}, proc.stderr[-3000:]  # -15: stopped by torchrun
+        assert "terminate called" not in proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert errors == [f"error: train.output_dir ('{out}') is not writable: Not a directory"]
