@@ -397,8 +397,8 @@ class Trainer:
 
 
 def fit(cfg: Config, ds_config_path: str | None = None, resume: str | None = None) -> int:
-    trainer = Trainer(cfg, ds_config_path, resume)
-    try:
-        return trainer.fit()
-    finally:
-        leave_process_group()
+    """Train; every rank leaves the process group together at the end. A rank that fails leaves without waiting
+    for the others, which may be in another collective (cli.exit_joined ends it; the launcher stops the rest)."""
+    code = Trainer(cfg, ds_config_path, resume).fit()
+    leave_process_group()
+    return code

@@ -94,3 +94,20 @@ def test_an_error_every_rank_agrees_on_exits_2_on_each_without_an_abort(tmp_path
         assert "terminate called" not in proc.stderr
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert errors == [f"error: train.output_dir ('{out}') is not writable: Not a directory"]
+
+
+def test_a_rank_that_fails_alone_ends_the_launch_without_waiting_for_the_others(tmp_path):
+    """Rank 1 fails after step 2 while rank 0 goes on into step 3's collectives: rank 1 exits at once
+    (cli.exit_joined) and the launcher stops rank 0. Waiting for the others at a barrier (as the end of training
+    did) left both ranks in mismatched collectives until gloo's 30-minute timeout."""
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", tmp_path / "run", max_steps=6)
+    os.environ.update(MOEP_TEST_FAULT="raise", MOEP_TEST_FAULT_STEP="2", MOEP_TEST_FAULT_RANK="1")
+    try:
+        proc = launch(2, SCRIPTS / "pretrain_fault.py", "--config", str(recipe), "--ds_config", DS, check=False,
+                      timeout=180)
+    finally:
+        for key in ("MOEP_TEST_FAULT", "MOEP_TEST_FAULT_STEP", "MOEP_TEST_FAULT_RANK"):
+            del os.environ[key]
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line and "simulated" in line]
+    assert errors == ["[rank 1] error: simulated: rank 1 cannot go on after step 2"], proc.stderr[-3000:]

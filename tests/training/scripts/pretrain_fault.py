@@ -1,9 +1,10 @@
 """pretrain.py with a fault injected while checkpoint step N is written, on rank r:
 
-    MOEP_TEST_FAULT=kill|enospc MOEP_TEST_FAULT_STEP=N MOEP_TEST_FAULT_RANK=r torchrun ... pretrain_fault.py <args>
+    MOEP_TEST_FAULT=kill|enospc|raise MOEP_TEST_FAULT_STEP=N MOEP_TEST_FAULT_RANK=r torchrun ... pretrain_fault.py <args>
 
 kill: the process kills itself (SIGKILL) once its shard is written; enospc: writing its shard fails with
-"No space left on device" (as DCP's file writer would on a full disk).
+"No space left on device" (as DCP's file writer would on a full disk); raise: rank r alone fails with a one-line
+error after training step N (no checkpoint involved), while the other ranks go on into step N + 1.
 """
 import errno
 import os
@@ -11,6 +12,8 @@ import signal
 
 from moep_ds.checkpointing import layout, sharded
 from moep_ds.cli import pretrain_main
+from moep_ds.errors import UserError
+from moep_ds.training.trainer import Trainer
 
 FAULT = os.environ["MOEP_TEST_FAULT"]
 TAG = layout.checkpoint_tag(int(os.environ["MOEP_TEST_FAULT_STEP"]))
@@ -37,8 +40,21 @@ def writer(path):
     return FullDiskWriter(path, single_file_per_rank=True) if here(path) else original_writer(path)
 
 
+original_train_step = Trainer.train_step
+
+
+def train_step_then_fail(self):
+    out = original_train_step(self)
+    self.fault_steps = getattr(self, "fault_steps", 0) + 1
+    if self.fault_steps == int(os.environ["MOEP_TEST_FAULT_STEP"]) and self.rank == RANK:
+        raise UserError(f"simulated: rank {RANK} cannot go on after step {self.fault_steps}")
+    return out
+
+
 if FAULT == "kill":
     sharded.save = save_then_die
+elif FAULT == "raise":
+    Trainer.train_step = train_step_then_fail
 else:
     sharded.writer = writer
 
