@@ -96,16 +96,15 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def run_split(body, *args: Any) -> int:
-    """An evaluation command's exit status, agreed by every rank of a split model: the largest of theirs (one
-    rank failing fails the command everywhere); the process group is left afterwards. `body(*args)` returns a
-    status or raises; a rank that raises still takes part in the agreement, then re-raises."""
-    code = 1
-    try:
-        code = body(*args)
-    finally:
-        if dist.is_initialized():
-            code = int(all_reduce_value(code, dist.ReduceOp.MAX))
-            leave_process_group()
+    """An evaluation command's exit status on the ranks of a split model: the largest status the ranks returned,
+    after which every rank leaves the process group together. A rank whose `body(*args)` raises leaves at once
+    instead (cli.exit_joined; the interpreter for an unexpected error): the others may be in a collective of the
+    forward pass it will not join, and the launcher stops them, so one rank failing fails the command everywhere.
+    Errors that every rank meets alike (a checkpoint one rank cannot read: `stop_together`) are raised by all."""
+    code = body(*args)
+    if dist.is_initialized():
+        code = int(all_reduce_value(code, dist.ReduceOp.MAX))
+        leave_process_group()
     return code
 
 

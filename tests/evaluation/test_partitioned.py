@@ -178,6 +178,19 @@ def test_rank_0_failing_after_the_evaluation_fails_the_command_on_every_rank(mod
     assert len(exits) == 2 and "0" not in exits and exits[0] in ("1", "-15"), proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_rank_that_fails_alone_while_scoring_ends_the_command_without_waiting(model_dirs, tmp_path):
+    """Rank 1 fails (an unexpected error) on its first batch while rank 0 goes on to its next forward pass,
+    gathering parameters that rank 1 holds: rank 1 ends at once and the launcher stops rank 0. Agreeing on the exit
+    status after a failure (as run_split did) left the two ranks in different collectives until gloo's timeout.
+    (A one-line error ends a rank at once too: cli.exit_joined.)"""
+    proc = launch(2, SCRIPTS / "failing_rank_eval.py", "score", str(model_dirs["sharded"]), "--tasks", "grammar_pairs",
+                  "--limit", "6", "--batch_size", "2", "--output", str(tmp_path / "out"), check=False, timeout=180)
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    assert "RuntimeError: simulated: this rank cannot score" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_lm_eval_cli_arguments_on_each_rank_of_a_launch():
     argv = ["--model", "moep_ds", "--local_rank=1", "-o", "out", "--output_path=out2", "--tasks", "x"]
     assert lm_eval_cli.launched_argv(argv, 0) == ["--model", "moep_ds", "-o", "out", "--output_path=out2",
