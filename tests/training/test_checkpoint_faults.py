@@ -1,7 +1,6 @@
 """Checkpoint faults, each with its one-line error or fallback (1 process unless a second rank matters):
 a damaged newest checkpoint (skipped by --resume auto, an error for --resume PATH), a full disk during a save,
 an unwritable output directory; logs follow the checkpoint."""
-import os
 import pathlib
 import re
 
@@ -14,8 +13,14 @@ SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 DS = str(DS_CONFIGS / "zero2_fp32.json")
 
 
-def pretrain(recipe, *args, script=REPO / "pretrain.py", nproc=1):
-    return launch(nproc, script, "--config", str(recipe), "--ds_config", DS, *args, check=False)
+def pretrain(recipe, *args, script=REPO / "pretrain.py", nproc=1, timeout=600):
+    return launch(nproc, script, "--config", str(recipe), "--ds_config", DS, *args, check=False, timeout=timeout)
+
+
+def inject_fault(monkeypatch, fault: str, step: int, rank: int) -> None:
+    """For scripts/pretrain_fault.py, through the environment the launched processes inherit."""
+    for key, value in (("MOEP_TEST_FAULT", fault), ("MOEP_TEST_FAULT_STEP", step), ("MOEP_TEST_FAULT_RANK", rank)):
+        monkeypatch.setenv(key, str(value))
 
 
 def last_line(proc) -> str:
@@ -30,15 +35,12 @@ def _needed(ckpt: pathlib.Path) -> int:
     return max(i.offset + i.length for i in md.storage_data.values() if i.relative_path == "__0_0.distcp")
 
 
-def test_full_disk_during_a_save_then_a_damaged_newest_checkpoint(tmp_path):
+def test_full_disk_during_a_save_then_a_damaged_newest_checkpoint(tmp_path, monkeypatch):
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=4, checkpoint={"every_steps": 2})
-    os.environ.update(MOEP_TEST_FAULT="enospc", MOEP_TEST_FAULT_STEP="4", MOEP_TEST_FAULT_RANK="1")
-    try:
+    with monkeypatch.context() as patch:
+        inject_fault(patch, "enospc", step=4, rank=1)
         proc = pretrain(recipe, script=SCRIPTS / "pretrain_fault.py", nproc=2)
-    finally:
-        for key in ("MOEP_TEST_FAULT", "MOEP_TEST_FAULT_STEP", "MOEP_TEST_FAULT_RANK"):
-            del os.environ[key]
     assert proc.returncode != 0
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(
@@ -96,18 +98,13 @@ def test_an_error_every_rank_agrees_on_exits_2_on_each_without_an_abort(tmp_path
         assert errors == [f"error: train.output_dir ('{out}') is not writable: Not a directory"]
 
 
-def test_a_rank_that_fails_alone_ends_the_launch_without_waiting_for_the_others(tmp_path):
+def test_a_rank_that_fails_alone_ends_the_launch_without_waiting_for_the_others(tmp_path, monkeypatch):
     """Rank 1 fails after step 2 while rank 0 goes on into step 3's collectives: rank 1 exits at once
     (cli.exit_joined) and the launcher stops rank 0. Waiting for the others at a barrier (as the end of training
     did) left both ranks in mismatched collectives until gloo's 30-minute timeout."""
     recipe = write_recipe(tmp_path / "r.yaml", "top2", tmp_path / "run", max_steps=6)
-    os.environ.update(MOEP_TEST_FAULT="raise", MOEP_TEST_FAULT_STEP="2", MOEP_TEST_FAULT_RANK="1")
-    try:
-        proc = launch(2, SCRIPTS / "pretrain_fault.py", "--config", str(recipe), "--ds_config", DS, check=False,
-                      timeout=180)
-    finally:
-        for key in ("MOEP_TEST_FAULT", "MOEP_TEST_FAULT_STEP", "MOEP_TEST_FAULT_RANK"):
-            del os.environ[key]
+    inject_fault(monkeypatch, "raise", step=2, rank=1)
+    proc = pretrain(recipe, script=SCRIPTS / "pretrain_fault.py", nproc=2, timeout=180)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "error:" in line and "simulated" in line]
     assert errors == ["[rank 1] error: simulated: rank 1 cannot go on after step 2"], proc.stderr[-3000:]

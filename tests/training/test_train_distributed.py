@@ -183,16 +183,14 @@ def test_exact_resume_with_lifecycle(tmp_path):
     assert events and resumed == events  # the lifecycle manager replaced experts, and made the same decisions
 
 
-def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path):
+def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, monkeypatch):
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=6, checkpoint={"every_steps": 2, "keep_last": 2})
     args = ["--config", str(recipe), "--ds_config", str(DS_CONFIGS / "zero2_fp32.json")]
-    import os
-    os.environ.update(MOEP_TEST_FAULT="kill", MOEP_TEST_FAULT_STEP="4")
-    try:
+    with monkeypatch.context() as patch:
+        patch.setenv("MOEP_TEST_FAULT", "kill")
+        patch.setenv("MOEP_TEST_FAULT_STEP", "4")
         crashed = launch(2, SCRIPTS / "pretrain_fault.py", *args, check=False)
-    finally:
-        del os.environ["MOEP_TEST_FAULT"], os.environ["MOEP_TEST_FAULT_STEP"]
     assert crashed.returncode != 0
     root = out / "checkpoints"
     assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000002"]

@@ -16,7 +16,8 @@ from moep_ds.errors import UserError
 from moep_ds.training.trainer import Trainer
 
 FAULT = os.environ["MOEP_TEST_FAULT"]
-TAG = layout.checkpoint_tag(int(os.environ["MOEP_TEST_FAULT_STEP"]))
+STEP = int(os.environ["MOEP_TEST_FAULT_STEP"])
+TAG = layout.checkpoint_tag(STEP)
 RANK = int(os.environ.get("MOEP_TEST_FAULT_RANK", "0"))
 original_save, original_writer = sharded.save, sharded.writer
 
@@ -46,7 +47,7 @@ original_train_step = Trainer.train_step
 def train_step_then_fail(self):
     out = original_train_step(self)
     self.fault_steps = getattr(self, "fault_steps", 0) + 1
-    if self.fault_steps == int(os.environ["MOEP_TEST_FAULT_STEP"]) and self.rank == RANK:
+    if self.fault_steps == STEP and self.rank == RANK:
         raise UserError(f"simulated: rank {RANK} cannot go on after step {self.fault_steps}")
     return out
 
