@@ -13,7 +13,6 @@ import threading
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from typing import Any
 
 import deepspeed
 import psutil

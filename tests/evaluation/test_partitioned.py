@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moep_ds.checkpointing import model_dir, model_state, sharded
-from moep_ds.config import config_from_dict, dump_config
+from moep_ds.config import config_from_dict
 from moep_ds.data.builtin import generate_corpus
 from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.tokenizer import train_tokenizer

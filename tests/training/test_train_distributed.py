@@ -2,7 +2,6 @@
 cross-layout resume, crash safety of checkpoints, TensorBoard scalars, fp16 loss scaling."""
 import json
 import pathlib
-import shutil
 
 import pytest
 
