@@ -40,6 +40,9 @@ class Config:
     def validate(self, path: str) -> None:
         if self.data.seq_len > self.model.max_seq_len:
             fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
+        if self.train.eval_every and self.data.val_fraction == 0 and self.data.val_source is None:
+            fail("train.eval_every", self.train.eval_every,
+                 "needs validation data: data.val_fraction > 0 or a data.val_source")
         ep, routed = self.train.expert_parallel_size, False
         for layer_path, layer in layer_entries(self.model.layers, "model"):
             check_lifecycle_placement(layer, layer_path)

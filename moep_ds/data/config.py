@@ -1,10 +1,11 @@
 """The `data` section of a recipe: where the text comes from, how it is tokenized and packed.
 
 Source specs (one string or a list, read in the given order; files of a glob or folder sorted by path):
-  path, glob or folder   local .txt/.text/.md/.train (text), .json/.jsonl (json lines), .parquet files
+  path, glob or folder   local .txt/.text/.md/.train/.dev/.test (text), .json/.jsonl (json lines), .parquet files
   builtin[:MB]           the embedded grammar corpus (moep_ds/data/builtin.py), generated into the cache
   shared:NAME            $MOEP_DATA_DIR/NAME, default <repo>/../shared/data/NAME (e.g. shared:corpus)
-  hf:NAME[:CONFIG]       a Hugging Face hub dataset, train split (network, or the Hugging Face cache offline)
+  hf:NAME[:CONFIG]       a Hugging Face hub dataset, train split (as a val_source: its validation split; network,
+                         or the Hugging Face cache offline)
   megatron:PREFIX        a pre-tokenised Megatron / GPT-NeoX indexed dataset PREFIX.bin + PREFIX.idx (PREFIX may
                          itself start with shared:), read by memory map; needs data.tokenizer.path (its tokenizer)
                          and is the only source of its run
@@ -55,9 +56,11 @@ class DataConfig:
     text_field: str = "text"  # column read from json/parquet/hub sources
     sample_by: Literal["line", "paragraph", "document"] = "paragraph"  # what one text-file document is
     order: Literal["shuffled", "sequential"] = "shuffled"
-    # validation data of a megatron: source, as a second megatron:PREFIX; without it the last
-    # ceil(val_fraction x sequences) sequences of `source` are held out (and not trained on)
-    val_source: str | None = None
+    # validation data from elsewhere (e.g. BabyLM's dev set; a hub dataset's validation split): specs as for
+    # `source`, a megatron:PREFIX for a megatron: source. With it every document of `source` is trained on and
+    # val_fraction is not used; without it a seeded val_fraction of the documents (of a megatron: source, the
+    # last ceil(val_fraction x sequences) sequences) is held out and not trained on
+    val_source: str | list[str] | None = None
 
     def validate(self, path: str) -> None:
         sources = [self.source] if isinstance(self.source, str) else self.source
@@ -68,8 +71,16 @@ class DataConfig:
             fail(f"{path}.source", self.source, f"a {MEGATRON}PREFIX source must be the only source")
         if megatron and self.tokenizer.path is None:
             fail(f"{path}.tokenizer.path", None, f"must name the tokenizer a {MEGATRON} source was tokenised with")
-        if self.val_source is not None and not (megatron and self.val_source.startswith(MEGATRON)):
+        if self.val_source is None:
+            return
+        val = self.val_sources
+        if not val or any(not s.strip() for s in val):
+            fail(f"{path}.val_source", self.val_source, "must name at least one non-empty source, or be null")
+        val_megatron = [s for s in val if s.startswith(MEGATRON)]
+        if megatron and (len(val) > 1 or not val_megatron):
             fail(f"{path}.val_source", self.val_source, f"needs a {MEGATRON}PREFIX here and in {path}.source")
+        if val_megatron and not megatron:
+            fail(f"{path}.val_source", self.val_source, f"a {MEGATRON}PREFIX needs a {MEGATRON}PREFIX {path}.source")
 
     @property
     def megatron_prefix(self) -> str | None:
@@ -80,3 +91,10 @@ class DataConfig:
     @property
     def sources(self) -> list[str]:
         return [self.source] if isinstance(self.source, str) else list(self.source)
+
+    @property
+    def val_sources(self) -> list[str]:
+        """The validation source specs; empty when validation is held out of `source`."""
+        if self.val_source is None:
+            return []
+        return [self.val_source] if isinstance(self.val_source, str) else list(self.val_source)

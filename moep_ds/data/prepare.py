@@ -3,11 +3,12 @@
 # N tokens, D documents
 
 Pipeline: resolve and hash the sources (missing or empty input fails here, before anything is written);
-read them with `datasets`; split documents into train/validation by a seeded draw per document; train a
-tokenizer on the train documents (or reuse one); tokenize with `datasets.map(num_proc=...)`; write each
-split as the concatenation of its documents, each followed by end-of-text. Everything is built in a
-temporary folder beside the output and moved in only when complete (meta.json last), so a failure leaves
-no partial output. A complete output with matching settings and source hashes is reused as is.
+read them with `datasets`; split documents into train/validation by a seeded draw per document (or read the
+validation documents from `data.val_source`); train a tokenizer on the train documents (or reuse one); tokenize
+with `datasets.map(num_proc=...)`; write each split as the concatenation of its documents, each followed by
+end-of-text. Everything is built in a temporary folder beside the output and moved in only when complete
+(meta.json last), so a failure leaves no partial output. A complete output with matching settings and source
+hashes is reused as is.
 A `megatron:PREFIX` source is already tokenised: its folder holds only the reused tokenizer and a meta.json that
 fixes the train and validation sequence ranges (moep_ds/data/megatron.py reads the tokens in place).
 
@@ -54,18 +55,19 @@ def prepare(cfg: DataConfig, *, force: bool = False) -> Path:
     if cfg.megatron_prefix is not None:
         return prepare_megatron(cfg, force=force)
     parts = resolve_sources(cfg.sources)
+    val_parts = resolve_sources(cfg.val_sources, hub_split="validation")
     if cfg.tokenizer.path is not None:
         check_reusable_tokenizer(cfg)
-    scans = scan_sources(parts)
-    settings = prepare_settings(cfg, scans)
-    out = Path(cfg.prepared_dir).expanduser() if cfg.prepared_dir else default_prepared_dir(cfg, scans)
+    scans, val_scans = scan_sources(parts), scan_sources(val_parts) if val_parts else []
+    settings = prepare_settings(cfg, scans, val_scans)
+    out = Path(cfg.prepared_dir).expanduser() if cfg.prepared_dir else default_prepared_dir(cfg, scans, val_scans)
     with FileLock(str(lock_path(out))):  # data-parallel ranks may all call prepare(); one builds
         meta = None if force else reusable_meta(out, settings)
         if meta is not None:
             check_windows(meta, cfg)
             logger.info("reusing prepared data in %s", out)
             return out
-        build_atomically(out, lambda work: build(cfg, parts, scans, settings, work))
+        build_atomically(out, lambda work: build(cfg, parts, val_parts, scans + val_scans, settings, work))
     return out
 
 
@@ -98,7 +100,11 @@ def check_windows(meta: dict[str, Any], cfg: DataConfig) -> None:
     if meta["train_tokens"] < need:
         raise DataError(f"corpus too short: the train split has {meta['train_tokens']} tokens, fewer than one "
                         f"window (data.seq_len + 1 = {need})")
-    if cfg.val_fraction > 0 and meta["val_tokens"] < need:
+    if cfg.val_source is not None and meta["val_tokens"] < need:
+        raise DataError(f"validation split too short: {meta['val_tokens']} tokens in {meta['val_documents']} "
+                        f"document(s) of data.val_source {cfg.val_source!r}, fewer than one window "
+                        f"(data.seq_len + 1 = {need})")
+    if cfg.val_source is None and cfg.val_fraction > 0 and meta["val_tokens"] < need:
         raise DataError(f"validation split too short: {meta['val_tokens']} tokens in {meta['val_documents']} "
                         f"document(s), fewer than one window (data.seq_len + 1 = {need}); raise "
                         f"data.val_fraction ({cfg.val_fraction}) or set it to 0")
@@ -115,28 +121,37 @@ def check_reusable_tokenizer(cfg: DataConfig) -> TextTokenizer:
 # ---- identity of a preparation --------------------------------------------------------------------------
 
 
-def prepare_settings(cfg: DataConfig, scans: list[dict[str, Any]]) -> dict[str, Any]:
+def prepare_settings(cfg: DataConfig, scans: list[dict[str, Any]], val_scans: list[dict[str, Any]]) -> dict[str, Any]:
     """Everything the bytes of the output depend on (not num_proc, seq_len or the output folder)."""
     tok = cfg.tokenizer
-    return {
+
+    def identity(scans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: s.get(k) for k in ("path", "sha256", "hub", "config") if k in s} for s in scans]
+
+    settings = {
         "format": FORMAT_VERSION,
-        "sources": [{k: s.get(k) for k in ("path", "sha256", "hub", "config") if k in s} for s in scans],
+        "sources": identity(scans),
         "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size,
                       "reused_sha256": tokenizer_sha256(tok.path) if tok.path else None},
         "val_fraction": cfg.val_fraction, "seed": cfg.seed, "sample_by": cfg.sample_by, "text_field": cfg.text_field,
     }
+    if val_scans:  # only then: folders prepared before val_source existed keep their identity
+        settings.update(val_sources=identity(val_scans), val_fraction=None)
+    return settings
 
 
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def default_prepared_dir(cfg: DataConfig, scans: list[dict[str, Any]]) -> Path:
+def default_prepared_dir(cfg: DataConfig, scans: list[dict[str, Any]], val_scans: list[dict[str, Any]]) -> Path:
     """`$MOEP_CACHE_DIR/prepared/<first source>-<hash>`: the hash covers source paths and settings but not
     file contents, so edited sources are rebuilt in the same folder."""
     key = {"sources": [s.get("path") or s.get("hub") for s in scans], "tokenizer": vars(cfg.tokenizer),
            "val_fraction": cfg.val_fraction, "seed": cfg.seed, "sample_by": cfg.sample_by,
            "text_field": cfg.text_field, "format": FORMAT_VERSION}
+    if val_scans:
+        key.update(val_sources=[s.get("path") or s.get("hub") for s in val_scans], val_fraction=None)
     slug = re.sub(r"[^A-Za-z0-9]+", "_", cfg.sources[0]).strip("_")[-40:] or "data"
     return default_cache_dir() / "prepared" / f"{slug}-{sha256_json(key)[:12]}"
 
@@ -190,7 +205,7 @@ def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
     train = IndexedDataset(megatron_prefix(cfg.megatron_prefix, "data.source"))
     tok = check_reusable_tokenizer(cfg)
     if cfg.val_source is not None:
-        val = IndexedDataset(megatron_prefix(cfg.val_source[len(MEGATRON):], "data.val_source"))
+        val = IndexedDataset(megatron_prefix(cfg.val_sources[0][len(MEGATRON):], "data.val_source"))
         ranges = {"train": (train, 0, len(train)), "val": (val, 0, len(val))}
     else:
         stop = len(train) - held_out(len(train), cfg.val_fraction)
@@ -268,14 +283,21 @@ def publish(work: Path, out: Path) -> None:
         os.replace(f, out / f.name)
 
 
-def build(cfg: DataConfig, parts: list[Part], scans: list[dict[str, Any]], settings: dict[str, Any],
-          work: Path) -> dict[str, Any]:
+def build(cfg: DataConfig, parts: list[Part], val_parts: list[Part], scans: list[dict[str, Any]],
+          settings: dict[str, Any], work: Path) -> dict[str, Any]:
+    import datasets
+
     clock = PhaseClock()
     docs = load_documents(parts, cfg, work / "hf_cache")
     if docs.num_rows == 0:
         raise DataError(f"empty corpus: {parts[0].describe()} ... hold no documents")
+    if val_parts:  # validation documents follow the train ones
+        val_docs = load_documents(val_parts, cfg, work / "hf_cache")
+        val_mask = np.arange(docs.num_rows + val_docs.num_rows) >= docs.num_rows
+        docs = datasets.concatenate_datasets([docs, val_docs])
+    else:
+        val_mask = split_mask(docs.num_rows, cfg.val_fraction, cfg.seed)
     clock.lap("read", f"{docs.num_rows} documents")
-    val_mask = split_mask(docs.num_rows, cfg.val_fraction, cfg.seed)
     tok = obtain_tokenizer(cfg, docs, val_mask, work)
     clock.lap("tokenizer", f"{cfg.tokenizer.kind}, vocab_size {tok.vocab_size}")
     tokenized = docs.map(DocumentEncoder(str(work / TOKENIZER_FILE), cfg.sample_by, cfg.num_proc == 1),
@@ -290,6 +312,7 @@ def build(cfg: DataConfig, parts: list[Part], scans: list[dict[str, Any]], setti
     del docs, tokenized
     shutil.rmtree(work / "hf_cache")
     clock.lap("write", f"{counts['train_tokens'] + counts['val_tokens']} tokens as {dtype.name}")
+    warn_lopsided_split(counts, cfg)
     seconds = clock.total()
     meta = {
         "format": FORMAT_VERSION, "vocab_size": tok.vocab_size, "dtype": dtype.name,
@@ -297,7 +320,7 @@ def build(cfg: DataConfig, parts: list[Part], scans: list[dict[str, Any]], setti
         "tokenizer_kind": cfg.tokenizer.kind, "tokenizer_reused_from": cfg.tokenizer.path,
         "tokenizer_sha256": tokenizer_sha256(work), **counts, "seed": cfg.seed,
         "val_fraction": cfg.val_fraction, "sample_by": cfg.sample_by, "text_field": cfg.text_field,
-        "source": cfg.sources, "sources": scans,
+        "source": cfg.sources, "val_source": cfg.val_source, "sources": scans,
         "invalid_utf8_bytes": sum(s.get("invalid_utf8_bytes", 0) for s in scans),
         "settings_sha256": sha256_json(settings), "seconds": round(seconds, 3), "phase_seconds": clock.phases,
         "tokens_per_second": round((counts["train_tokens"] + counts["val_tokens"]) / seconds),
@@ -305,6 +328,18 @@ def build(cfg: DataConfig, parts: list[Part], scans: list[dict[str, Any]], setti
     check_windows(meta, cfg)
     (work / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def warn_lopsided_split(counts: dict[str, int], cfg: DataConfig) -> None:
+    """Documents go to one split whole: a corpus of a few long documents (text files without blank lines, read
+    by paragraph, are one document each) can lose far more than val_fraction of its tokens to validation."""
+    share = counts["val_tokens"] / max(1, counts["train_tokens"] + counts["val_tokens"])
+    if cfg.val_source is None and share > 2 * cfg.val_fraction + 0.005:
+        logger.warning("validation holds %.1f%% of the tokens (%d of %d documents), data.val_fraction is %g: "
+                       "documents are split whole; with data.sample_by %r this corpus has few, long ones. "
+                       "Set data.sample_by=line, data.val_fraction=0 or a data.val_source", 100 * share,
+                       counts["val_documents"], counts["train_documents"] + counts["val_documents"],
+                       cfg.val_fraction, cfg.sample_by)
 
 
 class PhaseClock:
@@ -433,6 +468,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", help="a recipe YAML; its `data` section is the starting point")
     p.add_argument("--source", nargs="+",
                    help="paths, globs, folders, builtin[:MB], shared:NAME, hf:NAME[:CONFIG], megatron:PREFIX")
+    p.add_argument("--val-source", nargs="+", help="validation documents from these sources (same forms as "
+                   "--source; hf:NAME reads its validation split) instead of holding out --val-fraction")
     p.add_argument("--out", dest="prepared_dir", help="output folder (default: a cache folder)")
     p.add_argument("--tokenizer", dest="kind", choices=["bpe", "sentencepiece_unigram", "sentencepiece_bpe"])
     p.add_argument("--vocab-size", type=int)
@@ -470,8 +507,9 @@ def config_from_args(args: argparse.Namespace) -> DataConfig:
     for key in ("prepared_dir", "seq_len", "val_fraction", "seed", "num_proc", "sample_by", "text_field"):
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
-    if args.source:
-        data["source"] = args.source if len(args.source) > 1 else args.source[0]
+    for key in ("source", "val_source"):
+        if getattr(args, key):
+            data[key] = getattr(args, key) if len(getattr(args, key)) > 1 else getattr(args, key)[0]
     if "seq_len" not in data and model.get("max_seq_len") is not None:
         data["seq_len"] = model["max_seq_len"]  # a recipe's context length, when its data section omits it
     return parse(DataConfig, data, "data")

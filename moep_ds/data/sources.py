@@ -22,8 +22,8 @@ from moep_ds.data.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".train": "text", ".json": "json", ".jsonl": "json",
-            ".parquet": "parquet"}
+BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".train": "text", ".dev": "text", ".test": "text",
+            ".json": "json", ".jsonl": "json", ".parquet": "parquet"}  # .train/.dev/.test: BabyLM's text files
 DEFAULT_BUILTIN_MB = 4.0
 _SURROGATE = re.compile("[\udc80-\udcff]")  # invalid UTF-8 bytes as decoded by 'surrogateescape'
 _CHUNK = 4 << 20
@@ -39,25 +39,28 @@ def shared_data_dir() -> Path:
 
 @dataclass
 class Part:
-    """A run of local files read by one builder, or one hub dataset (`files` empty)."""
+    """A run of local files read by one builder, or one hub dataset (`files` empty) and the split read from it."""
 
     builder: str
     files: list[Path] = field(default_factory=list)
     hub: tuple[str, str | None] | None = None
+    split: str = "train"
 
     def describe(self) -> str:
         if self.hub:
-            return f"hub dataset {self.hub[0]}" + (f" ({self.hub[1]})" if self.hub[1] else "")
+            return f"hub dataset {self.hub[0]}" + (f" ({self.hub[1]})" if self.hub[1] else "") + \
+                (f" ({self.split} split)" if self.split != "train" else "")
         return f"{len(self.files)} {self.builder} file(s) starting with {self.files[0]}"
 
 
-def resolve_sources(specs: list[str]) -> list[Part]:
-    """Expand specs into parts, in order; raises DataError for anything that names no file."""
+def resolve_sources(specs: list[str], hub_split: str = "train") -> list[Part]:
+    """Expand specs into parts, in order (hub datasets read `hub_split`); raises DataError for anything that
+    names no file."""
     parts: list[Part] = []
     for spec in specs:
         if spec.startswith("hf:"):
             name, _, config = spec[3:].partition(":")
-            parts.append(Part("hub", hub=(name, config or None)))
+            parts.append(Part("hub", hub=(name, config or None), split=hub_split))
             continue
         for path in expand_spec(spec):
             builder = BUILDERS.get(path.suffix.lower(), "text")
@@ -181,7 +184,7 @@ def _load_part(part: Part, cfg: DataConfig, cache_dir: str):
 
     if part.hub:
         name, config = part.hub
-        return datasets.load_dataset(name, config, split="train", cache_dir=cache_dir)
+        return datasets.load_dataset(name, config, split=part.split, cache_dir=cache_dir)
     files = [str(p) for p in part.files]
     if part.builder == "text":
         return datasets.load_dataset("text", data_files=files, split="train", cache_dir=cache_dir,

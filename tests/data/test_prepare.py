@@ -2,6 +2,7 @@
 output, and one-line errors for bad input."""
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -265,3 +266,72 @@ def test_cli_reads_a_recipe_data_section_and_flags_override(tmp_path, capsys, co
     meta = check_meta(tmp_path / "p", vocab_size=320)
     assert summary["train_tokens"] == meta["train_tokens"] and meta["val_fraction"] == 0.1
     assert set(summary["phase_seconds"]) == {"read", "tokenizer", "tokenize", "write"}
+
+
+def test_val_source_is_the_validation_split_and_every_source_document_is_trained_on(tmp_path, capsys, corpus_file):
+    """BabyLM's protocol: train on all of train_10M, validate on its dev set. The tokenizer is trained on the
+    train documents alone, and the identity of the output covers the validation source."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "a.dev").write_text(generate_corpus(6_000, seed=11) + "\n\nZyzzogeton quixotry.\n")
+    code, out, _ = run_cli(capsys, "--source", str(corpus_file), "--val-source", str(dev), "--seq-len", "16",
+                           "--vocab-size", "300", "--out", str(tmp_path / "p"))
+    assert code == 0
+    prepared = tmp_path / "p"
+    meta = check_meta(prepared, vocab_size=300)
+    source_docs = [d.strip("\n") for d in corpus_file.read_text().split("\n\n") if d.strip()]
+    dev_docs = [d.strip("\n") for d in (dev / "a.dev").read_text().split("\n\n") if d.strip()]
+    assert split_documents(prepared, "train") == source_docs  # val_fraction (0.01 by default) is not used
+    assert split_documents(prepared, "val") == dev_docs
+    assert meta["val_source"] == str(dev) and json.loads(out)["val_documents"] == len(dev_docs)
+    held_out = prepare(config(corpus_file, tmp_path / "held_out"))
+    assert (held_out / "tokenizer.json").read_bytes() != (prepared / "tokenizer.json").read_bytes()
+    trained_on_source = prepare(config(corpus_file, tmp_path / "all", val_fraction=0.0))
+    assert (trained_on_source / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
+
+    cfg = config(corpus_file, None, val_source=str(dev))
+    default_dir = prepare(cfg)
+    assert prepare(cfg) == default_dir != prepare(config(corpus_file, None))
+    (dev / "a.dev").write_text("Only one short line now.\n")
+    with pytest.raises(DataError, match=r"validation split too short: \d+ tokens in 1 document\(s\) of "
+                                        r"data.val_source '.*dev', fewer than one window"):
+        prepare(config(corpus_file, tmp_path / "p2", val_source=str(dev), seq_len=64))
+    assert not (tmp_path / "p2").exists()
+
+
+def test_val_source_errors(tmp_path, capsys, corpus_file):
+    base = {"source": str(corpus_file), "seq_len": 16}
+    with pytest.raises(ConfigError, match=r"data.val_source \(''\) must name at least one non-empty source"):
+        parse(DataConfig, {**base, "val_source": ""}, "data")
+    with pytest.raises(ConfigError, match=r"data.val_source \('megatron:v'\) a megatron:PREFIX needs a megatron:PREFIX "
+                                          r"data.source"):
+        parse(DataConfig, {**base, "val_source": "megatron:v"}, "data")
+    code, _, err = run_cli(capsys, "--source", str(corpus_file), "--val-source", str(tmp_path / "no_dev"),
+                           "--seq-len", "16", "--vocab-size", "300", "--out", str(tmp_path / "p"))
+    assert_one_line_error(code, err, f"source path not found: {tmp_path / 'no_dev'}")
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_validation_split_far_above_val_fraction_is_warned_about(tmp_path, caplog):
+    """Text files without blank lines, read by paragraph, are one document each; with val_fraction > 0 at least
+    one goes to validation whole: here a third of the corpus."""
+    folder = tmp_path / "files"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"f{i}.train").write_text(generate_corpus(20_000, seed=i).replace("\n\n", "\n"))
+    meta = json.loads((prepare(config(folder, tmp_path / "p", val_fraction=0.01)) / "meta.json").read_text())
+    assert meta["val_documents"] == 1 and meta["train_documents"] == 2
+    assert "validation holds 3" in caplog.text and "data.val_fraction is 0.01: documents are split whole" in caplog.text
+    caplog.clear()
+    prepare(config(folder, tmp_path / "lines", val_fraction=0.01, sample_by="line"))
+    assert "validation holds" not in caplog.text
+
+
+def test_eval_every_needs_validation_data():
+    from moep_ds.config import load_config
+
+    quickstart = pathlib.Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    with pytest.raises(ConfigError, match=r"train.eval_every \(100\) needs validation data: data.val_fraction > 0 "
+                                          r"or a data.val_source"):
+        load_config(quickstart, overrides=["data.val_fraction=0"])
+    assert load_config(quickstart, overrides=["data.val_fraction=0", "data.val_source=dev.txt"])
