@@ -101,6 +101,20 @@ def test_recipes_name_their_seeds_corpus(recipe, source):
     assert load_config(CONFIGS / f"{recipe}.yaml").data.source == source
 
 
+BABYLM = ["msit_babylm", "moep_gpt2", "moep_llama", "moep_gemma", "gpt2_small", "llama_small", "gemma_small"]
+
+
+@pytest.mark.parametrize("recipe", BABYLM)
+def test_babylm_recipes_train_on_all_of_strict_small(recipe):
+    """The protocol trains on the whole train_10M folder: no held-out documents (a held-out share takes whole
+    documents, and BabyLM's files have few blank lines: it could take a whole file)."""
+    data = load_config(CONFIGS / f"{recipe}.yaml").data
+    assert (data.source, data.val_fraction, data.val_source) == ("shared:babylm/train_10M", 0.0, None)
+    assert load_config(CONFIGS / f"{recipe}.yaml", overrides=["data.val_source=shared:babylm/dev",
+                                                                "train.eval_every=500"]).data.val_sources == \
+        ["shared:babylm/dev"]
+
+
 def test_moe_stream_top2_weights_sum_to_one_per_token():
     cfg = load_config(CONFIGS / "moe_stream.yaml")
     router_cfg = cfg.model.layers[0].moe.router
