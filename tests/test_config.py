@@ -62,7 +62,7 @@ BAD = [
     ("unknown norm", with_change("model/layers/0/norm", "batchnorm"),
      "model.layers[0].norm.type: unknown norm 'batchnorm'; known: gemma_rmsnorm, layernorm, rmsnorm"),
     ("unknown ffn", with_change("model/layers/0/ffn", {"type": "relu2"}),
-     "model.layers[0].ffn.type: unknown ffn 'relu2'; known: geglu, gelu, swiglu"),
+     "model.layers[0].ffn.type: unknown ffn 'relu2'; known: geglu, gelu, gelu_tanh, swiglu"),
     ("window zero", with_change("model/layers/0/attention/window", 0),
      "model.layers[0].attention.window (0) must be > 0"),
     ("empty layer list", with_change("model/layers", []), "model.layers ([]) must not be empty"),
@@ -208,7 +208,7 @@ def test_flavours_fill_defaults_and_recipe_wins():
     raw["model"]["layers"][0]["norm"] = "rmsnorm"
     cfg = config_from_dict(raw)
     layer = cfg.model.layers[0]
-    assert layer.parallel_residual and layer.attention.bias and layer.ffn.type == "gelu"
+    assert layer.parallel_residual and layer.attention.bias and layer.ffn.type == "gelu_tanh"  # bias-gelu-fusion
     assert layer.attention.rope.fraction == 0.25
     assert layer.norm.type == "rmsnorm"  # the recipe's choice wins over the flavour's layernorm
     assert cfg.model.tie_embeddings is False and cfg.model.final_norm.type == "layernorm"

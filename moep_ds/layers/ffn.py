@@ -1,4 +1,4 @@
-"""Position-wise feed-forward networks: GELU MLP, SwiGLU, GeGLU.
+"""Position-wise feed-forward networks: GELU MLP (exact or tanh-approximated GELU), SwiGLU, GeGLU.
 
 # T tokens, D model dim, F hidden dim
 """
@@ -35,12 +35,14 @@ def ffn_hidden_size(cfg: FFNConfig, d_model: int) -> int:
     return 4 * d_model
 
 
-def gelu_mlp(x: torch.Tensor, w_in: nn.Linear, w_out: nn.Linear) -> torch.Tensor:
-    return w_out(F.gelu(w_in(x)))
+def gelu_mlp(x: torch.Tensor, w_in: nn.Linear, w_out: nn.Linear, approximate: str = "none") -> torch.Tensor:
+    return w_out(F.gelu(w_in(x), approximate=approximate))
 
 
 @FFNS.register("gelu", config=FFNConfig)
 class GeluMLP(nn.Module):
+    approximate = "none"  # exact GELU
+
     def __init__(self, cfg: FFNConfig, d_model: int):
         super().__init__()
         hidden = ffn_hidden_size(cfg, d_model)
@@ -48,7 +50,13 @@ class GeluMLP(nn.Module):
         self.w_out = nn.Linear(hidden, d_model, bias=cfg.bias)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return gelu_mlp(x_TD, self.w_in, self.w_out)
+        return gelu_mlp(x_TD, self.w_in, self.w_out, self.approximate)
+
+
+@FFNS.register("gelu_tanh", config=FFNConfig)
+class GeluTanhMLP(GeluMLP):
+    # GPT-2's gelu_new, and GPT-NeoX's fused bias-GELU kernel that Pythia trained with (bias-gelu-fusion)
+    approximate = "tanh"
 
 
 class GatedMLP(nn.Module):

@@ -17,7 +17,9 @@ from moep_ds.schema import ConfigError, OneOf, PositiveFloat, PositiveInt, fail,
 FLAVOURS: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {
         "model": {"position_embedding": "learned", "final_norm": {"type": "layernorm"}},
-        "block": {"norm": {"type": "layernorm"}, "ffn": {"type": "gelu", "bias": True}, "attention": {"bias": True}},
+        # GPT-2's gelu_new: the tanh approximation of GELU
+        "block": {"norm": {"type": "layernorm"}, "ffn": {"type": "gelu_tanh", "bias": True},
+                  "attention": {"bias": True}},
     },
     "llama": {
         "model": {"final_norm": {"type": "rmsnorm"}},
@@ -31,7 +33,7 @@ FLAVOURS: dict[str, dict[str, dict[str, Any]]] = {
         "model": {"final_norm": {"type": "layernorm"}, "tie_embeddings": False},
         "block": {
             "norm": {"type": "layernorm"},
-            "ffn": {"type": "gelu", "bias": True},
+            "ffn": {"type": "gelu_tanh", "bias": True},  # GPT-NeoX's fused bias-GELU, as Pythia trained
             "attention": {"bias": True, "rope": {"fraction": 0.25}},
             "parallel_residual": True,
         },

@@ -3,7 +3,7 @@
 # E experts (local to this rank), S tokens grouped by expert, C tokens per expert when all are equal,
 # D model dim, F expert hidden dim
 
-    gelu:   y = W2 gelu(W1 x + b1) + b2
+    gelu:   y = W2 gelu(W1 x + b1) + b2             gelu_tanh: the same with tanh-approximated GELU (GPT-2, Pythia)
     swiglu: y = W2 (silu(W1 x) * W3 x)          geglu: the same with tanh-approximated GELU (Gemma)
     (the gated product act(.) * . runs as one fused kernel per direction where it pays: layers/glu.py)
 

@@ -36,6 +36,11 @@ def test_swiglu_and_geglu_formulas():
         ffn = build_ffn(FFNConfig(type=kind, hidden_size=24), 16).double()
         ref = (act(x @ ffn.w1.weight.T) * (x @ ffn.w3.weight.T)) @ ffn.w2.weight.T
         torch.testing.assert_close(ffn(x), ref)
-    gelu = build_ffn(FFNConfig(type="gelu", bias=True), 16).double()
-    ref = torch.nn.functional.gelu(x @ gelu.w_in.weight.T + gelu.w_in.bias) @ gelu.w_out.weight.T + gelu.w_out.bias
-    torch.testing.assert_close(gelu(x), ref)
+    for kind, approximate in [("gelu", "none"), ("gelu_tanh", "tanh")]:
+        gelu = build_ffn(FFNConfig(type=kind, bias=True), 16).double()
+        h = x @ gelu.w_in.weight.T + gelu.w_in.bias
+        ref = torch.nn.functional.gelu(h, approximate=approximate) @ gelu.w_out.weight.T + gelu.w_out.bias
+        torch.testing.assert_close(gelu(x), ref)
+    # GPT-NeoX's bias_gelu (pythia-1b.yml: bias-gelu-fusion) and GPT-2's gelu_new, written out
+    tanh_gelu = 0.5 * h * (1 + torch.tanh(0.7978845608028654 * h * (1 + 0.044715 * h * h)))
+    torch.testing.assert_close(gelu(x), tanh_gelu @ gelu.w_out.weight.T + gelu.w_out.bias)

@@ -29,7 +29,8 @@ def per_expert(experts: GroupedExperts, x: torch.Tensor, counts: list[int]) -> t
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [2, 2, 2, 2]], ids=["uneven_with_idle", "equal"])
-@pytest.mark.parametrize("kind, bias", [("swiglu", False), ("geglu", True), ("gelu", True), ("gelu", False)])
+@pytest.mark.parametrize("kind, bias", [("swiglu", False), ("geglu", True), ("gelu", True), ("gelu", False),
+                                         ("gelu_tanh", True)])
 @pytest.mark.parametrize("ffn", [expert_loop_ffn, grouped_expert_ffn], ids=["expert_loop", "grouped"])
 def test_expert_paths_match_per_expert_definition(ffn, kind, bias, counts):
     experts = experts_of(kind, bias)
@@ -62,7 +63,7 @@ def test_frozen_experts_only_input_gradient():
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 9, 0]], ids=["uneven_with_idle", "one_expert"])
-@pytest.mark.parametrize("kind, bias", [("swiglu", False), ("gelu", True)])
+@pytest.mark.parametrize("kind, bias", [("swiglu", False), ("gelu", True), ("gelu_tanh", True)])
 def test_library_grouped_mm_matches_the_expert_loop(kind, bias, counts):
     """torch's F.grouped_mm path (fp32 on CPU, rows of 16-byte multiples) against the per-expert loop reference,
     gradients included, with a non-contiguous incoming gradient (the library's backward needs a contiguous one)."""
