@@ -172,10 +172,15 @@ def test_mixtral_tiny_recipe():
     d, f, e, layers, vocab = 256, 896, 8, 4, 8000
     attention = d * d * 2 + 2 * d * (d // 8 * 2)  # q, o and GQA k, v (2 KV heads of 32)
     per_layer_fixed = attention + 2 * d + d * e  # two RMSNorms, router
-    assert report.params_total == vocab * d + d + layers * (per_layer_fixed + e * 3 * d * f)
-    assert report.params_active == vocab * d + d + layers * (per_layer_fixed + 2 * 3 * d * f)
-    router = cfg.expanded_layers()[0].moe.router
+    embeddings = 2 * vocab * d  # untied, as Mixtral
+    assert report.params_total == embeddings + d + layers * (per_layer_fixed + e * 3 * d * f)
+    assert report.params_active == embeddings + d + layers * (per_layer_fixed + 2 * 3 * d * f)
+    layer = cfg.expanded_layers()[0]
+    router = layer.moe.router
     assert (router.type, router.k, router.renormalize, router.capacity_factor) == ("topk", 2, True, None)
+    # Mixtral's coefficient 0.02 on one K * E * sum f P loss over all layers = 0.02 * K / L per layer here
+    assert router.load_balancing_weight == pytest.approx(0.02 * router.k / layers)
+    assert (cfg.tie_embeddings, layer.attention.rope.base) == (False, 1e6)
 
 
 def test_parallel_residual_layout():
