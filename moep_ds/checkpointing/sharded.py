@@ -12,7 +12,9 @@ The N-d shapes are kept in `tensors.json` beside DCP's `.metadata` and `__<rank>
 """
 from __future__ import annotations
 
+import inspect
 import json
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException as DCPError  # a BaseException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -143,13 +148,55 @@ def async_save(state: dict[str, Any], path: Path, group):
                           async_stager=StagedCopy())
 
 
+# ---- reading DCP's metadata without running code from the file -------------------------------------------
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP keeps `.metadata` as a pickle and its FileSystemReader reads it with `pickle.load`, which calls
+    whatever a crafted file names (`os.system`, ...). This unpickler resolves only what DCP's own metadata holds:
+    its data classes and enums, the storage records of the file-system writer, torch sizes, dtypes and layouts,
+    and paths (StorageMeta.checkpoint_id)."""
+
+    ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+               ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED or self.is_metadata_class(module, name) or self.is_dtype(module, name):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+    @staticmethod
+    def is_metadata_class(module: str, name: str) -> bool:
+        value = getattr(dcp_metadata, name, None)
+        return module == dcp_metadata.__name__ and inspect.isclass(value) and value.__module__ == module
+
+    @staticmethod
+    def is_dtype(module: str, name: str) -> bool:
+        return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file-system reader with `.metadata` read by MetadataUnpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def load(state: dict[str, FlatShard], path: Path) -> None:
     """Fill every piece of `state` in place from the checkpoint at `path` (no collectives: each rank reads
     what it asks for, so a rank can load alone, e.g. for export)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(), no_dist=True)
+            dcp.load(state, storage_reader=SafeReader(path), planner=ShardLoadPlanner(), no_dist=True)
     except (Exception, DCPError) as err:  # DCP wraps per-item I/O errors; name the checkpoint and the cause
         raise DamagedCheckpoint(f"checkpoint {str(path)!r} could not be read: {first_line(err)}") from None
 
@@ -161,7 +208,7 @@ def first_line(err: BaseException) -> str:
 
 def read_metadata(path: Path) -> dict[str, Any]:
     """DCP's metadata of every stored tensor (dtype, flat size) by key."""
-    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return SafeReader(path).read_metadata().state_dict_metadata
 
 
 def read_shapes(path: Path) -> dict[str, list[int]]:
@@ -188,7 +235,7 @@ def check_files(path: Path) -> None:
         if not f.is_file():
             raise DamagedCheckpoint(f"checkpoint {str(path)!r} is damaged: {str(f)!r} is missing")
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = SafeReader(path).read_metadata()
         json.loads((path / TENSORS_FILE).read_text())
     except Exception as err:
         raise DamagedCheckpoint(

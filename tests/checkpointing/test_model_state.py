@@ -68,3 +68,42 @@ def test_shape_change_and_damage_are_named(tmp_path):
     (tmp_path / ".metadata").write_bytes(b"not a pickle")
     with pytest.raises(sharded.DamagedCheckpoint, match="unreadable metadata"):
         sharded.check_files(tmp_path)
+
+
+class Planted:
+    """Pickles as a call of os.mkdir: what a crafted `.metadata` can make pickle.load run."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (self.path,)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_metadata_is_read_without_running_code_from_it(tmp_path):
+    """DCP's own reader unpickles `.metadata` with pickle.load; ours resolves only DCP's data classes, torch
+    sizes, dtypes and layouts, so a planted call is refused (as damage, one line) instead of run."""
+    import pickle
+
+    ckpt = tmp_path / "ckpt"
+    save_whole(tiny(0), ckpt)
+    metadata = sharded.read_metadata(ckpt)  # a real one reads through the restricted unpickler
+    assert metadata and all(hasattr(m, "properties") or hasattr(m, "size") for m in metadata.values())
+    model_state.load_module(tiny(1), ckpt)
+
+    marker = tmp_path / "ran"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    for read in (sharded.check_files, sharded.read_metadata):
+        with pytest.raises((sharded.DamagedCheckpoint, pickle.UnpicklingError), match=r"posix\.mkdir is not allowed"):
+            read(ckpt)
+    with pytest.raises(sharded.DamagedCheckpoint, match=r"could not be read: .*posix\.mkdir is not allowed"):
+        model_state.load_module(tiny(1), ckpt)
+    assert not marker.exists()
+    (ckpt / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
+    with pytest.raises(sharded.DamagedCheckpoint, match=r"unreadable metadata \(holds a dict, not DCP metadata\)"):
+        sharded.check_files(ckpt)
+    pickle.loads(pickle.dumps(Planted(marker)))  # what torch's own reader would have done with the planted file
+    assert marker.is_dir()
