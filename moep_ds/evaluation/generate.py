@@ -31,15 +31,25 @@ from moep_ds.evaluation.partitioned import (
 log = logging.getLogger(__name__)
 
 
+def parse_device(device: str) -> torch.device:
+    """`device` as a torch.device; the commands call it before loading anything, since the model would otherwise
+    be loaded before torch rejects a malformed string."""
+    try:
+        return torch.device(device)
+    except RuntimeError:  # torch's own text does not name the option
+        raise UserError(f"--device ({device!r}) is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+
+
 def pick_device(device: str | None) -> torch.device:
     """The requested device, by default cuda when there is a GPU; lm-eval's CLI asks for cuda by default, which
     falls back to cpu without a GPU."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    where = parse_device(device)
+    if where.type == "cuda" and not torch.cuda.is_available():
         log.warning("device %s requested but CUDA is not available: evaluating on cpu", device)
         return torch.device("cpu")
-    return torch.device(device)
+    return where
 
 
 def place_model(model: nn.Module, device: str | None, dtype: str) -> torch.device:
@@ -197,10 +207,14 @@ def check_sampling_args(args: argparse.Namespace) -> None:
         raise UserError(f"--top_k ({args.top_k}) must be >= 1")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         raise UserError(f"--top_p ({args.top_p}) must be in (0, 1]")
+    if args.num_samples < 1:
+        raise UserError(f"--num_samples ({args.num_samples}) must be >= 1")
 
 
 def _main(args: argparse.Namespace) -> int:
     check_sampling_args(args)
+    if args.device is not None:
+        parse_device(args.device)
     # a split model's engine (ZeRO-3) gathers the parameters while the model runs: keep it
     model, cfg, tokenizer, _, engine = load_eval_model(args.checkpoint, args.set, args.dtype, args.expert_parallel)
     device = place_model(model, args.device, args.dtype)

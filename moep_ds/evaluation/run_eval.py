@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -62,6 +63,43 @@ def parser() -> argparse.ArgumentParser:
 
 def split_tasks(values: list[str]) -> list[str]:
     return [t for v in values for t in v.split(",") if t]
+
+
+def check_eval_args(args: argparse.Namespace) -> None:
+    """Refuse bad evaluation options before the checkpoint is read: lm-eval would fail on them after the model
+    is loaded, or run and record them."""
+    from moep_ds.evaluation.generate import parse_device
+
+    if args.tasks is not None and not split_tasks(args.tasks):
+        raise UserError(f"--tasks ({' '.join(args.tasks)!r}) names no task")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch_size ({args.batch_size}) must be >= 1")
+    if args.limit is not None and not 0 < args.limit < math.inf:  # also refuses nan
+        raise UserError(f"--limit ({args.limit:g}) must be a number > 0 (a fraction of each task if < 1)")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UserError(f"--num_fewshot ({args.num_fewshot}) must be >= 0")
+    if args.bootstrap_iters < 0:
+        raise UserError(f"--bootstrap_iters ({args.bootstrap_iters}) must be >= 0 (0: no stderrs)")
+    if args.device is not None:
+        parse_device(args.device)
+    if args.output or Path(args.checkpoint).is_dir():  # else the checkpoint's own error says more
+        check_output_dir("--output", output_dir(args))
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    return Path(args.output or Path(args.checkpoint) / "eval")
+
+
+def check_output_dir(option: str, path: Path) -> None:
+    """Refuse a directory to write into that is a file or lies under one, before any work: mkdir's error would
+    be a traceback, for --output only once the whole evaluation has run."""
+    for existing in (path, *path.parents):
+        if existing.is_dir():
+            return
+        if existing.exists() or existing.is_symlink():  # a file, or a link to nothing
+            if existing == path:
+                raise UserError(f"{option} ({str(path)!r}) exists and is not a directory")
+            raise UserError(f"{option} ({str(path)!r}) cannot be created: {str(existing)!r} is not a directory")
 
 
 def list_tasks(data_dir: str | None) -> int:
@@ -171,6 +209,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.render_tasks:
         from moep_ds.evaluation.tasks import render_tasks, resolve_data_dir
 
+        check_output_dir("--render_tasks", Path(args.render_tasks))
         data_dir = resolve_data_dir(args.data_dir, must_exist=False)
         if not data_dir.is_dir():
             log.warning("data directory %s does not exist: only grammar_pairs will find its data", data_dir)
@@ -178,10 +217,11 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     if not args.checkpoint:
         raise UserError("moep-eval needs a checkpoint: a model directory or a run directory")
+    check_eval_args(args)
     record = evaluate(args)
     if record is None:  # a rank other than 0 of a partitioned evaluation: rank 0 writes
         return 0
-    json_path, md_path = write_record(record, Path(args.output or Path(args.checkpoint) / "eval"))
+    json_path, md_path = write_record(record, output_dir(args))
     print(md_path.read_text(encoding="utf-8"))  # the table is this command's product
     log.info("wrote %s and %s", json_path, md_path)
     return 0

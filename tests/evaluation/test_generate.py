@@ -3,6 +3,7 @@ every block type."""
 import pytest
 import torch
 
+from moep_ds.errors import UserError
 from moep_ds.evaluation.generate import filter_top_k, filter_top_p, generate, sample_next
 from moep_ds.registry import BLOCKS
 
@@ -122,6 +123,28 @@ def test_moep_generate_cli(tmp_path, capsys):
     assert "has no tokenizer.json" in capsys.readouterr().err
 
 
+def files_under(root):
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num_samples", "0"], "--num_samples (0) must be >= 1"),
+    (["--num_samples", "-1"], "--num_samples (-1) must be >= 1"),
+    (["--device", "gpu0"], "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
+])
+def test_moep_generate_refuses_bad_arguments_before_loading(tmp_path, capsys, monkeypatch, extra, message):
+    import moep_ds.evaluation.generate as generate_cli
+    from moep_ds.checkpointing.model_dir import save_model_dir
+
+    model, cfg = tiny_model("dense_gpt2")
+    ckpt = save_model_dir(model, cfg, tmp_path / "m")
+    before = files_under(tmp_path)
+    monkeypatch.setattr(generate_cli, "load_eval_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert generate_cli.main([str(ckpt), "--prompt", "x", "--max_new_tokens", "5", *extra]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert files_under(tmp_path) == before
+
+
 def test_the_default_device_is_the_gpu_when_there_is_one(monkeypatch, caplog):
     from moep_ds.evaluation.generate import pick_device
 
@@ -130,3 +153,5 @@ def test_the_default_device_is_the_gpu_when_there_is_one(monkeypatch, caplog):
         assert pick_device(None) == torch.device(default) and pick_device("cpu") == torch.device("cpu")
     assert pick_device("cuda:1") == torch.device("cpu")  # still without a GPU: falls back, with a warning
     assert "device cuda:1 requested but CUDA is not available: evaluating on cpu" in caplog.text
+    with pytest.raises(UserError, match=r"^--device \('cuda:x'\) is not a torch device"):
+        pick_device("cuda:x")  # malformed: refused, not taken for a cuda device to fall back from

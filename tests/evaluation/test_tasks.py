@@ -113,6 +113,55 @@ def test_moep_eval_errors_are_one_line(tmp_path, capsys):
     assert "moep-eval needs a checkpoint" in capsys.readouterr().err
 
 
+
+def files_under(root):
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tasks", ""], "--tasks ('') names no task"),
+    (["--limit", "-1"], "--limit (-1) must be a number > 0 (a fraction of each task if < 1)"),
+    (["--limit", "0"], "--limit (0) must be a number > 0 (a fraction of each task if < 1)"),
+    (["--limit", "inf"], "--limit (inf) must be a number > 0 (a fraction of each task if < 1)"),
+    (["--batch_size", "0"], "--batch_size (0) must be >= 1"),
+    (["--batch_size", "-4"], "--batch_size (-4) must be >= 1"),
+    (["--num_fewshot", "-1"], "--num_fewshot (-1) must be >= 0"),
+    (["--bootstrap_iters", "-5"], "--bootstrap_iters (-5) must be >= 0 (0: no stderrs)"),
+    (["--device", "gpu0"], "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
+    (["--output", "{tmp}/a_file"], "--output ('{tmp}/a_file') exists and is not a directory"),
+    (["--output", "{tmp}/a_file/out"],
+     "--output ('{tmp}/a_file/out') cannot be created: '{tmp}/a_file' is not a directory"),
+    ([], "--output ('{tmp}/ckpt/eval') exists and is not a directory"),  # the default, CHECKPOINT/eval
+])
+def test_moep_eval_refuses_bad_arguments_before_reading_the_checkpoint(tmp_path, capsys, monkeypatch, extra, message):
+    import moep_ds.checkpointing.model_dir as model_dir
+    import moep_ds.evaluation.partitioned as partitioned
+
+    model, cfg = tiny_model("dense_gpt2")
+    ckpt = save_model_dir(model, cfg, tmp_path / "ckpt")
+    (tmp_path / "a_file").write_text("not a directory\n")
+    if not extra:
+        (ckpt / "eval").write_text("not a directory\n")
+    before = files_under(tmp_path)
+    for module, name in ((model_dir, "load_recipe"), (partitioned, "load_eval_model")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the checkpoint was read"))
+    argv = [str(ckpt), "--tasks", "grammar_pairs", *(a.format(tmp=tmp_path) for a in extra)]
+    assert eval_main(argv) == 2
+    assert capsys.readouterr().err == f"error: {message.format(tmp=tmp_path)}\n"
+    assert files_under(tmp_path) == before
+
+
+def test_moep_eval_refuses_to_render_tasks_into_a_file(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("not a directory\n")
+    before = files_under(tmp_path)
+    assert eval_main(["--render_tasks", str(tmp_path / "a_file")]) == 2
+    assert capsys.readouterr().err == f"error: --render_tasks ('{tmp_path / 'a_file'}') exists and is not a directory\n"
+    assert eval_main(["--render_tasks", str(tmp_path / "a_file" / "tasks")]) == 2
+    assert capsys.readouterr().err == (f"error: --render_tasks ('{tmp_path / 'a_file' / 'tasks'}') cannot be created: "
+                                       f"'{tmp_path / 'a_file'}' is not a directory\n")
+    assert files_under(tmp_path) == before
+
+
 def test_moep_eval_lists_tasks(capsys):
     assert eval_main(["--list_tasks"]) == 0
     out = capsys.readouterr().out.splitlines()
