@@ -118,11 +118,11 @@ def analyze_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_plots", action="store_true")
     args = parser.parse_args(argv)
 
-    def body() -> int:
+    def body(args: argparse.Namespace) -> int:
         from moep_ds.training.analyze import analyze, markdown
 
         summary = analyze(args.run_dir, plots=not args.no_plots)
         print(markdown(summary), end="")
         return 0
 
-    return run_guarded(body)
+    return run_command(body, args)  # logging set up as in the other console scripts: warnings show as such
