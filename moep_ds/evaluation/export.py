@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,26 @@ def write_hf_dir(entries: list[TensorEntry], cfg: Any, tmp: Path, tokenizer_dir:
 
 
 def check_export_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an --out that cannot become the export, before any weights are read and before anything is written."""
+    if out.is_symlink():  # replacing it would replace the link, not the folder it names
+        raise UserError(f"--out ({str(out)!r}) is a symbolic link (to {os.readlink(out)!r}); give the folder itself")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out ({str(out)!r}) exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
+    check_creatable(out)
+
+
+def check_creatable(out: Path) -> None:
+    """The export is built in a temporary sibling of `out` (layout.atomic_dir): probe that one can be made in the
+    nearest existing folder above it, and remove the probe again."""
+    parent = next(p for p in out.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise UserError(f"--out ({str(out)!r}) cannot be created: {parent} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moep-export-probe-", dir=parent))
+    except OSError as err:
+        raise UserError(f"--out ({str(out)!r}) cannot be written in {parent}: {err.strerror or err}") from None
 
 
 def export_hf(

@@ -1,6 +1,7 @@
 """moep-export: consolidated model directories and Hugging Face (trust_remote_code) directories whose logits
 equal moep_ds's for every block type."""
 import json
+import os
 import subprocess
 import sys
 
@@ -133,3 +134,55 @@ def test_vendored_imports_are_flat_and_relative():
         rewrite_imports("from moep_ds.training.state import x\n", "m")
     with pytest.raises(ValueError, match="cannot be vendored"):
         rewrite_imports("import moep_ds.layers.norm\n", "m")
+
+
+# ---- bad input: one line, exit status 2, nothing written ---------------------------------------------------
+
+
+def assert_one_line_error(code, err, message):
+    assert code == 2
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {message}"], err
+
+
+def snapshot(root):
+    """Every path under `root` with its bytes (None for folders): what a refused export must leave alone."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def make_run(run, tokenizer_dir=None, step=4):
+    """A run directory whose newest complete checkpoint (step `step`) is a tiny model directory."""
+    model, cfg = tiny_model("dense_gpt2")
+    ckpt = save_model_dir(model, cfg, run / "checkpoints" / f"step_{step:08d}", tokenizer_dir=tokenizer_dir,
+                          meta={"step": step})
+    (ckpt / "COMPLETE").touch()
+    return ckpt
+
+
+def test_moep_export_refuses_an_out_that_is_no_folder(tmp_path, capsys):
+    ckpt = make_run(tmp_path / "run")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    before = snapshot(tmp_path)
+    cases = {
+        "afile": "--out ({!r}) exists and is not a directory",
+        "afile/sub": f"--out ({{!r}}) cannot be created: {tmp_path / 'afile'} is not a directory",
+        "link": f"--out ({{!r}}) is a symbolic link (to {str(tmp_path / 'elsewhere')!r}); give the folder itself",
+    }
+    for out, message in cases.items():
+        for force in ([], ["--force"]):
+            code = export_main([str(ckpt), "--out", str(tmp_path / out), *force])
+            assert_one_line_error(code, capsys.readouterr().err, message.format(str(tmp_path / out)))
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc (a folder nobody can write in)")
+def test_moep_export_refuses_an_out_it_cannot_write(tmp_path, capsys):
+    ckpt = make_run(tmp_path / "run")
+    before = snapshot(tmp_path)
+    for out in ("/proc/moep_export", "/proc/moep_export/sub"):
+        code = export_main([str(ckpt), "--out", out])
+        err = capsys.readouterr().err
+        reason = next(r for r in ("No such file or directory", "Permission denied") if r in err)
+        assert_one_line_error(code, err, f"--out ({out!r}) cannot be written in /proc: {reason}")
+    assert not os.path.exists("/proc/moep_export") and snapshot(tmp_path) == before
