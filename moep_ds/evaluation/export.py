@@ -102,6 +102,38 @@ def check_creatable(out: Path) -> None:
         raise UserError(f"--out ({str(out)!r}) cannot be written in {parent}: {err.strerror or err}") from None
 
 
+def check_outside_runs(out: Path, source: Path) -> None:
+    """An export replaces --out as a whole (--force): it must not be or hold the checkpoint it reads, nor lie in
+    a run directory's checkpoints, which the trainer owns."""
+    reason = run_overlap(out.resolve(), source.resolve())
+    if reason is not None:
+        raise UserError(f"--out ({str(out)!r}) {reason}: an export never writes into a run directory or checkpoint")
+
+
+def run_overlap(out: Path, source: Path) -> str | None:
+    """Why the resolved path `out` would write into the checkpoint `source` or a run directory; None if not."""
+    if out == source:
+        return "is the checkpoint being exported"
+    if source in out.parents:
+        return f"is inside the checkpoint being exported ({source})"
+    if out in source.parents:
+        return f"contains the checkpoint being exported ({source})"
+    for p in (out, *out.parents):
+        if layout.is_complete(p):
+            return "is a checkpoint" if p == out else f"is inside checkpoint {p}"
+        if is_run_dir(p) and p == out:
+            return "is a run directory"
+        if is_run_dir(p) and out.is_relative_to(layout.checkpoint_root(p)):
+            return f"is inside the checkpoints of run directory {p}"
+    return None
+
+
+def is_run_dir(path: Path) -> bool:
+    """A folder whose checkpoints/ holds step_<N> checkpoints (complete or not), not just any checkpoints/."""
+    root = layout.checkpoint_root(path)
+    return root.is_dir() and any(layout.step_of(d) >= 0 for d in root.iterdir())
+
+
 def export_hf(
     model: torch.nn.Module,
     cfg: Any,
@@ -159,10 +191,11 @@ def _main(args: argparse.Namespace) -> int:
     from moep_ds.checkpointing.model_dir import load_recipe, read_meta, save_weights_dir, stored_weights
 
     source, cfg = load_recipe(args.checkpoint, args.set)
+    out = Path(args.out)
+    check_outside_runs(out, source)
+    check_export_dir(out, args.force)  # before the weights are read
     tokenizer_dir = source if (source / "tokenizer.json").is_file() else None
     meta = {**read_meta(source), "exported_from": str(source.resolve())}
-    out = Path(args.out)
-    check_export_dir(out, args.force)  # before anything is read
     if args.hf:
         entries, _ = stored_weights(source, cfg, prefix="model.")
         export_hf_weights(entries, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=args.force)

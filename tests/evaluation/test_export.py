@@ -186,3 +186,29 @@ def test_moep_export_refuses_an_out_it_cannot_write(tmp_path, capsys):
         reason = next(r for r in ("No such file or directory", "Permission denied") if r in err)
         assert_one_line_error(code, err, f"--out ({out!r}) cannot be written in /proc: {reason}")
     assert not os.path.exists("/proc/moep_export") and snapshot(tmp_path) == before
+
+
+def test_moep_export_never_writes_into_a_run(tmp_path, capsys):
+    tmp_path = tmp_path.resolve()  # the reasons name resolved paths
+    run, other = tmp_path / "run", tmp_path / "other"
+    ckpt, old = make_run(run), make_run(run, step=2)
+    make_run(other, step=1)
+    rule = "an export never writes into a run directory or checkpoint"
+    cases = {  # --out -> why
+        run: f"contains the checkpoint being exported ({ckpt})",
+        run / "checkpoints": f"contains the checkpoint being exported ({ckpt})",
+        tmp_path: f"contains the checkpoint being exported ({ckpt})",
+        ckpt: "is the checkpoint being exported",
+        ckpt / "hf": f"is inside the checkpoint being exported ({ckpt})",
+        old: "is a checkpoint",
+        old / "hf": f"is inside checkpoint {old}",
+        run / "checkpoints" / "step_00000009": f"is inside the checkpoints of run directory {run}",
+        other: "is a run directory",
+    }
+    before = snapshot(tmp_path)
+    for source in (run, ckpt):
+        for out, why in cases.items():
+            code = export_main([str(source), "--out", str(out), "--force", "--hf"])
+            assert_one_line_error(code, capsys.readouterr().err, f"--out ({str(out)!r}) {why}: {rule}")
+    assert snapshot(tmp_path) == before
+    assert export_main([str(run), "--out", str(run / "hf")]) == 0  # beside the checkpoints is fine
