@@ -178,9 +178,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moep-export", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="model directory, or run directory (newest complete checkpoint)")
-    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--out", required=True, help="directory to write (not in a run directory's checkpoints)")
     p.add_argument("--hf", action="store_true", help="write a Hugging Face (trust_remote_code) directory")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out as a whole if it exists (once the new export is complete)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="recipe overrides stored with the export, e.g. model.layers[1].router.eval_mode=threshold")
     return p
@@ -188,7 +189,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _main(args: argparse.Namespace) -> int:
     """Streams the weights from the checkpoint to the export one tensor at a time: the model is never built."""
-    from moep_ds.checkpointing.model_dir import load_recipe, read_meta, save_weights_dir, stored_weights
+    from moep_ds.checkpointing.model_dir import load_recipe, read_meta, stored_weights, write_model_files
 
     source, cfg = load_recipe(args.checkpoint, args.set)
     out = Path(args.out)
@@ -201,7 +202,10 @@ def _main(args: argparse.Namespace) -> int:
         export_hf_weights(entries, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=args.force)
     else:
         entries, extra = stored_weights(source, cfg)
-        save_weights_dir(entries, extra, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta)
+        # not save_weights_dir, which writes into an existing folder file by file: --force replaces the whole
+        # folder, and only once the new export is complete
+        with layout.atomic_dir(out) as tmp:
+            write_model_files(entries, extra, cfg, tmp, tokenizer_dir, meta)
     log.info("wrote %s", out)
     return 0
 

@@ -212,3 +212,26 @@ def test_moep_export_never_writes_into_a_run(tmp_path, capsys):
             assert_one_line_error(code, capsys.readouterr().err, f"--out ({str(out)!r}) {why}: {rule}")
     assert snapshot(tmp_path) == before
     assert export_main([str(run), "--out", str(run / "hf")]) == 0  # beside the checkpoints is fine
+
+
+def test_moep_export_force_replaces_the_whole_folder(tmp_path, monkeypatch, capsys):
+    from moep_ds.checkpointing import model_dir
+    from moep_ds.errors import UserError
+
+    ckpt = make_run(tmp_path / "run")
+    assert export_main([str(ckpt), "--out", str(tmp_path / "plain")]) == 0
+    assert export_main([str(ckpt), "--out", str(tmp_path / "out"), "--hf"]) == 0
+    assert (tmp_path / "out" / "modeling_moep.py").is_file()
+    assert export_main([str(ckpt), "--out", str(tmp_path / "out"), "--force"]) == 0
+    assert snapshot(tmp_path / "out").keys() == snapshot(tmp_path / "plain").keys()  # no stale Hugging Face files
+
+    def fail(entries, extra, cfg, out, *args):
+        (out / "model.safetensors").write_text("half")
+        raise UserError("disk full")
+
+    monkeypatch.setattr(model_dir, "write_model_files", fail)
+    before = snapshot(tmp_path)
+    for out in (tmp_path / "out", tmp_path / "new" / "deeper" / "out"):
+        code = export_main([str(ckpt), "--out", str(out), "--force"])
+        assert_one_line_error(code, capsys.readouterr().err, "disk full")
+    assert snapshot(tmp_path) == before  # the old export intact, no temporary folder, no new parent folders
