@@ -134,6 +134,19 @@ def is_run_dir(path: Path) -> bool:
     return root.is_dir() and any(layout.step_of(d) >= 0 for d in root.iterdir())
 
 
+def checked_tokenizer(source: Path) -> Path | None:
+    """`source` if its tokenizer.json loads (parsed by `tokenizers`, so a damaged file is refused rather than
+    copied); None, with a warning, when it has none: such an export still gives logits for token ids."""
+    from moep_ds.data.tokenizer import load_tokenizer
+
+    if not (source / "tokenizer.json").exists():
+        log.warning("checkpoint %s has no tokenizer.json: exporting without a tokenizer (the model runs on token "
+                    "ids; evaluating or generating text needs one)", source)
+        return None
+    load_tokenizer(source)
+    return source
+
+
 def export_hf(
     model: torch.nn.Module,
     cfg: Any,
@@ -195,7 +208,7 @@ def _main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_outside_runs(out, source)
     check_export_dir(out, args.force)  # before the weights are read
-    tokenizer_dir = source if (source / "tokenizer.json").is_file() else None
+    tokenizer_dir = checked_tokenizer(source)
     meta = {**read_meta(source), "exported_from": str(source.resolve())}
     if args.hf:
         entries, _ = stored_weights(source, cfg, prefix="model.")

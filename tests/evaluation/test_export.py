@@ -1,6 +1,7 @@
 """moep-export: consolidated model directories and Hugging Face (trust_remote_code) directories whose logits
 equal moep_ds's for every block type."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -149,6 +150,17 @@ def snapshot(root):
     return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
 
 
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from moep_ds.data.builtin import generate_corpus
+    from moep_ds.data.config import TokenizerConfig
+    from moep_ds.data.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(generate_corpus(5_000, seed=0).split("\n\n"), TokenizerConfig(kind="bpe", vocab_size=300), out)
+    return out
+
+
 def make_run(run, tokenizer_dir=None, step=4):
     """A run directory whose newest complete checkpoint (step `step`) is a tiny model directory."""
     model, cfg = tiny_model("dense_gpt2")
@@ -235,3 +247,24 @@ def test_moep_export_force_replaces_the_whole_folder(tmp_path, monkeypatch, caps
         code = export_main([str(ckpt), "--out", str(out), "--force"])
         assert_one_line_error(code, capsys.readouterr().err, "disk full")
     assert snapshot(tmp_path) == before  # the old export intact, no temporary folder, no new parent folders
+
+
+def test_moep_export_tokenizer_missing_warns_damaged_refused(tmp_path, tokenizer_dir, capsys, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
+    bare = make_run(tmp_path / "bare")
+    with caplog.at_level(logging.WARNING, logger="moep_ds"):
+        assert export_main([str(tmp_path / "bare"), "--out", str(tmp_path / "out")]) == 0
+    assert f"checkpoint {bare} has no tokenizer.json: exporting without a tokenizer" in caplog.text
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+    ckpt = make_run(tmp_path / "run", tokenizer_dir)
+    text = (ckpt / "tokenizer.json").read_text()
+    (ckpt / "tokenizer.json").write_text(text[: len(text) // 2])  # truncated
+    before = snapshot(tmp_path)
+    for layout in ([], ["--hf"]):
+        code = export_main([str(tmp_path / "run"), "--out", str(tmp_path / "new" / "out"), *layout])
+        err = capsys.readouterr().err
+        line = next(line for line in err.splitlines() if line.startswith("error:"))
+        assert line.startswith(f"error: cannot load tokenizer {ckpt / 'tokenizer.json'}: EOF while parsing")
+        assert_one_line_error(code, err, line.removeprefix("error: "))
+    assert snapshot(tmp_path) == before
