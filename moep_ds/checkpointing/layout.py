@@ -79,19 +79,39 @@ def replace_dir(tmp: Path, final: Path) -> None:
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike, *, tmp: Path | None = None) -> Iterator[Path]:
     """Yield a temporary sibling of `final` to write into; on success it becomes `final` in one rename (with
-    umask modes); on any error it is removed and `final` is left as it was."""
+    umask modes); on any error it is removed, as are the parent folders made for it, and `final` is left as it
+    was."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if tmp is None:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    else:
-        tmp.mkdir(parents=True)
+    created = [p for p in final.parents if not p.exists()]  # deepest first
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if tmp is None:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+        else:
+            tmp.mkdir(parents=True)
+    except BaseException:
+        remove_empty_dirs(created)
+        raise
     try:
         yield tmp
         apply_umask(tmp)
         replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_empty_dirs(created)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_empty_dirs(dirs: list[Path]) -> None:
+    """Remove `dirs` (deepest first) as long as they are empty: a failed write leaves no new folders behind,
+    and never removes one that something else has filled meanwhile."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def check_writable(directory: str | os.PathLike, field: str) -> Path:

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,71 @@ def write_hf_dir(entries: list[TensorEntry], cfg: Any, tmp: Path, tokenizer_dir:
 
 
 def check_export_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an --out that cannot become the export, before any weights are read and before anything is written."""
+    if out.is_symlink():  # replacing it would replace the link, not the folder it names
+        raise UserError(f"--out ({str(out)!r}) is a symbolic link (to {os.readlink(out)!r}); give the folder itself")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out ({str(out)!r}) exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
+    check_creatable(out)
+
+
+def check_creatable(out: Path) -> None:
+    """The export is built in a temporary sibling of `out` (layout.atomic_dir): probe that one can be made in the
+    nearest existing folder above it, and remove the probe again."""
+    parent = next(p for p in out.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise UserError(f"--out ({str(out)!r}) cannot be created: {parent} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moep-export-probe-", dir=parent))
+    except OSError as err:
+        raise UserError(f"--out ({str(out)!r}) cannot be written in {parent}: {err.strerror or err}") from None
+
+
+def check_outside_runs(out: Path, source: Path) -> None:
+    """An export replaces --out as a whole (--force): it must not be or hold the checkpoint it reads, nor lie in
+    a run directory's checkpoints, which the trainer owns."""
+    reason = run_overlap(out.resolve(), source.resolve())
+    if reason is not None:
+        raise UserError(f"--out ({str(out)!r}) {reason}: an export never writes into a run directory or checkpoint")
+
+
+def run_overlap(out: Path, source: Path) -> str | None:
+    """Why the resolved path `out` would write into the checkpoint `source` or a run directory; None if not."""
+    if out == source:
+        return "is the checkpoint being exported"
+    if source in out.parents:
+        return f"is inside the checkpoint being exported ({source})"
+    if out in source.parents:
+        return f"contains the checkpoint being exported ({source})"
+    for p in (out, *out.parents):
+        if layout.is_complete(p):
+            return "is a checkpoint" if p == out else f"is inside checkpoint {p}"
+        if is_run_dir(p) and p == out:
+            return "is a run directory"
+        if is_run_dir(p) and out.is_relative_to(layout.checkpoint_root(p)):
+            return f"is inside the checkpoints of run directory {p}"
+    return None
+
+
+def is_run_dir(path: Path) -> bool:
+    """A folder whose checkpoints/ holds step_<N> checkpoints (complete or not), not just any checkpoints/."""
+    root = layout.checkpoint_root(path)
+    return root.is_dir() and any(layout.step_of(d) >= 0 for d in root.iterdir())
+
+
+def checked_tokenizer(source: Path) -> Path | None:
+    """`source` if its tokenizer.json loads (parsed by `tokenizers`, so a damaged file is refused rather than
+    copied); None, with a warning, when it has none: such an export still gives logits for token ids."""
+    from moep_ds.data.tokenizer import load_tokenizer
+
+    if not (source / "tokenizer.json").exists():
+        log.warning("checkpoint %s has no tokenizer.json: exporting without a tokenizer (the model runs on token "
+                    "ids; evaluating or generating text needs one)", source)
+        return None
+    load_tokenizer(source)
+    return source
 
 
 def export_hf(
@@ -127,9 +191,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moep-export", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="model directory, or run directory (newest complete checkpoint)")
-    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--out", required=True, help="directory to write (not in a run directory's checkpoints)")
     p.add_argument("--hf", action="store_true", help="write a Hugging Face (trust_remote_code) directory")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out as a whole if it exists (once the new export is complete)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="recipe overrides stored with the export, e.g. model.layers[1].router.eval_mode=threshold")
     return p
@@ -137,19 +202,23 @@ def parser() -> argparse.ArgumentParser:
 
 def _main(args: argparse.Namespace) -> int:
     """Streams the weights from the checkpoint to the export one tensor at a time: the model is never built."""
-    from moep_ds.checkpointing.model_dir import load_recipe, read_meta, save_weights_dir, stored_weights
+    from moep_ds.checkpointing.model_dir import load_recipe, read_meta, stored_weights, write_model_files
 
     source, cfg = load_recipe(args.checkpoint, args.set)
-    tokenizer_dir = source if (source / "tokenizer.json").is_file() else None
-    meta = {**read_meta(source), "exported_from": str(source.resolve())}
     out = Path(args.out)
-    check_export_dir(out, args.force)  # before anything is read
+    check_outside_runs(out, source)
+    check_export_dir(out, args.force)  # before the weights are read
+    tokenizer_dir = checked_tokenizer(source)
+    meta = {**read_meta(source), "exported_from": str(source.resolve())}
     if args.hf:
         entries, _ = stored_weights(source, cfg, prefix="model.")
         export_hf_weights(entries, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=args.force)
     else:
         entries, extra = stored_weights(source, cfg)
-        save_weights_dir(entries, extra, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta)
+        # not save_weights_dir, which writes into an existing folder file by file: --force replaces the whole
+        # folder, and only once the new export is complete
+        with layout.atomic_dir(out) as tmp:
+            write_model_files(entries, extra, cfg, tmp, tokenizer_dir, meta)
     log.info("wrote %s", out)
     return 0
 

@@ -1,6 +1,8 @@
 """moep-export: consolidated model directories and Hugging Face (trust_remote_code) directories whose logits
 equal moep_ds's for every block type."""
 import json
+import logging
+import os
 import subprocess
 import sys
 
@@ -133,3 +135,136 @@ def test_vendored_imports_are_flat_and_relative():
         rewrite_imports("from moep_ds.training.state import x\n", "m")
     with pytest.raises(ValueError, match="cannot be vendored"):
         rewrite_imports("import moep_ds.layers.norm\n", "m")
+
+
+# ---- bad input: one line, exit status 2, nothing written ---------------------------------------------------
+
+
+def assert_one_line_error(code, err, message):
+    assert code == 2
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {message}"], err
+
+
+def snapshot(root):
+    """Every path under `root` with its bytes (None for folders): what a refused export must leave alone."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from moep_ds.data.builtin import generate_corpus
+    from moep_ds.data.config import TokenizerConfig
+    from moep_ds.data.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(generate_corpus(5_000, seed=0).split("\n\n"), TokenizerConfig(kind="bpe", vocab_size=300), out)
+    return out
+
+
+def make_run(run, tokenizer_dir=None, step=4):
+    """A run directory whose newest complete checkpoint (step `step`) is a tiny model directory."""
+    model, cfg = tiny_model("dense_gpt2")
+    ckpt = save_model_dir(model, cfg, run / "checkpoints" / f"step_{step:08d}", tokenizer_dir=tokenizer_dir,
+                          meta={"step": step})
+    (ckpt / "COMPLETE").touch()
+    return ckpt
+
+
+def test_moep_export_refuses_an_out_that_is_no_folder(tmp_path, capsys):
+    ckpt = make_run(tmp_path / "run")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    before = snapshot(tmp_path)
+    cases = {
+        "afile": "--out ({!r}) exists and is not a directory",
+        "afile/sub": f"--out ({{!r}}) cannot be created: {tmp_path / 'afile'} is not a directory",
+        "link": f"--out ({{!r}}) is a symbolic link (to {str(tmp_path / 'elsewhere')!r}); give the folder itself",
+    }
+    for out, message in cases.items():
+        for force in ([], ["--force"]):
+            code = export_main([str(ckpt), "--out", str(tmp_path / out), *force])
+            assert_one_line_error(code, capsys.readouterr().err, message.format(str(tmp_path / out)))
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc (a folder nobody can write in)")
+def test_moep_export_refuses_an_out_it_cannot_write(tmp_path, capsys):
+    ckpt = make_run(tmp_path / "run")
+    before = snapshot(tmp_path)
+    for out in ("/proc/moep_export", "/proc/moep_export/sub"):
+        code = export_main([str(ckpt), "--out", out])
+        err = capsys.readouterr().err
+        reason = next(r for r in ("No such file or directory", "Permission denied") if r in err)
+        assert_one_line_error(code, err, f"--out ({out!r}) cannot be written in /proc: {reason}")
+    assert not os.path.exists("/proc/moep_export") and snapshot(tmp_path) == before
+
+
+def test_moep_export_never_writes_into_a_run(tmp_path, capsys):
+    tmp_path = tmp_path.resolve()  # the reasons name resolved paths
+    run, other = tmp_path / "run", tmp_path / "other"
+    ckpt, old = make_run(run), make_run(run, step=2)
+    make_run(other, step=1)
+    rule = "an export never writes into a run directory or checkpoint"
+    cases = {  # --out -> why
+        run: f"contains the checkpoint being exported ({ckpt})",
+        run / "checkpoints": f"contains the checkpoint being exported ({ckpt})",
+        tmp_path: f"contains the checkpoint being exported ({ckpt})",
+        ckpt: "is the checkpoint being exported",
+        ckpt / "hf": f"is inside the checkpoint being exported ({ckpt})",
+        old: "is a checkpoint",
+        old / "hf": f"is inside checkpoint {old}",
+        run / "checkpoints" / "step_00000009": f"is inside the checkpoints of run directory {run}",
+        other: "is a run directory",
+    }
+    before = snapshot(tmp_path)
+    for source in (run, ckpt):
+        for out, why in cases.items():
+            code = export_main([str(source), "--out", str(out), "--force", "--hf"])
+            assert_one_line_error(code, capsys.readouterr().err, f"--out ({str(out)!r}) {why}: {rule}")
+    assert snapshot(tmp_path) == before
+    assert export_main([str(run), "--out", str(run / "hf")]) == 0  # beside the checkpoints is fine
+
+
+def test_moep_export_force_replaces_the_whole_folder(tmp_path, monkeypatch, capsys):
+    from moep_ds.checkpointing import model_dir
+    from moep_ds.errors import UserError
+
+    ckpt = make_run(tmp_path / "run")
+    assert export_main([str(ckpt), "--out", str(tmp_path / "plain")]) == 0
+    assert export_main([str(ckpt), "--out", str(tmp_path / "out"), "--hf"]) == 0
+    assert (tmp_path / "out" / "modeling_moep.py").is_file()
+    assert export_main([str(ckpt), "--out", str(tmp_path / "out"), "--force"]) == 0
+    assert snapshot(tmp_path / "out").keys() == snapshot(tmp_path / "plain").keys()  # no stale Hugging Face files
+
+    def fail(entries, extra, cfg, out, *args):
+        (out / "model.safetensors").write_text("half")
+        raise UserError("disk full")
+
+    monkeypatch.setattr(model_dir, "write_model_files", fail)
+    before = snapshot(tmp_path)
+    for out in (tmp_path / "out", tmp_path / "new" / "deeper" / "out"):
+        code = export_main([str(ckpt), "--out", str(out), "--force"])
+        assert_one_line_error(code, capsys.readouterr().err, "disk full")
+    assert snapshot(tmp_path) == before  # the old export intact, no temporary folder, no new parent folders
+
+
+def test_moep_export_tokenizer_missing_warns_damaged_refused(tmp_path, tokenizer_dir, capsys, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
+    bare = make_run(tmp_path / "bare")
+    with caplog.at_level(logging.WARNING, logger="moep_ds"):
+        assert export_main([str(tmp_path / "bare"), "--out", str(tmp_path / "out")]) == 0
+    assert f"checkpoint {bare} has no tokenizer.json: exporting without a tokenizer" in caplog.text
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+    ckpt = make_run(tmp_path / "run", tokenizer_dir)
+    text = (ckpt / "tokenizer.json").read_text()
+    (ckpt / "tokenizer.json").write_text(text[: len(text) // 2])  # truncated
+    before = snapshot(tmp_path)
+    for layout in ([], ["--hf"]):
+        code = export_main([str(tmp_path / "run"), "--out", str(tmp_path / "new" / "out"), *layout])
+        err = capsys.readouterr().err
+        line = next(line for line in err.splitlines() if line.startswith("error:"))
+        assert line.startswith(f"error: cannot load tokenizer {ckpt / 'tokenizer.json'}: EOF while parsing")
+        assert_one_line_error(code, err, line.removeprefix("error: "))
+    assert snapshot(tmp_path) == before
