@@ -69,18 +69,34 @@ LOG_FILES = ("metrics.jsonl", "expert_utilization.jsonl")
 
 
 def drop_rows_after(run_dir: pathlib.Path, step: int) -> None:
-    """Logs follow the checkpoint: rows of steps after a resumed `step` were trained again (or never will be)."""
+    """Logs follow the checkpoint: rows of steps after a resumed `step` were trained again (or never will be).
+    A cut-off last line (the interrupted run's unfinished write) goes too, so that new rows start on a line of
+    their own; a malformed line elsewhere is kept as it is (moep-analyze names it)."""
     for name in LOG_FILES:
         path = run_dir / name
         if not path.is_file():
             continue
         lines = path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
+        kept = [line for i, line in enumerate(lines) if keep_row(line, step, path, i + 1, last=i == len(lines) - 1)]
         if len(kept) != len(lines):
             tmp = path.with_name(f".{name}.tmp")
             tmp.write_text("".join(kept))
             tmp.replace(path)
             log.info("dropped %d rows after step %d from %s", len(lines) - len(kept), step, path)
+
+
+def keep_row(line: str, step: int, path: pathlib.Path, number: int, last: bool) -> bool:
+    if not line.strip():
+        return True
+    try:
+        row = json.loads(line)
+    except ValueError:
+        if last and not line.endswith("\n"):
+            log.warning("%s, line %d: dropping the cut-off last line an interrupted run left", path, number)
+            return False
+        log.warning("%s, line %d: not valid JSON; kept as it is", path, number)
+        return True
+    return not isinstance(row, dict) or not isinstance(row.get("step", 0), int) or row.get("step", 0) <= step
 
 
 class Monitor:

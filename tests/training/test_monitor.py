@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moep_ds.training.monitor import Monitor
+from moep_ds.training.monitor import Monitor, drop_rows_after
 
 WORLD = 2
 
@@ -60,3 +60,16 @@ def test_statistics_are_summed_over_ranks_and_shown_as_shares(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "expert_utilization.jsonl").read_text().splitlines()]
     assert rows == [{"step": 10, "layers.1.dropped_fraction": 0.125, "layers.1.router_entropy": 1.5,
                      "layers.1.tokens_per_expert": counts}]
+
+
+def test_resume_drops_later_rows_and_a_cut_off_last_line(tmp_path, caplog):
+    """A killed run can leave half a line at the end of a log; resuming drops it with the rows after the
+    checkpoint, so that the next row starts on a line of its own. A malformed line elsewhere is kept."""
+    rows = [json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text(rows[0] + "garbage\n" + "".join(rows[1:]) + '{"step": 5, "lo')
+    (tmp_path / "expert_utilization.jsonl").write_text("".join(rows))
+    drop_rows_after(tmp_path, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + "garbage\n" + rows[1]
+    assert (tmp_path / "expert_utilization.jsonl").read_text() == rows[0] + rows[1]
+    assert "metrics.jsonl, line 6: dropping the cut-off last line an interrupted run left" in caplog.text
+    assert "metrics.jsonl, line 2: not valid JSON; kept as it is" in caplog.text
