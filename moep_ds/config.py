@@ -100,10 +100,15 @@ def read_yaml(path: str | pathlib.Path) -> dict[str, Any]:
 
 
 _SEGMENT = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+_DOTTED = re.compile(r"[^.\[\]]+(?:\.[^.\[\]]+|\[\d+\])*")
 
 
 def split_key(key: str) -> list[str | int]:
     """'model.layers[3].moe.num_experts' -> ['model', 'layers', 3, 'moe', 'num_experts']."""
+    if not _DOTTED.fullmatch(key):
+        bad_index = re.search(r"\[(?!\d+\])[^\]]*\]?", key)
+        why = f"{bad_index.group()} is not a list index like [0]" if bad_index else "it is not a dotted path"
+        raise ConfigError(f"override key {key!r}: {why} (e.g. model.layers[0].repeat)")
     parts: list[str | int] = []
     for name, index in _SEGMENT.findall(key):
         if index:
@@ -112,29 +117,47 @@ def split_key(key: str) -> list[str | int]:
             parts.append(int(name))
         else:
             parts.append(name)
-    if not parts or "".join(str(p) for p in parts) != re.sub(r"[.\[\]]", "", key):
-        raise ConfigError(f"override key {key!r} is not a dotted path like model.layers[0].repeat")
     return parts
+
+
+def dotted(parts: list[str | int]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+
+
+def check_step(node: Any, part: str | int, parents: list[str | int], key: str) -> None:
+    """`part` can select in `node` (found at `parents`): an index in range of a list, a name in a mapping."""
+    where = dotted(parents) or "the recipe"
+    if isinstance(part, int):
+        if not isinstance(node, list):
+            raise ConfigError(f"override {key!r}: {where} is not a list, so [{part}] cannot index it")
+        if part >= len(node):
+            raise ConfigError(f"override {key!r}: index {part} is out of range ({where} has {len(node)} item(s))")
+    elif isinstance(node, list):
+        raise ConfigError(f"override {key!r}: {where} is a list; pick an item, e.g. {where}[0].{part}")
+    elif not isinstance(node, dict):
+        raise ConfigError(f"override {key!r}: {where} ({node!r}) is not a mapping, so it has no key {part!r}")
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like key.path=value")
     key, text = override.split("=", 1)
-    parts = split_key(key.strip())
+    key = key.strip()
+    parts = split_key(key)
     node: Any = raw
     for depth, part in enumerate(parts[:-1]):
-        nxt = parts[depth + 1]
+        check_step(node, part, parts[:depth], key)
         if isinstance(part, int):
-            if not isinstance(node, list) or part >= len(node):
-                raise ConfigError(f"override {key!r}: index {part} is out of range")
-        elif not isinstance(node.get(part), (dict, list)):
-            node[part] = [] if isinstance(nxt, int) else {}
-        node = node[part]
-    last = parts[-1]
-    if isinstance(last, int) and (not isinstance(node, list) or last >= len(node)):
-        raise ConfigError(f"override {key!r}: index {last} is out of range")
-    node[last] = yaml_load(text)
+            node = node[part]
+            continue
+        if isinstance(parts[depth + 1], str) and not isinstance(node.get(part), (dict, list)):
+            node[part] = {}  # a new (or replaced scalar) section; an index needs an existing list
+        node = node.get(part)
+    check_step(node, parts[-1], parts[:-1], key)
+    try:
+        node[parts[-1]] = yaml_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML: {yaml_error_text(err)}") from None
 
 
 def config_from_dict(raw: dict[str, Any], overrides: list[str] | None = None) -> Config:
