@@ -18,7 +18,7 @@ from moep_ds.data.config import DataConfig
 from moep_ds.evaluation.config import EvalConfig
 from moep_ds.models.config import ModelConfig, layer_entries
 from moep_ds.moe.layer import check_lifecycle_placement
-from moep_ds.schema import ConfigError, fail, parse, to_dict
+from moep_ds.schema import ConfigError, fail, join, parse, to_dict
 from moep_ds.training.config import TrainConfig
 
 
@@ -58,7 +58,33 @@ class Config:
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 insists on `1.0e-3`)."""
+    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 insists on `1.0e-3`) and refuses a key given twice
+    in one mapping (PyYAML keeps the last silently, so a recipe's second `d_model:` would hide its first)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        check_unique_keys(node, "", set())
+        return super().construct_document(node)
+
+
+def check_unique_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
+    """ConstructorError at the second occurrence of a key, naming its dotted path and where the first one is."""
+    if id(node) in seen:  # an alias: its node was checked where its anchor is (and aliases can nest exponentially)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            check_unique_keys(item, f"{path}[{i}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        first: dict[str, yaml.Node] = {}
+        for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` entries may be overridden by the mapping's own keys, as YAML intends
+            dotted = join(path, key.value)
+            if key.value in first:
+                raise yaml.constructor.ConstructorError(
+                    "first given", first[key.value].start_mark, f"duplicate key {dotted}", key.start_mark)
+            first[key.value] = key
+            check_unique_keys(value, dotted, seen)
 
 
 _Loader.add_implicit_resolver(
