@@ -110,18 +110,22 @@ def yaml_error_text(err: Exception) -> str:
     return text
 
 
-def read_yaml(path: str | pathlib.Path) -> dict[str, Any]:
+def read_yaml(path: str | pathlib.Path, what: str = "config file") -> dict[str, Any]:
+    """The recipe at `path` as plain data; errors name it as `what` (a command's option, e.g. "--config")."""
+    name = f"{what} {str(path)!r}"
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        raise ConfigError(f"{name} does not exist")
     if path.suffix not in (".yaml", ".yml"):
-        raise ConfigError(f"config file {str(path)!r} is not a YAML file (expected .yaml or .yml)")
+        raise ConfigError(f"{name} is not a YAML file (expected .yaml or .yml)")
     try:
         raw = yaml_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {yaml_error_text(err)}") from None
+        raise ConfigError(f"{name} is not valid YAML: {yaml_error_text(err)}") from None
+    except OSError as err:
+        raise ConfigError(f"{name} cannot be read: {err.strerror or err}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+        raise ConfigError(f"{name} must hold a mapping of sections, got {type(raw).__name__}")
     return raw
 
 
