@@ -32,7 +32,7 @@ from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.distributed import init_distributed, leave_process_group, setup_logging
-from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
+from moep_ds.training.ds_config import check_with_deepspeed, precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import (
     check_parallel_layout, expert_parallel_group, moe_layer_classes, setup_expert_parallel, shard_of,
 )
@@ -178,6 +178,7 @@ class Trainer:
         self.run_dir = pathlib.Path(cfg.train.output_dir)
         ds = reconcile(read_ds_config(ds_config_path), cfg.train, self.world)
         ds.setdefault("tensorboard", {"enabled": True, "output_path": str(self.run_dir), "job_name": "tensorboard"})
+        check_with_deepspeed(ds)
         self.ds = ds
         check_parallel_layout(cfg, ds, self.world)
         check_output_dir(cfg.train.output_dir)
