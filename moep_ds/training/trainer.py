@@ -171,6 +171,16 @@ def build_rank_model(model_cfg, ds: dict, seed: int, ep_group=None):
 
 class Trainer:
     def __init__(self, cfg: Config, ds_config_path: str | None, resume: str | None):
+        """Everything up to the first step. A start-up that fails removes train.output_dir if it created it: each
+        rank looks before the ranks meet in init_distributed, so before any of them can have created it."""
+        created = layout.first_missing(cfg.train.output_dir)
+        try:
+            self.set_up(cfg, ds_config_path, resume)
+        except BaseException:
+            layout.remove_new_dir(cfg.train.output_dir, created)
+            raise
+
+    def set_up(self, cfg: Config, ds_config_path: str | None, resume: str | None) -> None:
         self.cfg = cfg
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
