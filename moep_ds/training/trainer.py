@@ -229,10 +229,12 @@ class Trainer:
     def load_resumed_model(self):
         """The model, with the weights of the checkpoint to resume from (`self.resume_from`, None for a fresh
         start). `--resume auto` skips a damaged newest checkpoint: all ranks agree on each candidate before the
-        engine, the only holder of optimizer state, exists."""
+        engine, the only holder of optimizer state, exists. Only a run without checkpoints starts fresh: were none
+        of them loadable, training from step 0 would overwrite the run's logs and its rotation delete them."""
         model, ep_group = self.new_model()
         self.resume_from = None
-        for ckpt in ckpt_io.resume_candidates(self.resume, self.run_dir):
+        candidates = ckpt_io.resume_candidates(self.resume, self.run_dir)
+        for ckpt in candidates:
             error = None
             try:
                 ckpt_io.check_checkpoint(ckpt)
@@ -246,6 +248,10 @@ class Trainer:
                 raise error or sharded.DamagedCheckpoint(f"checkpoint {str(ckpt)!r} could not be read on every rank")
             log.warning("skipping damaged checkpoint %s: %s", ckpt, error or "unreadable on another rank")
             model, ep_group = self.new_model()  # a failed read may have written part of the weights
+        if candidates:  # every rank agreed on each: all raise this
+            raise sharded.CheckpointError(
+                f"--resume auto: all {len(candidates)} checkpoint(s) in {str(candidates[0].parent)!r} are damaged, "
+                f"the newest is {str(candidates[0])!r} (see the warnings above); move them away to train from step 0")
         return model, ep_group
 
     def build_engine(self):

@@ -1,7 +1,8 @@
 """Checkpoint faults, each with its one-line error or fallback (1 process unless a second rank matters):
-a damaged newest checkpoint (skipped by --resume auto, an error for --resume PATH), a full disk during a save,
-an unwritable output directory, a start-up that fails (no output directory left behind); logs follow the
-checkpoint."""
+a damaged newest checkpoint (skipped by --resume auto, an error for --resume PATH), every checkpoint damaged (an
+error, nothing touched), a full disk during a save, an unwritable output directory, a start-up that fails (no
+output directory left behind); logs follow the checkpoint."""
+import hashlib
 import json
 import pathlib
 import re
@@ -121,6 +122,32 @@ def two_checkpoints(tmp_path_factory) -> pathlib.Path:
     proc = pretrain(recipe)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp / "run"
+
+
+def tree(root: pathlib.Path) -> dict[str, str]:
+    """Every folder and file under `root`, with each file's content hash."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+def test_resume_auto_refuses_to_start_over_when_every_checkpoint_is_damaged(two_checkpoints, tmp_path):
+    """Training from step 0 instead would overwrite metrics.jsonl and its keep-last rotation delete the damaged
+    checkpoints; --resume auto starts fresh only where there is no checkpoint at all."""
+    out = tmp_path / "run"
+    shutil.copytree(two_checkpoints, out)
+    root = out / "checkpoints"
+    shard = root / "step_00000004" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    (root / "step_00000002" / ".metadata").write_bytes(b"not DCP metadata " * 16)
+    before = tree(out)
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=6, checkpoint={"every_steps": 2, "keep_last": 1})
+    proc = pretrain(recipe, "--resume", "auto")
+    assert proc.returncode == 2
+    assert last_line(proc) == (f"error: --resume auto: all 2 checkpoint(s) in '{root}' are damaged, the newest is "
+                               f"'{root / 'step_00000004'}' (see the warnings above); move them away to train from "
+                               "step 0")
+    assert len([line for line in proc.stderr.splitlines() if "skipping damaged checkpoint" in line]) == 2
+    assert tree(out) == before
 
 
 def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_path):
