@@ -212,9 +212,10 @@ BAD_OVERRIDES = [
      "override 'model.layers.repeat': model.layers is a list; pick an item, e.g. model.layers[0].repeat"),
     ("model.d_model[0]=2", "override 'model.d_model[0]': model.d_model is not a list, so [0] cannot index it"),
     ("model.layers[0].repeat.x=2", None),  # a scalar replaced by a mapping: the schema names it (below)
-    ("model.layers[4].repeat=2", "override 'model.layers[4].repeat': index 4 is out of range (model.layers has 1 item(s))"),
-    ("model.d_model=[64", "override 'model.d_model=[64': the value is not valid YAML: line 1, column 4: expected ',' or "
-                          "']', but got '<stream end>' (while parsing a flow sequence at line 1, column 1)"),
+    ("model.layers[4].repeat=2",
+     "override 'model.layers[4].repeat': index 4 is out of range (model.layers has 1 item(s))"),
+    ("model.d_model=[64", "override 'model.d_model=[64': the value is not valid YAML: line 1, column 4: expected "
+                          "',' or ']', but got '<stream end>' (while parsing a flow sequence at line 1, column 1)"),
 ]
 
 
@@ -234,8 +235,8 @@ def test_a_key_given_twice_names_its_dotted_path_and_both_lines(tmp_path, capsys
     path.write_text("model:\n  d_model: 64\n  vocab_size: 64\n  d_model: 128\n"
                     "  layers:\n    - {type: dense, attention: {num_heads: 4, num_heads: 2}}\n")
     assert pretrain_main(["--config", str(path), "--dry_run"]) == 2
-    assert capsys.readouterr().err == (f"error: config file '{path}' is not valid YAML: line 4, column 3: duplicate key "
-                                       "model.d_model (first given at line 2, column 3)\n")
+    assert capsys.readouterr().err == (f"error: config file '{path}' is not valid YAML: line 4, column 3: "
+                                       "duplicate key model.d_model (first given at line 2, column 3)\n")
     path.write_text(path.read_text().replace("  d_model: 128\n", ""))
     assert pretrain_main(["--config", str(path), "--dry_run"]) == 2
     assert capsys.readouterr().err == (f"error: config file '{path}' is not valid YAML: line 5, column 47: duplicate "

@@ -184,7 +184,8 @@ def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_
     existing = tmp_path / "existing"
     existing.mkdir()
     runs = [["--config", str(recipe), "--ds_config", DS, *args] for args, _ in cases]
-    runs.append(["--config", str(recipe), "--ds_config", DS, "--resume", "latest", "--set", f"train.output_dir={existing}"])
+    runs.append(["--config", str(recipe), "--ds_config", DS, "--resume", "latest",
+                 "--set", f"train.output_dir={existing}"])
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     proc = launch(1, SCRIPTS / "pretrain_many.py", str(tmp_path / "runs.json"), check=False)
     codes = re.findall(r"^exit code (\d+)$", proc.stdout, re.M)

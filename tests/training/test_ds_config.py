@@ -55,8 +55,10 @@ def test_conflicts_are_one_line_errors(ds, tc, world, message):
 
 
 @pytest.mark.parametrize("ds,message", [
-    ({"gradient_accumulation_steps": "two"}, 'ds_config gradient_accumulation_steps ("two") must be a positive integer or "auto"'),
-    ({"train_micro_batch_size_per_gpu": 0}, 'ds_config train_micro_batch_size_per_gpu (0) must be a positive integer or "auto"'),
+    ({"gradient_accumulation_steps": "two"},
+     'ds_config gradient_accumulation_steps ("two") must be a positive integer or "auto"'),
+    ({"train_micro_batch_size_per_gpu": 0},
+     'ds_config train_micro_batch_size_per_gpu (0) must be a positive integer or "auto"'),
     ({"train_batch_size": 8.5}, 'ds_config train_batch_size (8.5) must be a positive integer or "auto"'),
     ({"gradient_clipping": "1.0"}, 'ds_config gradient_clipping ("1.0") must be a number >= 0 or "auto"'),
     ({"zero_optimization": {"stage": 7}}, "ds_config zero_optimization.stage (7) must be 0, 1, 2 or 3"),
