@@ -18,7 +18,7 @@ from moep_ds.data.config import DataConfig
 from moep_ds.evaluation.config import EvalConfig
 from moep_ds.models.config import ModelConfig, layer_entries
 from moep_ds.moe.layer import check_lifecycle_placement
-from moep_ds.schema import ConfigError, fail, parse, to_dict
+from moep_ds.schema import ConfigError, fail, join, parse, to_dict
 from moep_ds.training.config import TrainConfig
 
 
@@ -58,7 +58,33 @@ class Config:
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 insists on `1.0e-3`)."""
+    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 insists on `1.0e-3`) and refuses a key given twice
+    in one mapping (PyYAML keeps the last silently, so a recipe's second `d_model:` would hide its first)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        check_unique_keys(node, "", set())
+        return super().construct_document(node)
+
+
+def check_unique_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
+    """ConstructorError at the second occurrence of a key, naming its dotted path and where the first one is."""
+    if id(node) in seen:  # an alias: its node was checked where its anchor is (and aliases can nest exponentially)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            check_unique_keys(item, f"{path}[{i}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        first: dict[str, yaml.Node] = {}
+        for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` entries may be overridden by the mapping's own keys, as YAML intends
+            dotted = join(path, key.value)
+            if key.value in first:
+                raise yaml.constructor.ConstructorError(
+                    "first given", first[key.value].start_mark, f"duplicate key {dotted}", key.start_mark)
+            first[key.value] = key
+            check_unique_keys(value, dotted, seen)
 
 
 _Loader.add_implicit_resolver(
@@ -84,26 +110,35 @@ def yaml_error_text(err: Exception) -> str:
     return text
 
 
-def read_yaml(path: str | pathlib.Path) -> dict[str, Any]:
+def read_yaml(path: str | pathlib.Path, what: str = "config file") -> dict[str, Any]:
+    """The recipe at `path` as plain data; errors name it as `what` (a command's option, e.g. "--config")."""
+    name = f"{what} {str(path)!r}"
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        raise ConfigError(f"{name} does not exist")
     if path.suffix not in (".yaml", ".yml"):
-        raise ConfigError(f"config file {str(path)!r} is not a YAML file (expected .yaml or .yml)")
+        raise ConfigError(f"{name} is not a YAML file (expected .yaml or .yml)")
     try:
         raw = yaml_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {yaml_error_text(err)}") from None
+        raise ConfigError(f"{name} is not valid YAML: {yaml_error_text(err)}") from None
+    except OSError as err:
+        raise ConfigError(f"{name} cannot be read: {err.strerror or err}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+        raise ConfigError(f"{name} must hold a mapping of sections, got {type(raw).__name__}")
     return raw
 
 
 _SEGMENT = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+_DOTTED = re.compile(r"[^.\[\]]+(?:\.[^.\[\]]+|\[\d+\])*")
 
 
 def split_key(key: str) -> list[str | int]:
     """'model.layers[3].moe.num_experts' -> ['model', 'layers', 3, 'moe', 'num_experts']."""
+    if not _DOTTED.fullmatch(key):
+        bad_index = re.search(r"\[(?!\d+\])[^\]]*\]?", key)
+        why = f"{bad_index.group()} is not a list index like [0]" if bad_index else "it is not a dotted path"
+        raise ConfigError(f"override key {key!r}: {why} (e.g. model.layers[0].repeat)")
     parts: list[str | int] = []
     for name, index in _SEGMENT.findall(key):
         if index:
@@ -112,29 +147,47 @@ def split_key(key: str) -> list[str | int]:
             parts.append(int(name))
         else:
             parts.append(name)
-    if not parts or "".join(str(p) for p in parts) != re.sub(r"[.\[\]]", "", key):
-        raise ConfigError(f"override key {key!r} is not a dotted path like model.layers[0].repeat")
     return parts
+
+
+def dotted(parts: list[str | int]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+
+
+def check_step(node: Any, part: str | int, parents: list[str | int], key: str) -> None:
+    """`part` can select in `node` (found at `parents`): an index in range of a list, a name in a mapping."""
+    where = dotted(parents) or "the recipe"
+    if isinstance(part, int):
+        if not isinstance(node, list):
+            raise ConfigError(f"override {key!r}: {where} is not a list, so [{part}] cannot index it")
+        if part >= len(node):
+            raise ConfigError(f"override {key!r}: index {part} is out of range ({where} has {len(node)} item(s))")
+    elif isinstance(node, list):
+        raise ConfigError(f"override {key!r}: {where} is a list; pick an item, e.g. {where}[0].{part}")
+    elif not isinstance(node, dict):
+        raise ConfigError(f"override {key!r}: {where} ({node!r}) is not a mapping, so it has no key {part!r}")
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like key.path=value")
     key, text = override.split("=", 1)
-    parts = split_key(key.strip())
+    key = key.strip()
+    parts = split_key(key)
     node: Any = raw
     for depth, part in enumerate(parts[:-1]):
-        nxt = parts[depth + 1]
+        check_step(node, part, parts[:depth], key)
         if isinstance(part, int):
-            if not isinstance(node, list) or part >= len(node):
-                raise ConfigError(f"override {key!r}: index {part} is out of range")
-        elif not isinstance(node.get(part), (dict, list)):
-            node[part] = [] if isinstance(nxt, int) else {}
-        node = node[part]
-    last = parts[-1]
-    if isinstance(last, int) and (not isinstance(node, list) or last >= len(node)):
-        raise ConfigError(f"override {key!r}: index {last} is out of range")
-    node[last] = yaml_load(text)
+            node = node[part]
+            continue
+        if isinstance(parts[depth + 1], str) and not isinstance(node.get(part), (dict, list)):
+            node[part] = {}  # a new (or replaced scalar) section; an index needs an existing list
+        node = node.get(part)
+    check_step(node, parts[-1], parts[:-1], key)
+    try:
+        node[parts[-1]] = yaml_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML: {yaml_error_text(err)}") from None
 
 
 def config_from_dict(raw: dict[str, Any], overrides: list[str] | None = None) -> Config:

@@ -202,6 +202,57 @@ def test_overrides_types_and_indices(tmp_path):
         load_config(path, ["train.optimizer.lrr=1"])
 
 
+BAD_OVERRIDES = [
+    ("model.layers[x].repeat=2",
+     "override key 'model.layers[x].repeat': [x] is not a list index like [0] (e.g. model.layers[0].repeat)"),
+    ("model.layers[-1].repeat=2",
+     "override key 'model.layers[-1].repeat': [-1] is not a list index like [0] (e.g. model.layers[0].repeat)"),
+    ("model..d_model=2", "override key 'model..d_model': it is not a dotted path (e.g. model.layers[0].repeat)"),
+    ("model.layers.repeat=2",
+     "override 'model.layers.repeat': model.layers is a list; pick an item, e.g. model.layers[0].repeat"),
+    ("model.d_model[0]=2", "override 'model.d_model[0]': model.d_model is not a list, so [0] cannot index it"),
+    ("model.layers[0].repeat.x=2", None),  # a scalar replaced by a mapping: the schema names it (below)
+    ("model.layers[4].repeat=2",
+     "override 'model.layers[4].repeat': index 4 is out of range (model.layers has 1 item(s))"),
+    ("model.d_model=[64", "override 'model.d_model=[64': the value is not valid YAML: line 1, column 4: expected "
+                          "',' or ']', but got '<stream end>' (while parsing a flow sequence at line 1, column 1)"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_OVERRIDES, ids=[b[0] for b in BAD_OVERRIDES])
+def test_bad_override_paths_are_one_line(override, message, tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    assert pretrain_main(["--config", str(path), "--dry_run", "--set", override]) == 2
+    captured = capsys.readouterr()
+    message = message or "model.layers[0].repeat ({'x': 2}) must be an integer"
+    assert captured.out == "" and captured.err == f"error: {message}\n"
+    assert os.listdir(tmp_path) == ["recipe.yaml"]
+
+
+def test_a_key_given_twice_names_its_dotted_path_and_both_lines(tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model:\n  d_model: 64\n  vocab_size: 64\n  d_model: 128\n"
+                    "  layers:\n    - {type: dense, attention: {num_heads: 4, num_heads: 2}}\n")
+    assert pretrain_main(["--config", str(path), "--dry_run"]) == 2
+    assert capsys.readouterr().err == (f"error: config file '{path}' is not valid YAML: line 4, column 3: "
+                                       "duplicate key model.d_model (first given at line 2, column 3)\n")
+    path.write_text(path.read_text().replace("  d_model: 128\n", ""))
+    assert pretrain_main(["--config", str(path), "--dry_run"]) == 2
+    assert capsys.readouterr().err == (f"error: config file '{path}' is not valid YAML: line 5, column 47: duplicate "
+                                       "key model.layers[0].attention.num_heads (first given at line 5, column 33)\n")
+
+
+def test_anchors_and_merge_keys_are_not_duplicates(tmp_path):
+    """`<<: *base` then a key of its own overrides the merged one, as YAML means; an alias is checked once."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model:\n  vocab_size: 64\n  d_model: 32\n  max_seq_len: 16\n"
+                    "  layers:\n    - &dense {type: dense, attention: {num_heads: 4}}\n    - *dense\n"
+                    "    - {<<: *dense, attention: {num_heads: 2}}\n")
+    heads = [layer.attention.num_heads for layer in load_config(path).model.expanded_layers()]
+    assert heads == [4, 4, 2]
+
+
 def test_flavours_fill_defaults_and_recipe_wins():
     raw = copy.deepcopy(BASE)
     raw["model"]["flavour"] = "pythia"

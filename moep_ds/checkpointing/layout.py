@@ -124,3 +124,28 @@ def check_writable(directory: str | os.PathLike, field: str) -> Path:
     except OSError as err:
         raise UserError(f"{field} ({str(path)!r}) is not writable: {err.strerror or err}") from None
     return path
+
+
+def first_missing(directory: str | os.PathLike) -> Path | None:
+    """The outermost folder on the way to `directory` that does not exist yet (None: `directory` exists)."""
+    path, missing = Path(directory).absolute(), None
+    while not path.exists() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
+
+
+def remove_new_dir(directory: str | os.PathLike, created: Path | None) -> None:
+    """Undo the creation of `directory`, whose outermost new folder was `created` (`first_missing` before): the
+    directory goes with what this run wrote there; the new folders above it only while empty, since another run
+    started at the same time may have put its own directory beside this one."""
+    if created is None:
+        return
+    directory = Path(directory).absolute()
+    shutil.rmtree(directory, ignore_errors=True)
+    for parent in directory.parents:
+        if not parent.is_relative_to(created):
+            break
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (or gone)
+            break

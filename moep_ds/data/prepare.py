@@ -487,17 +487,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def recipe_sections(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The `data` and `model` sections of the recipe given as --config (read as pretrain.py reads it)."""
+    from moep_ds.config import read_yaml
+    from moep_ds.schema import fail
+
+    recipe = read_yaml(path, what="--config")
+    for name in ("data", "model"):
+        if not isinstance(recipe.get(name) or {}, dict):
+            fail(name, recipe[name], f"must be a mapping (--config {path!r})")
+    return dict(recipe.get("data") or {}), dict(recipe.get("model") or {})
+
+
 def config_from_args(args: argparse.Namespace) -> DataConfig:
     from moep_ds.schema import parse
 
     data: dict[str, Any] = {}
     model: dict[str, Any] = {}
     if args.config:
-        import yaml
-
-        with open(args.config) as f:
-            recipe = yaml.safe_load(f) or {}
-        data, model = dict(recipe.get("data") or {}), dict(recipe.get("model") or {})
+        data, model = recipe_sections(args.config)
     tokenizer = dict(data.get("tokenizer") or {})
     for key, value in (("kind", args.kind), ("vocab_size", args.vocab_size), ("path", args.tokenizer_path)):
         if value is not None:

@@ -81,6 +81,7 @@ def reconcile(ds: dict[str, Any], train: TrainConfig, world_size: int) -> dict[s
             raise DeepSpeedConfigError(
                 f"ds_config {section!r}: the recipe's {owner} owns it; remove the section from the DeepSpeed config"
             )
+    check_reconciled_keys(ds)
     for field, key in SHARED_KEYS.items():
         ours = getattr(train, field)
         theirs = ds.get(key)
@@ -109,6 +110,59 @@ def reconcile(ds: dict[str, Any], train: TrainConfig, world_size: int) -> dict[s
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
     return ds
+
+
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def check_reconciled_keys(ds: dict[str, Any]) -> None:
+    """The values `reconcile` computes with, checked before it does (DeepSpeed validates the rest later, in
+    `check_with_deepspeed`): a string batch size would otherwise end in a TypeError traceback."""
+    for section in ("zero_optimization", "fp16", "bf16"):
+        if section in ds and not isinstance(ds[section], dict):
+            raise DeepSpeedConfigError(f"ds_config {section} ({json.dumps(ds[section])}) must be a JSON object")
+    for key in BATCH_KEYS:
+        value = ds.get(key)
+        if not is_unset(value) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise DeepSpeedConfigError(f'ds_config {key} ({json.dumps(value)}) must be a positive integer or "auto"')
+    clip = ds.get("gradient_clipping")
+    if not is_unset(clip) and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        raise DeepSpeedConfigError(f'ds_config gradient_clipping ({json.dumps(clip)}) must be a number >= 0 or "auto"')
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if isinstance(stage, bool) or str(stage) not in ("0", "1", "2", "3"):
+        raise DeepSpeedConfigError(f"ds_config zero_optimization.stage ({json.dumps(stage)}) must be 0, 1, 2 or 3")
+
+
+def check_with_deepspeed(ds: dict[str, Any]) -> None:
+    """DeepSpeed's own validation of a reconciled config (its pydantic model of each section), as one line naming
+    the field and the value, before the run creates anything; deepspeed.initialize would raise the same error as
+    a 40-line traceback once the run directory and the data exist. Needs torch.distributed for the world size."""
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        DeepSpeedConfig(copy.deepcopy(ds))
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        field = located(ds, loc) or ".".join([err.title, *loc])
+        value = "" if first["type"] == "missing" else f" ({json.dumps(first['input'], default=str)})"
+        more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+        raise DeepSpeedConfigError(f"ds_config {field}{value}: {first['msg']}{more}") from None
+
+
+def located(ds: dict[str, Any], loc: list[str]) -> str | None:
+    """The dotted path in `ds` of a pydantic error location, which DeepSpeed gives relative to what its model
+    reads: the zero_optimization section (`stage`) or the whole config (`tensorboard.enabled`)."""
+    for prefix in ([], *([key] for key, value in ds.items() if isinstance(value, dict))):
+        node: Any = ds
+        for part in prefix + loc:
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            return ".".join(prefix + loc)
+    return None
 
 
 def fill_zero_settings(zero: dict[str, Any], expert_parallel_size: int) -> None:

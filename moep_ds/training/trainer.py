@@ -32,7 +32,7 @@ from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.distributed import init_distributed, leave_process_group, setup_logging
-from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
+from moep_ds.training.ds_config import check_with_deepspeed, precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import (
     check_parallel_layout, expert_parallel_group, moe_layer_classes, setup_expert_parallel, shard_of,
 )
@@ -171,6 +171,16 @@ def build_rank_model(model_cfg, ds: dict, seed: int, ep_group=None):
 
 class Trainer:
     def __init__(self, cfg: Config, ds_config_path: str | None, resume: str | None):
+        """Everything up to the first step. A start-up that fails removes train.output_dir if it created it: each
+        rank looks before the ranks meet in init_distributed, so before any of them can have created it."""
+        created = layout.first_missing(cfg.train.output_dir)
+        try:
+            self.set_up(cfg, ds_config_path, resume)
+        except BaseException:
+            layout.remove_new_dir(cfg.train.output_dir, created)
+            raise
+
+    def set_up(self, cfg: Config, ds_config_path: str | None, resume: str | None) -> None:
         self.cfg = cfg
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -178,6 +188,7 @@ class Trainer:
         self.run_dir = pathlib.Path(cfg.train.output_dir)
         ds = reconcile(read_ds_config(ds_config_path), cfg.train, self.world)
         ds.setdefault("tensorboard", {"enabled": True, "output_path": str(self.run_dir), "job_name": "tensorboard"})
+        check_with_deepspeed(ds)
         self.ds = ds
         check_parallel_layout(cfg, ds, self.world)
         check_output_dir(cfg.train.output_dir)
@@ -218,10 +229,12 @@ class Trainer:
     def load_resumed_model(self):
         """The model, with the weights of the checkpoint to resume from (`self.resume_from`, None for a fresh
         start). `--resume auto` skips a damaged newest checkpoint: all ranks agree on each candidate before the
-        engine, the only holder of optimizer state, exists."""
+        engine, the only holder of optimizer state, exists. Only a run without checkpoints starts fresh: were none
+        of them loadable, training from step 0 would overwrite the run's logs and its rotation delete them."""
         model, ep_group = self.new_model()
         self.resume_from = None
-        for ckpt in ckpt_io.resume_candidates(self.resume, self.run_dir):
+        candidates = ckpt_io.resume_candidates(self.resume, self.run_dir)
+        for ckpt in candidates:
             error = None
             try:
                 ckpt_io.check_checkpoint(ckpt)
@@ -235,6 +248,10 @@ class Trainer:
                 raise error or sharded.DamagedCheckpoint(f"checkpoint {str(ckpt)!r} could not be read on every rank")
             log.warning("skipping damaged checkpoint %s: %s", ckpt, error or "unreadable on another rank")
             model, ep_group = self.new_model()  # a failed read may have written part of the weights
+        if candidates:  # every rank agreed on each: all raise this
+            raise sharded.CheckpointError(
+                f"--resume auto: all {len(candidates)} checkpoint(s) in {str(candidates[0].parent)!r} are damaged, "
+                f"the newest is {str(candidates[0])!r} (see the warnings above); move them away to train from step 0")
         return model, ep_group
 
     def build_engine(self):

@@ -239,6 +239,21 @@ def test_config_errors_are_one_line(tmp_path, capsys):
         parse(DataConfig, {"vocab": 3, "seq_len": 8}, "data")
 
 
+def test_a_bad_config_file_names_the_option(tmp_path, capsys):
+    out = tmp_path / "p"
+    code, _, err = run_cli(capsys, "--config", str(tmp_path / "nope.yaml"), "--out", str(out))
+    assert code == 2 and err == f"error: --config '{tmp_path / 'nope.yaml'}' does not exist\n"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("data: {seq_len: 8}\ndata: {seq_len: 16}\n")
+    code, _, err = run_cli(capsys, "--config", str(recipe), "--out", str(out))
+    assert code == 2 and err == (f"error: --config '{recipe}' is not valid YAML: line 2, column 1: duplicate key data "
+                                 "(first given at line 1, column 1)\n")
+    recipe.write_text("data: builtin\n")
+    code, _, err = run_cli(capsys, "--config", str(recipe), "--out", str(out))
+    assert code == 2 and err == f"error: data ('builtin') must be a mapping (--config '{recipe}')\n"
+    assert sorted(os.listdir(tmp_path)) == ["recipe.yaml"]
+
+
 def test_malformed_json_is_one_line_error(tmp_path, capsys):
     (tmp_path / "x.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
     code, _, err = run_cli(capsys, "--source", str(tmp_path / "x.jsonl"), "--seq-len", "16", "--vocab-size", "300",

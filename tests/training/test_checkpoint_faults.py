@@ -1,8 +1,12 @@
 """Checkpoint faults, each with its one-line error or fallback (1 process unless a second rank matters):
-a damaged newest checkpoint (skipped by --resume auto, an error for --resume PATH), a full disk during a save,
-an unwritable output directory; logs follow the checkpoint."""
+a damaged newest checkpoint (skipped by --resume auto, an error for --resume PATH), every checkpoint damaged (an
+error, nothing touched), a full disk during a save, an unwritable output directory, a start-up that fails (no
+output directory left behind); logs follow the checkpoint."""
+import hashlib
+import json
 import pathlib
 import re
+import shutil
 
 import pytest
 
@@ -108,3 +112,90 @@ def test_a_rank_that_fails_alone_ends_the_launch_without_waiting_for_the_others(
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "error:" in line and "simulated" in line]
     assert errors == ["[rank 1] error: simulated: rank 1 cannot go on after step 2"], proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> pathlib.Path:
+    """A finished 1-process run with checkpoints at steps 2 and 4 (copy it before changing anything)."""
+    tmp = tmp_path_factory.mktemp("two_checkpoints")
+    recipe = write_recipe(tmp / "r.yaml", "top2", tmp / "run", max_steps=4, checkpoint={"every_steps": 2})
+    proc = pretrain(recipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "run"
+
+
+def tree(root: pathlib.Path) -> dict[str, str]:
+    """Every folder and file under `root`, with each file's content hash."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+def test_resume_auto_refuses_to_start_over_when_every_checkpoint_is_damaged(two_checkpoints, tmp_path):
+    """Training from step 0 instead would overwrite metrics.jsonl and its keep-last rotation delete the damaged
+    checkpoints; --resume auto starts fresh only where there is no checkpoint at all."""
+    out = tmp_path / "run"
+    shutil.copytree(two_checkpoints, out)
+    root = out / "checkpoints"
+    shard = root / "step_00000004" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    (root / "step_00000002" / ".metadata").write_bytes(b"not DCP metadata " * 16)
+    before = tree(out)
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=6, checkpoint={"every_steps": 2, "keep_last": 1})
+    proc = pretrain(recipe, "--resume", "auto")
+    assert proc.returncode == 2
+    assert last_line(proc) == (f"error: --resume auto: all 2 checkpoint(s) in '{root}' are damaged, the newest is "
+                               f"'{root / 'step_00000004'}' (see the warnings above); move them away to train from "
+                               "step 0")
+    assert len([line for line in proc.stderr.splitlines() if "skipping damaged checkpoint" in line]) == 2
+    assert tree(out) == before
+
+
+def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_path):
+    """Bad input found before the first step: one line, exit 2, and the output directory (with the folders above it
+    that the run made) is gone again, also after the engine wrote its TensorBoard files (the tokenizer case); an
+    output directory that existed before is kept."""
+    ckpt = two_checkpoints / "checkpoints" / "step_00000004"
+    other_tokenizer = tmp_path / "other_tokenizer"
+    shutil.copytree(ckpt, other_tokenizer)
+    state = json.loads((other_tokenizer / "trainer_state.json").read_text())
+    (other_tokenizer / "trainer_state.json").write_text(json.dumps({**state, "tokenizer_sha256": "0" * 64}))
+    ds_configs = {"stage7": {"zero_optimization": {"stage": 7}}, "two": {"gradient_accumulation_steps": "two"},
+                  "maybe": {"zero_optimization": {"stage": 2, "overlap_comm": "maybe"}}}
+    for name, ds in ds_configs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(ds))
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", tmp_path / "new" / "deeper" / "run", max_steps=2)
+    cases = [  # each with its whole message, or a pattern where it holds a cache path or a hash
+        (["--ds_config", str(tmp_path / "stage7.json")], "ds_config zero_optimization.stage (7) must be 0, 1, 2 or 3"),
+        (["--ds_config", str(tmp_path / "two.json")],
+         'ds_config gradient_accumulation_steps ("two") must be a positive integer or "auto"'),
+        (["--ds_config", str(tmp_path / "maybe.json")], 'ds_config zero_optimization.overlap_comm ("maybe"): Input '
+                                                         "should be a valid boolean, unable to interpret input"),
+        (["--set", "model.vocab_size=1024"],
+         re.compile(r"/\S+/meta\.json vocab_size \(512\) differs from the model's vocab_size \(1024\)")),
+        (["--resume", "/nonexistent"], "--resume '/nonexistent' is not a complete checkpoint directory"),
+        (["--resume", "latest"], "--resume 'latest' is not a complete checkpoint directory"),
+        (["--resume", str(ckpt), "--set", "model.d_model=64"],
+         f"checkpoint '{ckpt}': tensor 'embed.weight' has shape [512, 32] there but [512, 64] in this model"),
+        (["--resume", str(other_tokenizer)],
+         re.compile(re.escape(f"checkpoint '{other_tokenizer}' was trained with tokenizer sha256 000000000000..., but "
+                              "data.tokenizer of this run has ") + r"[0-9a-f]{12}\.\.\.; resume with the data the "
+                    r"checkpoint was trained on")),
+    ]
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    runs = [["--config", str(recipe), "--ds_config", DS, *args] for args, _ in cases]
+    runs.append(["--config", str(recipe), "--ds_config", DS, "--resume", "latest",
+                 "--set", f"train.output_dir={existing}"])
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    proc = launch(1, SCRIPTS / "pretrain_many.py", str(tmp_path / "runs.json"), check=False)
+    codes = re.findall(r"^exit code (\d+)$", proc.stdout, re.M)
+    assert proc.returncode == 0 and codes == ["2"] * len(runs), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == len(runs)
+    for (_, message), error in zip(cases, errors):
+        text = error.removeprefix("error: ")
+        assert message.fullmatch(text) if isinstance(message, re.Pattern) else text == message, (message, error)
+    assert errors[-1] == "error: --resume 'latest' is not a complete checkpoint directory"
+    assert not (tmp_path / "new").exists()
+    assert existing.is_dir() and list(existing.iterdir()) == []

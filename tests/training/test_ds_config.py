@@ -8,7 +8,7 @@ from moep_ds import build_model
 from moep_ds.config import config_from_dict
 from moep_ds.schema import ConfigError
 from moep_ds.training.config import ScheduleConfig, TrainConfig
-from moep_ds.training.ds_config import DeepSpeedConfigError, read_ds_config, reconcile
+from moep_ds.training.ds_config import DeepSpeedConfigError, check_with_deepspeed, read_ds_config, reconcile
 from moep_ds.training.expert_parallel import ParallelLayoutError, check_parallel_layout
 from moep_ds.training.optim import lr_multiplier, param_groups
 from repo_paths import REPO
@@ -52,6 +52,46 @@ def test_conflicts_are_one_line_errors(ds, tc, world, message):
     with pytest.raises(DeepSpeedConfigError) as info:
         reconcile(ds, train(**tc), world_size=world)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("ds,message", [
+    ({"gradient_accumulation_steps": "two"},
+     'ds_config gradient_accumulation_steps ("two") must be a positive integer or "auto"'),
+    ({"train_micro_batch_size_per_gpu": 0},
+     'ds_config train_micro_batch_size_per_gpu (0) must be a positive integer or "auto"'),
+    ({"train_batch_size": 8.5}, 'ds_config train_batch_size (8.5) must be a positive integer or "auto"'),
+    ({"gradient_clipping": "1.0"}, 'ds_config gradient_clipping ("1.0") must be a number >= 0 or "auto"'),
+    ({"zero_optimization": {"stage": 7}}, "ds_config zero_optimization.stage (7) must be 0, 1, 2 or 3"),
+    ({"zero_optimization": 2}, "ds_config zero_optimization (2) must be a JSON object"),
+    ({"bf16": True}, "ds_config bf16 (true) must be a JSON object"),
+])
+def test_values_reconcile_computes_with_are_checked_first(ds, message):
+    """(These were tracebacks: TypeError for a string batch size, AttributeError for `"bf16": true`.)"""
+    with pytest.raises(DeepSpeedConfigError) as info:
+        reconcile(ds, train(), world_size=1)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("ds,message", [
+    ({"zero_optimization": {"stage": 2, "overlap_comm": "maybe"}},
+     'ds_config zero_optimization.overlap_comm ("maybe"): Input should be a valid boolean, unable to interpret input'),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
+     "ds_config zero_optimization.offload_optimizer.device (\"gpu\"): Input should be 'none', 'cpu' or 'nvme'"),
+    ({"tensorboard": {"enabled": 3}}, "ds_config tensorboard.enabled (3): Input should be a valid boolean, unable to "
+                                      "interpret input"),
+    ({"bf16": {"enabled": True, "loss_scale": 1, "extra": 2}},
+     "ds_config bf16.loss_scale (1): Extra inputs are not permitted (and 1 more)"),
+])
+def test_deepspeeds_validation_errors_are_one_line_naming_the_field(ds, message):
+    """DeepSpeed's pydantic models report a field relative to their section; the message names it in the file."""
+    with pytest.raises(DeepSpeedConfigError) as info:
+        check_with_deepspeed(reconcile(ds, train(), world_size=1))
+    assert str(info.value) == message
+
+
+def test_deepspeed_accepts_every_shipped_config():
+    for path in sorted(DS_CONFIGS.glob("*.json")):
+        check_with_deepspeed(reconcile(read_ds_config(str(path)), train(micro_batch_size=2), world_size=1))
 
 
 def test_warmup_then_cosine_to_floor():
