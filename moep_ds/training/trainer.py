@@ -234,7 +234,7 @@ class Trainer:
         model, ep_group = self.new_model()
         self.resume_from = None
         candidates = ckpt_io.resume_candidates(self.resume, self.run_dir)
-        for ckpt in candidates:
+        for i, ckpt in enumerate(candidates):
             error = None
             try:
                 ckpt_io.check_checkpoint(ckpt)
@@ -243,6 +243,8 @@ class Trainer:
                 error = err
             if sharded.agree(error is None):
                 self.resume_from = ckpt
+                if self.rank == 0:
+                    set_aside(candidates[:i])
                 return model, ep_group
             if self.resume != "auto":
                 raise error or sharded.DamagedCheckpoint(f"checkpoint {str(ckpt)!r} could not be read on every rank")
@@ -407,9 +409,32 @@ class Trainer:
         self.checkpoints.wait()  # a save in flight must be complete before the process may exit
         self.monitor.close()
         if self.rank == 0:
-            summary = analyze(self.run_dir)
-            log.info("expert utilisation (moep-analyze %s):\n%s", self.run_dir, markdown(summary))
+            self.log_analysis()
         return 0
+
+    def log_analysis(self) -> None:
+        """The utilisation summary (moep-analyze) of the finished run; a log it cannot read (edited, or written
+        by another program) is a warning: the training itself and its checkpoints are complete."""
+        try:
+            summary = analyze(self.run_dir)
+        except UserError as err:
+            log.warning("no utilisation summary: %s", err)
+            return
+        log.info("expert utilisation (moep-analyze %s):\n%s", self.run_dir, markdown(summary))
+
+
+def set_aside(damaged: list[pathlib.Path]) -> None:
+    """Rename the damaged checkpoints `--resume auto` skipped (all newer than the one it resumed from) to
+    `<name>.damaged`: kept for inspection, but no longer counted by keep_last, which would otherwise delete
+    usable checkpoints while it kept these."""
+    for ckpt in damaged:
+        target = ckpt.with_name(f"{ckpt.name}.damaged")
+        n = 1
+        while target.exists():
+            n += 1
+            target = ckpt.with_name(f"{ckpt.name}.damaged{n}")
+        ckpt.rename(target)
+        log.warning("moved the damaged checkpoint %s aside to %s", ckpt, target.name)
 
 
 def fit(cfg: Config, ds_config_path: str | None = None, resume: str | None = None) -> int:

@@ -163,3 +163,18 @@ def test_one_expert_count_may_be_a_bare_number(tmp_path):
     insert_line(tmp_path / "expert_utilization.jsonl", 1, '{"step": 1, "layers.5.tokens_per_expert": 16.0}')
     layer = analyze(tmp_path, plots=False)["layers"]["layers.5"]
     assert layer["num_experts"] == 1 and layer["expert_load_mean"] == [1.0]
+
+
+def test_the_trainers_closing_summary_warns_on_a_log_it_cannot_read(tmp_path, caplog):
+    """The summary at the end of fit() is a convenience: training and checkpoints are complete by then, so a log
+    that cannot be analysed is a warning there, not a failed run (moep-analyze itself exits 2)."""
+    import types
+
+    from moep_ds.training.trainer import Trainer
+
+    write_run(tmp_path)
+    with open(tmp_path / "expert_utilization.jsonl", "a") as f:
+        f.write("not json\n")
+    Trainer.log_analysis(types.SimpleNamespace(run_dir=tmp_path))
+    assert "no utilisation summary: " in caplog.text and "line 22: not valid JSON" in caplog.text
+    assert not (tmp_path / "analysis").exists()

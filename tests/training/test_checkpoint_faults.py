@@ -63,7 +63,7 @@ def check_damaged_newest_is_skipped_by_auto_and_named_for_a_path(tmp_path, out):
     shard = newest / "__0_0.distcp"
     needed = _needed(newest)
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
-    longer = write_recipe(tmp_path / "r5.yaml", "top2", out, max_steps=5, checkpoint={"every_steps": 2})
+    longer = write_recipe(tmp_path / "r5.yaml", "top2", out, max_steps=5, checkpoint={"every_steps": 3, "keep_last": 2})
     proc = pretrain(longer, "--resume", str(newest))
     assert proc.returncode == 2
     assert last_line(proc) == f"error: checkpoint '{newest}' is damaged: '{shard}' is truncated (100 of {needed} bytes)"
@@ -72,6 +72,11 @@ def check_damaged_newest_is_skipped_by_auto_and_named_for_a_path(tmp_path, out):
     warnings = [l for l in proc.stderr.splitlines() if "skipping damaged checkpoint" in l]
     assert len(warnings) == 1 and str(shard) in warnings[0]
     assert "resumed from" in proc.stderr and "step_00000002" in proc.stderr
+    # the skipped checkpoint is set aside, so keep_last keeps the newest usable ones (it kept the damaged step 4
+    # and deleted steps 2 and 3 before)
+    assert f"moved the damaged checkpoint {newest} aside to step_00000004.damaged" in proc.stderr
+    assert sorted(p.name for p in newest.parent.iterdir()) == ["step_00000003", "step_00000004.damaged",
+                                                               "step_00000005"]
     # logs follow the checkpoint: rows 3 and 4 of the earlier runs were dropped, not duplicated
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5]
 
