@@ -202,8 +202,15 @@ def load(state: dict[str, FlatShard], path: Path) -> None:
 
 
 def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[-1] if text else type(err).__name__
+    text = str(err)
+    if WEIGHTS_ONLY_ERROR in text:  # torch.load's refusal of bytes that are no tensor: the cause sits mid-text
+        cause = text.split(WEIGHTS_ONLY_ERROR, 1)[1].split("Check the documentation", 1)[0]
+        return f"corrupt tensor data ({' '.join(cause.split())})"
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else type(err).__name__
+
+
+WEIGHTS_ONLY_ERROR = "WeightsUnpickler error:"
 
 
 def read_metadata(path: Path) -> dict[str, Any]:

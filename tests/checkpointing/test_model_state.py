@@ -62,6 +62,11 @@ def test_shape_change_and_damage_are_named(tmp_path):
                                                        r"there but \[4, 16, 32\] in this model$"):
         model_state.load_module(other, tmp_path)
     data = next(tmp_path.glob("*.distcp"))
+    stored = data.read_bytes()
+    data.write_bytes(stored[:2000] + b"\xff" * (len(stored) - 2000))  # corrupt, same size
+    with pytest.raises(sharded.DamagedCheckpoint, match=r"could not be read: corrupt tensor data \(Unsupported "
+                                                        r"operand \d+\)$"):
+        model_state.load_module(tiny(1), tmp_path)
     data.write_bytes(data.read_bytes()[:10])
     with pytest.raises(sharded.DamagedCheckpoint, match=rf"'{data}' is truncated \(10 of \d+ bytes\)$"):
         sharded.check_files(tmp_path)
