@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import sys
 from typing import Iterator
 
@@ -201,8 +202,8 @@ def parser() -> argparse.ArgumentParser:
 def check_sampling_args(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens ({args.max_new_tokens}) must be >= 1")
-    if args.temperature < 0:
-        raise UserError(f"--temperature ({args.temperature}) must be >= 0")
+    if not 0 <= args.temperature < math.inf:  # also nan, which would sample from nan probabilities
+        raise UserError(f"--temperature ({args.temperature}) must be a finite number >= 0")
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top_k ({args.top_k}) must be >= 1")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:

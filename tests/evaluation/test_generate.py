@@ -131,6 +131,8 @@ def files_under(root):
     (["--num_samples", "0"], "--num_samples (0) must be >= 1"),
     (["--num_samples", "-1"], "--num_samples (-1) must be >= 1"),
     (["--device", "gpu0"], "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
+    (["--temperature", "nan"], "--temperature (nan) must be a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature (-1.0) must be a finite number >= 0"),
 ])
 def test_moep_generate_refuses_bad_arguments_before_loading(tmp_path, capsys, monkeypatch, extra, message):
     import moep_ds.evaluation.generate as generate_cli
