@@ -52,12 +52,28 @@ def read_ds_config(path: str | dict | None) -> dict[str, Any]:
     if not p.is_file():
         raise DeepSpeedConfigError(f"--ds_config {path!r} does not exist")
     try:
-        cfg = json.loads(p.read_text())
+        cfg = json.loads(p.read_text(), object_pairs_hook=no_duplicate_keys)
     except json.JSONDecodeError as err:
         raise DeepSpeedConfigError(f"--ds_config {path!r} is not valid JSON: {err}") from None
+    except DuplicateKey as err:
+        raise DeepSpeedConfigError(f"--ds_config {path!r}: key {err.args[0]!r} is given twice in one object "
+                                   "(JSON readers keep the last silently)") from None
     if not isinstance(cfg, dict):
         raise DeepSpeedConfigError(f"--ds_config {path!r} must hold a JSON object")
     return cfg
+
+
+class DuplicateKey(ValueError):
+    pass
+
+
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def is_unset(value: Any) -> bool:
@@ -140,8 +156,9 @@ def check_with_deepspeed(ds: dict[str, Any]) -> None:
     import pydantic
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    read = ReadKeys(copy.deepcopy(ds))
     try:
-        DeepSpeedConfig(copy.deepcopy(ds))
+        DeepSpeedConfig(read)
     except pydantic.ValidationError as err:
         first = err.errors()[0]
         loc = [str(part) for part in first["loc"]]
@@ -149,6 +166,40 @@ def check_with_deepspeed(ds: dict[str, Any]) -> None:
         value = "" if first["type"] == "missing" else f" ({json.dumps(first['input'], default=str)})"
         more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
         raise DeepSpeedConfigError(f"ds_config {field}{value}: {first['msg']}{more}") from None
+    check_misspelled(ds, read.read)
+
+
+class ReadKeys(dict):
+    """A dict that records which keys are looked up: the top-level keys DeepSpeed's config parser asks for."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def get(self, key: Any, *default: Any) -> Any:
+        self.read.add(key)
+        return super().get(key, *default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def check_misspelled(ds: dict[str, Any], read: set[str]) -> None:
+    """DeepSpeed ignores a top-level key it does not know, so `gradient_acumulation_steps` would silently train
+    without accumulation: a key its parser never asked for that is close to one it did is refused. Other unread
+    keys pass (sections read by the engine itself, or by newer DeepSpeed versions)."""
+    import difflib
+
+    for key in sorted(set(ds) - read):
+        close = difflib.get_close_matches(key, sorted(k for k in read if isinstance(k, str)), n=1, cutoff=0.8)
+        if close:
+            raise DeepSpeedConfigError(f"ds_config {key}: unknown key (DeepSpeed would ignore it); did you mean "
+                                       f"{close[0]!r}?")
 
 
 def located(ds: dict[str, Any], loc: list[str]) -> str | None:

@@ -89,6 +89,27 @@ def test_deepspeeds_validation_errors_are_one_line_naming_the_field(ds, message)
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("key, suggestion", [("gradient_acumulation_steps", "gradient_accumulation_steps"),
+                                             ("tensorbaord", "tensorboard"), ("zero_optimisation", "zero_optimization")])
+def test_a_misspelled_key_deepspeed_would_ignore_is_refused(key, suggestion):
+    """DeepSpeed skips top-level keys it does not read; one close to a key it reads is a typo."""
+    ds = {**read_ds_config(str(DS_CONFIGS / "zero1_fp32.json")), key: 4}
+    with pytest.raises(DeepSpeedConfigError) as info:
+        check_with_deepspeed(reconcile(ds, train(micro_batch_size=2), world_size=1))
+    assert str(info.value) == f"ds_config {key}: unknown key (DeepSpeed would ignore it); did you mean {suggestion!r}?"
+    unrelated = {**read_ds_config(str(DS_CONFIGS / "zero1_fp32.json")), "my_launcher_note": "kept as it is"}
+    check_with_deepspeed(reconcile(unrelated, train(micro_batch_size=2), world_size=1))  # not close to any: passes
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1, "stage": 2}}')
+    with pytest.raises(DeepSpeedConfigError) as info:
+        read_ds_config(str(path))
+    assert str(info.value) == (f"--ds_config {str(path)!r}: key 'stage' is given twice in one object (JSON readers "
+                               "keep the last silently)")
+
+
 def test_deepspeed_accepts_every_shipped_config():
     for path in sorted(DS_CONFIGS.glob("*.json")):
         check_with_deepspeed(reconcile(read_ds_config(str(path)), train(micro_batch_size=2), world_size=1))
