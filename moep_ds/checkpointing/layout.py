@@ -70,10 +70,20 @@ def apply_umask(path: Path) -> None:
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Put the finished directory `tmp` at `final` (replacing an old one)."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    """Put the finished directory `tmp` at `final`. An old `final` is renamed aside first (a hidden sibling that
+    no reader lists) and deleted once the new one is in place: a crash leaves the old or the new one whole,
+    where deleting it first could leave it half gone."""
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -21,3 +21,25 @@ def test_atomic_dir_keeps_a_parent_that_was_filled_meanwhile(tmp_path):
             (tmp_path / "a" / "other").write_text("x")
             raise RuntimeError("boom")
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["a", "a/other"]
+
+
+def test_replace_dir_keeps_the_old_folder_whole_until_the_new_one_is_in(tmp_path, monkeypatch):
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "f").write_text("old")
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "f").write_text("new")
+    real_replace = layout.os.replace
+
+    def failing(src, dst):
+        if str(src).endswith("new"):
+            raise OSError("disk gone")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(layout.os, "replace", failing)
+    with pytest.raises(OSError, match="disk gone"):
+        layout.replace_dir(tmp_path / "new", tmp_path / "final")
+    assert (tmp_path / "final" / "f").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "final", "new"]
+    monkeypatch.setattr(layout.os, "replace", real_replace)
+    layout.replace_dir(tmp_path / "new", tmp_path / "final")
+    assert (tmp_path / "final" / "f").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["final"]
