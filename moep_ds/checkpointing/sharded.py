@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     StorageMeta,
     TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -111,6 +113,10 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         obj = self.state_dict[index.fqn]
         return obj.local if isinstance(obj, FlatShard) else super().lookup_tensor(index)
 
+    def load_bytes(self, read_item, value) -> None:  # noqa: ANN001 - DCP's signature
+        # DCP's default unpickles stored bytes with torch.load(weights_only=False); this project stores tensors only
+        raise pickle.UnpicklingError(f"{read_item.dest_index.fqn!r} is stored as bytes, not as a tensor")
+
 
 class StagedCopy:
     """DCP AsyncStager: the CPU copies are made by the caller before async_save (one shard's worth per rank)."""
@@ -184,10 +190,28 @@ class SafeReader(dcp.FileSystemReader):
             metadata = MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP metadata")
+        check_records(metadata)
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+DATA_FILE = re.compile(r"__\d+_\d+\.distcp")  # what writer() names a rank's file
+
+
+def check_records(metadata: Metadata) -> None:
+    """Only what this project writes: tensors (DCP would unpickle a bytes entry with torch.load, weights_only
+    off) stored in this folder's own data files at plain offsets (no other path, no decompression transforms)."""
+    for key, entry in metadata.state_dict_metadata.items():
+        if type(entry) is not TensorStorageMetadata:
+            raise pickle.UnpicklingError(f"entry {key!r} is a {type(entry).__name__}, not a stored tensor")
+    for index, info in (metadata.storage_data or {}).items():
+        path, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if not (isinstance(path, str) and DATA_FILE.fullmatch(path) and type(offset) is int and type(length) is int
+                and offset >= 0 and length >= 0 and not getattr(info, "transform_descriptors", None)):
+            raise pickle.UnpicklingError(f"the storage record of {getattr(index, 'fqn', index)!r} ({path!r}, "
+                                         f"{offset!r}, {length!r}) is not one of this project's data files")
 
 
 def load(state: dict[str, FlatShard], path: Path) -> None:

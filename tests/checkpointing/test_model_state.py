@@ -112,3 +112,37 @@ def test_metadata_is_read_without_running_code_from_it(tmp_path):
         sharded.check_files(ckpt)
     pickle.loads(pickle.dumps(Planted(marker)))  # what torch's own reader would have done with the planted file
     assert marker.is_dir()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_metadata_may_name_only_stored_tensors_in_the_checkpoints_own_files(tmp_path):
+    """Allowed classes can still describe a harmful read: a bytes entry (DCP's default planner unpickles those
+    with torch.load, weights_only off), a record pointing outside the folder, or a decompression transform."""
+    import copy
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    save_whole(tiny(0), tmp_path)
+    original = sharded.SafeReader(tmp_path).read_metadata()
+    assert all(type(m) is sharded.TensorStorageMetadata for m in original.state_dict_metadata.values())
+    key = next(iter(original.state_dict_metadata))
+    index, info = next(iter(original.storage_data.items()))
+
+    def tampered(change):
+        metadata = copy.deepcopy(original)
+        change(metadata)
+        (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+    tampered(lambda m: m.state_dict_metadata.__setitem__(key, BytesStorageMetadata()))
+    with pytest.raises(sharded.DamagedCheckpoint, match=rf"entry '{key}' is a BytesStorageMetadata, not a stored "
+                                                        r"tensor"):
+        sharded.check_files(tmp_path)
+    for field, value in (("relative_path", "/etc/passwd"), ("relative_path", "../__0_0.distcp"), ("offset", -1),
+                         ("transform_descriptors", ["zstd"])):
+        tampered(lambda m: setattr(m.storage_data[index], field, value))
+        with pytest.raises(sharded.DamagedCheckpoint, match=r"is not one of this project's data files"):
+            model_state.load_module(tiny(1), tmp_path)
+    with pytest.raises(pickle.UnpicklingError, match="stored as bytes, not as a tensor"):
+        sharded.ShardLoadPlanner().load_bytes(type("Item", (), {"dest_index": index})(), None)
+    assert info.relative_path == "__0_0.distcp"
