@@ -114,6 +114,30 @@ def atomic_dir(final: str | os.PathLike, *, tmp: Path | None = None) -> Iterator
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
+@contextlib.contextmanager
+def output_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """Where to write a directory that must appear whole: a temporary sibling (atomic_dir), or, when `final` is
+    an existing empty folder, that folder itself, emptied again on error (a mount point, or a folder made for
+    the output in a parent this process cannot write: no sibling can be made there, and nothing is replaced)."""
+    final = Path(final)
+    if not is_empty_dir(final):
+        with atomic_dir(final) as tmp:
+            yield tmp
+        return
+    try:
+        yield final
+        for child in final.iterdir():  # not the folder itself: it is the caller's (perhaps a mount point)
+            apply_umask(child)
+    except BaseException:
+        for child in final.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        raise
+
+
 def remove_empty_dirs(dirs: list[Path]) -> None:
     """Remove `dirs` (deepest first) as long as they are empty: a failed write leaves no new folders behind,
     and never removes one that something else has filled meanwhile."""

@@ -87,13 +87,22 @@ def check_export_dir(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out ({str(out)!r}) exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
+    if out.exists() and any(out.iterdir()) and not is_model_dir(out):  # --force deletes what it replaces
+        raise UserError(f"--out ({str(out)!r}) holds files but no earlier export (model.safetensors, meta.json and "
+                        "a config): --force replaces only an export; give an empty or new folder")
     check_creatable(out)
 
 
+def is_model_dir(path: Path) -> bool:
+    """What an export (either layout) or a saved model directory holds."""
+    return all((path / f).is_file() for f in ("model.safetensors", "meta.json")) and any(
+        (path / f).is_file() for f in ("config.yaml", "config.json"))
+
+
 def check_creatable(out: Path) -> None:
-    """The export is built in a temporary sibling of `out` (layout.atomic_dir): probe that one can be made in the
-    nearest existing folder above it, and remove the probe again."""
-    parent = next(p for p in out.absolute().parents if p.exists())
+    """The export is built in a temporary sibling of `out` (layout.output_dir), or in `out` itself when that is an
+    existing empty folder: probe that a folder can be made there, and remove the probe again."""
+    parent = out if layout.is_empty_dir(out) else next(p for p in out.absolute().parents if p.exists())
     if not parent.is_dir():
         raise UserError(f"--out ({str(out)!r}) cannot be created: {parent} is not a directory")
     try:
@@ -179,7 +188,7 @@ def export_hf_weights(
         from moep_ds.data.tokenizer import load_tokenizer
 
         eot_id = load_tokenizer(tokenizer_dir).eot_id
-    with layout.atomic_dir(out) as tmp:
+    with layout.output_dir(out) as tmp:
         write_hf_dir(entries, cfg, tmp, Path(tokenizer_dir) if tokenizer_dir else None, eot_id, meta or {})
     return out
 
@@ -217,7 +226,7 @@ def _main(args: argparse.Namespace) -> int:
         entries, extra = stored_weights(source, cfg)
         # not save_weights_dir, which writes into an existing folder file by file: --force replaces the whole
         # folder, and only once the new export is complete
-        with layout.atomic_dir(out) as tmp:
+        with layout.output_dir(out) as tmp:
             write_model_files(entries, extra, cfg, tmp, tokenizer_dir, meta)
     log.info("wrote %s", out)
     return 0

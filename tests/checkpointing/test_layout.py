@@ -43,3 +43,27 @@ def test_replace_dir_keeps_the_old_folder_whole_until_the_new_one_is_in(tmp_path
     monkeypatch.setattr(layout.os, "replace", real_replace)
     layout.replace_dir(tmp_path / "new", tmp_path / "final")
     assert (tmp_path / "final" / "f").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["final"]
+
+
+def test_output_dir_writes_an_empty_folder_in_place_and_empties_it_on_error(tmp_path, monkeypatch):
+    """An existing empty folder (a mount point; a folder whose parent this process cannot write) is filled in
+    place: no sibling is made, so the parent is never written."""
+    out = tmp_path / "mount"
+    out.mkdir()
+    made = []
+    monkeypatch.setattr(layout.tempfile, "mkdtemp", lambda **kw: made.append(kw) or pytest.fail("made a sibling"))
+    with pytest.raises(RuntimeError, match="boom"):
+        with layout.output_dir(out) as target:
+            assert target == out
+            (target / "sub").mkdir()
+            (target / "sub" / "f").write_text("half")
+            raise RuntimeError("boom")
+    assert out.is_dir() and list(out.iterdir()) == []
+    with layout.output_dir(out) as target:
+        (target / "f").write_text("done")
+    assert (out / "f").read_text() == "done" and sorted(p.name for p in tmp_path.iterdir()) == ["mount"]
+    monkeypatch.undo()
+    with layout.output_dir(out) as target:  # no longer empty: built beside it and swapped in
+        assert target != out
+        (target / "g").write_text("new")
+    assert [p.name for p in out.iterdir()] == ["g"]

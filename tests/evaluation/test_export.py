@@ -249,6 +249,21 @@ def test_moep_export_force_replaces_the_whole_folder(tmp_path, monkeypatch, caps
     assert snapshot(tmp_path) == before  # the old export intact, no temporary folder, no new parent folders
 
 
+def test_moep_export_force_replaces_only_an_earlier_export(tmp_path, capsys):
+    """--force deletes the folder it replaces: a folder of other files (a project, a folder of runs) is refused."""
+    ckpt = make_run(tmp_path / "run")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    for layout_args in ([], ["--hf"]):
+        code = export_main([str(ckpt), "--out", str(project), "--force", *layout_args])
+        assert_one_line_error(code, capsys.readouterr().err, f"--out ('{project}') holds files but no earlier export "
+                                                             "(model.safetensors, meta.json and a config): --force "
+                                                             "replaces only an export; give an empty or new folder")
+    assert snapshot(tmp_path) == before
+
+
 def test_moep_export_tokenizer_missing_warns_damaged_refused(tmp_path, tokenizer_dir, capsys, caplog, monkeypatch):
     monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
     bare = make_run(tmp_path / "bare")
