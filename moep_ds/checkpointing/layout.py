@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -76,7 +77,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
     if not final.exists():
         os.replace(tmp, final)
         return
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    old = final.with_name(f".{final.name}.old-{secrets.token_hex(6)}")  # a pid can repeat after a crash
     os.replace(final, old)
     try:
         os.replace(tmp, final)

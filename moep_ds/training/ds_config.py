@@ -155,6 +155,7 @@ def check_with_deepspeed(ds: dict[str, Any]) -> None:
     a 40-line traceback once the run directory and the data exist. Needs torch.distributed for the world size."""
     import pydantic
     from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config import DeepSpeedConfigError as DeepSpeedsError
 
     read = ReadKeys(copy.deepcopy(ds))
     try:
@@ -166,6 +167,10 @@ def check_with_deepspeed(ds: dict[str, Any]) -> None:
         value = "" if first["type"] == "missing" else f" ({json.dumps(first['input'], default=str)})"
         more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
         raise DeepSpeedConfigError(f"ds_config {field}{value}: {first['msg']}{more}") from None
+    except (DeepSpeedsError, ValueError, AssertionError) as err:  # its checks across fields and of removed keys
+        lines = str(err).strip().splitlines()
+        raise DeepSpeedConfigError(f"ds_config refused by DeepSpeed: {lines[0] if lines else type(err).__name__}") \
+            from None
     check_misspelled(ds, read.read)
 
 

@@ -78,7 +78,9 @@ def drop_rows_after(run_dir: pathlib.Path, step: int) -> None:
             continue
         lines = path.read_text().splitlines(keepends=True)
         kept = [line for i, line in enumerate(lines) if keep_row(line, step, path, i + 1, last=i == len(lines) - 1)]
-        if len(kept) != len(lines):
+        if kept and not kept[-1].endswith("\n"):  # the next row must start a line of its own
+            kept[-1] += "\n"
+        if kept != lines:
             tmp = path.with_name(f".{name}.tmp")
             tmp.write_text("".join(kept))
             tmp.replace(path)

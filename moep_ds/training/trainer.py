@@ -433,7 +433,11 @@ def set_aside(damaged: list[pathlib.Path]) -> None:
         while target.exists():
             n += 1
             target = ckpt.with_name(f"{ckpt.name}.damaged{n}")
-        ckpt.rename(target)
+        try:
+            ckpt.rename(target)
+        except OSError as err:  # best effort: the other ranks are already on their way to the engine's collectives
+            log.warning("could not move the damaged checkpoint %s aside (%s); keep_last still counts it", ckpt, err)
+            continue
         log.warning("moved the damaged checkpoint %s aside to %s", ckpt, target.name)
 
 

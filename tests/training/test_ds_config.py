@@ -101,6 +101,14 @@ def test_a_misspelled_key_deepspeed_would_ignore_is_refused(key, suggestion):
     check_with_deepspeed(reconcile(unrelated, train(micro_batch_size=2), world_size=1))  # not close to any: passes
 
 
+def test_deepspeeds_own_cross_field_checks_are_one_line():
+    ds = {**read_ds_config(str(DS_CONFIGS / "zero3_fp32.json")), "gradient_allreduce_op": "sum"}
+    with pytest.raises(DeepSpeedConfigError) as info:
+        check_with_deepspeed(reconcile(ds, train(micro_batch_size=2), world_size=1))
+    assert str(info.value) == "ds_config refused by DeepSpeed: gradient_allreduce_op='sum' is not supported with ZeRO " \
+                              "stage 3"
+
+
 def test_a_key_given_twice_is_refused(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1, "stage": 2}}')

@@ -73,3 +73,6 @@ def test_resume_drops_later_rows_and_a_cut_off_last_line(tmp_path, caplog):
     assert (tmp_path / "expert_utilization.jsonl").read_text() == rows[0] + rows[1]
     assert "metrics.jsonl, line 6: dropping the cut-off last line an interrupted run left" in caplog.text
     assert "metrics.jsonl, line 2: not valid JSON; kept as it is" in caplog.text
+    (tmp_path / "metrics.jsonl").write_text(rows[0] + rows[1].rstrip("\n"))  # whole, but its newline never written
+    drop_rows_after(tmp_path, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == rows[0] + rows[1]
