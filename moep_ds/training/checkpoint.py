@@ -297,6 +297,36 @@ def check_same_tokenizer(state: dict[str, Any], meta: dict[str, Any], ckpt: path
             f"run has {current[:12]}...; resume with the data the checkpoint was trained on")
 
 
+def warn_model_changes(model_cfg: Any, ckpt: pathlib.Path) -> list[str]:
+    """Settings of the model that differ from those the checkpoint was trained with, logged as one warning. Shapes
+    are checked when the weights load; this names what a shape cannot show (an activation, a router rule, a
+    norm's epsilon), e.g. after a flavour's default changed or when a recipe was edited between runs."""
+    from moep_ds.checkpointing.model_dir import CONFIG_FILE
+    from moep_ds.config import config_from_dict, read_yaml
+    from moep_ds.schema import to_dict
+
+    try:
+        saved = to_dict(config_from_dict(read_yaml(ckpt / CONFIG_FILE)).model)
+    except Exception as err:  # noqa: BLE001 - an old or edited config.yaml: the comparison is advice only
+        log.warning("could not compare the model with %s: %s", ckpt / CONFIG_FILE, err)
+        return []
+    changes = differences(saved, to_dict(model_cfg), "model")
+    if changes:
+        log.warning("the model differs from the one %s was trained with: %s%s", ckpt, "; ".join(changes[:5]),
+                    f" (and {len(changes) - 5} more)" if len(changes) > 5 else "")
+    return changes
+
+
+def differences(saved: Any, now: Any, path: str) -> list[str]:
+    """'path (saved there, now here)' for every leaf that differs between two nested dict/list trees."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return [d for key in sorted(set(saved) | set(now), key=str)
+                for d in differences(saved.get(key), now.get(key), f"{path}.{key}")]
+    if isinstance(saved, list) and isinstance(now, list) and len(saved) == len(now):
+        return [d for i, (a, b) in enumerate(zip(saved, now)) for d in differences(a, b, f"{path}[{i}]")]
+    return [] if saved == now else [f"{path} ({saved!r} there, {now!r} now)"]
+
+
 def restore_schedule(scheduler, last_epoch: int) -> None:
     """Put the schedule at `last_epoch` and set every group's lr from it. The schedule is a function of the
     step alone, so this works whatever the number of parameter groups (expert parallelism adds MoE groups),

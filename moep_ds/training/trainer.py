@@ -210,6 +210,7 @@ class Trainer:
             self.step = state["step"]
             log.info("resumed from %s at step %d", self.resume_from, self.step)
             if self.rank == 0:
+                ckpt_io.warn_model_changes(cfg.model, self.resume_from)
                 drop_rows_after(self.run_dir, self.step)
         self.checkpoints = ckpt_io.CheckpointWriter(self.run_dir, cfg.train.checkpoint.keep_last,
                                                     async_save=cfg.train.checkpoint.async_save)

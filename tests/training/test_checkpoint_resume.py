@@ -191,3 +191,27 @@ def test_activation_checkpointing_switches_on_and_off_at_resume(matrix):
         got, reference = losses(resumed[(source, "ac")]), losses(sources[source][1])
         assert sorted(got) == [4] and sorted(reference) == [1, 2, 3, 4]
         assert got[4] == reference[4], (source, got[4], reference[4])
+
+
+def test_resume_names_model_settings_that_changed_since_the_checkpoint(tmp_path, caplog):
+    """Shapes are checked when weights load; a setting without a shape (here the GELU variant, which the gpt2
+    flavour's default changed) is named in a warning."""
+    import copy
+
+    from moep_ds.checkpointing.model_dir import save_model_dir
+    from moep_ds.config import config_from_dict
+    from moep_ds.models.causal_lm import build_model
+    from moep_ds.training.checkpoint import warn_model_changes
+
+    raw = {"model": {"flavour": "gpt2", "vocab_size": 64, "d_model": 32, "max_seq_len": 16,
+                     "layers": [{"type": "dense", "repeat": 2, "attention": {"num_heads": 2}}]}}
+    cfg = config_from_dict(raw)
+    ckpt = save_model_dir(build_model(cfg.model), cfg, tmp_path / "m")
+    assert warn_model_changes(cfg.model, ckpt) == [] and "differs" not in caplog.text
+    edited = copy.deepcopy(raw)
+    edited["model"]["layers"][0]["ffn"] = {"type": "gelu"}
+    edited["model"]["layers"][0]["norm"] = {"type": "layernorm", "eps": 1e-6}
+    changes = warn_model_changes(config_from_dict(edited).model, ckpt)
+    assert changes == ["model.layers[0].ffn.type ('gelu_tanh' there, 'gelu' now)",
+                       "model.layers[0].norm.eps (1e-05 there, 1e-06 now)"]
+    assert f"the model differs from the one {ckpt} was trained with: {'; '.join(changes)}" in caplog.text
