@@ -149,6 +149,18 @@ def remove_empty_dirs(dirs: list[Path]) -> None:
             return
 
 
+def check_dir_target(option: str, path: Path) -> None:
+    """Refuse a directory to write into that is a file or lies under one, before any work (mkdir's error would
+    be a traceback, and often only once the work is done)."""
+    for existing in (path, *path.parents):
+        if existing.is_dir():
+            return
+        if existing.exists() or existing.is_symlink():  # a file, or a link to nothing
+            if existing == path:
+                raise UserError(f"{option} ({str(path)!r}) exists and is not a directory")
+            raise UserError(f"{option} ({str(path)!r}) cannot be created: {str(existing)!r} is not a directory")
+
+
 def check_writable(directory: str | os.PathLike, field: str) -> Path:
     """Create `directory` if needed and make sure files can be written there; one-line UserError otherwise."""
     path = Path(directory)

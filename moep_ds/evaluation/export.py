@@ -83,8 +83,7 @@ def check_export_dir(out: Path, overwrite: bool) -> None:
     """Refuse an --out that cannot become the export, before any weights are read and before anything is written."""
     if out.is_symlink():  # replacing it would replace the link, not the folder it names
         raise UserError(f"--out ({str(out)!r}) is a symbolic link (to {os.readlink(out)!r}); give the folder itself")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out ({str(out)!r}) exists and is not a directory")
+    layout.check_dir_target("--out", out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
     if out.exists() and any(out.iterdir()) and not is_model_dir(out):  # --force deletes what it replaces
@@ -103,8 +102,6 @@ def check_creatable(out: Path) -> None:
     """The export is built in a temporary sibling of `out` (layout.output_dir), or in `out` itself when that is an
     existing empty folder: probe that a folder can be made there, and remove the probe again."""
     parent = out if layout.is_empty_dir(out) else next(p for p in out.absolute().parents if p.exists())
-    if not parent.is_dir():
-        raise UserError(f"--out ({str(out)!r}) cannot be created: {parent} is not a directory")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".moep-export-probe-", dir=parent))
     except OSError as err:

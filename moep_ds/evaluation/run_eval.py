@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from moep_ds.checkpointing import layout
 from moep_ds.cli import run_command
 from moep_ds.errors import UserError
 
@@ -83,23 +84,11 @@ def check_eval_args(args: argparse.Namespace) -> None:
     if args.device is not None:
         parse_device(args.device)
     if args.output or Path(args.checkpoint).is_dir():  # else the checkpoint's own error says more
-        check_output_dir("--output", output_dir(args))
+        layout.check_dir_target("--output", output_dir(args))
 
 
 def output_dir(args: argparse.Namespace) -> Path:
     return Path(args.output or Path(args.checkpoint) / "eval")
-
-
-def check_output_dir(option: str, path: Path) -> None:
-    """Refuse a directory to write into that is a file or lies under one, before any work: mkdir's error would
-    be a traceback, for --output only once the whole evaluation has run."""
-    for existing in (path, *path.parents):
-        if existing.is_dir():
-            return
-        if existing.exists() or existing.is_symlink():  # a file, or a link to nothing
-            if existing == path:
-                raise UserError(f"{option} ({str(path)!r}) exists and is not a directory")
-            raise UserError(f"{option} ({str(path)!r}) cannot be created: {str(existing)!r} is not a directory")
 
 
 def list_tasks(data_dir: str | None) -> int:
@@ -209,7 +198,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.render_tasks:
         from moep_ds.evaluation.tasks import render_tasks, resolve_data_dir
 
-        check_output_dir("--render_tasks", Path(args.render_tasks))
+        layout.check_dir_target("--render_tasks", Path(args.render_tasks))
         data_dir = resolve_data_dir(args.data_dir, must_exist=False)
         if not data_dir.is_dir():
             log.warning("data directory %s does not exist: only grammar_pairs will find its data", data_dir)

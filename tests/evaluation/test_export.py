@@ -178,7 +178,7 @@ def test_moep_export_refuses_an_out_that_is_no_folder(tmp_path, capsys):
     before = snapshot(tmp_path)
     cases = {
         "afile": "--out ({!r}) exists and is not a directory",
-        "afile/sub": f"--out ({{!r}}) cannot be created: {tmp_path / 'afile'} is not a directory",
+        "afile/sub": f"--out ({{!r}}) cannot be created: '{tmp_path / 'afile'}' is not a directory",
         "link": f"--out ({{!r}}) is a symbolic link (to {str(tmp_path / 'elsewhere')!r}); give the folder itself",
     }
     for out, message in cases.items():
