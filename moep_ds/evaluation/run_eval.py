@@ -79,6 +79,9 @@ def check_eval_args(args: argparse.Namespace) -> None:
         raise UserError(f"--limit ({args.limit:g}) must be a number > 0 (a fraction of each task if < 1)")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UserError(f"--num_fewshot ({args.num_fewshot}) must be >= 0")
+    if args.num_fewshot and not args.hub:  # lm-eval would draw the examples from the split being scored
+        raise UserError(f"--num_fewshot ({args.num_fewshot}): the local task files hold only the split that is "
+                        "scored, so the examples would come from it; few-shot needs the hub tasks (--hub)")
     if args.bootstrap_iters < 0:
         raise UserError(f"--bootstrap_iters ({args.bootstrap_iters}) must be >= 0 (0: no stderrs)")
     if args.device is not None:

@@ -53,7 +53,8 @@ def test_comparison_puts_runs_beside_references_and_against_the_baseline(tmp_pat
                                        "piqa acc |"]
     assert "| dense | 1K | 1K | 10K | 6.00e+07 | threshold | 60.00 | 25.00 | 40.50 | 61.00 |" in md
     assert "| Pythia-1B (published) | 1.01B | 1.01B | 300B | 1.88e+21 | – | – | 56.20 | 7.92 | 70.73 |" in md
-    assert "| BabyLM 2025 GPT-2 small (published) | 124M | 124M | – | – | – | 67.29 | – | – | – |" in md
+    assert ("| BabyLM 2025 GPT-2 small, strict-small (10M words) (published) | 124M | 124M | – | – | – | 67.29 | – | – "
+            "| – |") in md
     assert "| moe | 1.000 | 0.250 | +6.00 | +2.50 | +4.05 | +6.10 |" in md
 
 

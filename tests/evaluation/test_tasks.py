@@ -126,6 +126,8 @@ def files_under(root):
     (["--batch_size", "0"], "--batch_size (0) must be >= 1"),
     (["--batch_size", "-4"], "--batch_size (-4) must be >= 1"),
     (["--num_fewshot", "-1"], "--num_fewshot (-1) must be >= 0"),
+    (["--num_fewshot", "2"], "--num_fewshot (2): the local task files hold only the split that is scored, so the "
+                             "examples would come from it; few-shot needs the hub tasks (--hub)"),
     (["--bootstrap_iters", "-5"], "--bootstrap_iters (-5) must be >= 0 (0: no stderrs)"),
     (["--device", "gpu0"], "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
     (["--output", "{tmp}/a_file"], "--output ('{tmp}/a_file') exists and is not a directory"),
