@@ -51,7 +51,7 @@ class CheckpointConfig:
 class TrainConfig:
     output_dir: str = "runs/default"
     seed: NonNegativeInt = 1234
-    max_steps: PositiveInt | None = None  # optimizer steps; null: derived from `epochs`
+    max_steps: PositiveInt | None = None  # optimizer steps; null: derived from `epochs`, which it overrides
     epochs: PositiveFloat | None = None
     exit_at_step: PositiveInt | None = None  # checkpoint and exit there (Megatron's exit-interval); schedule unchanged
     micro_batch_size: PositiveInt | None = None

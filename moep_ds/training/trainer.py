@@ -140,6 +140,9 @@ def prepare_data(cfg: Config, rank: int) -> tuple[pathlib.Path, dict]:
 
 def total_steps(cfg: Config, num_windows: int, global_batch: int) -> int:
     if cfg.train.max_steps is not None:
+        if cfg.train.epochs is not None:  # e.g. --set train.max_steps=5 for a smoke test of an epochs recipe
+            log.warning("train.max_steps (%d) overrides train.epochs (%g), as max_steps does in HF's Trainer",
+                        cfg.train.max_steps, cfg.train.epochs)
         return cfg.train.max_steps
     if cfg.train.epochs is None:
         raise UserError("train.max_steps (None) must be set when train.epochs is not")
