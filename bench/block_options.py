@@ -38,6 +38,7 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+from moep_ds.cli import positive_int  # noqa: E402
 from train_throughput import current_rss, warm_up_lazy_init, worker_env  # noqa: E402
 
 log = logging.getLogger("block_options")
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ds_config", default="zero0_fp32", help="a file stem in ds_configs/")
     p.add_argument("--seq_len", type=int, default=512)
     p.add_argument("--micro_batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--overrides", nargs="*", default=[], help="extra recipe overrides (a.b=v)")
     p.add_argument("--work_dir", default=None)

@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))  # `python bench/compare_small.py` from a checkout
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from moep_ds.cli import positive_int  # noqa: E402
 
 log = logging.getLogger("compare_small")
 
@@ -326,7 +327,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--size", default="small", choices=list(SIZES))
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per model (overrides the budget)")
+    p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per model (overrides the budget)")
     p.add_argument("--budget_minutes", type=float, default=60.0, help="whole run, preparation included")
     p.add_argument("--source", default="shared:corpus", help="data.source of every recipe")
     p.add_argument("--lr", type=float, default=2e-3)

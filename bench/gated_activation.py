@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from moep_ds.cli import positive_int
 from moep_ds.layers import glu
 
 SIZES = [(512, 256), (1024, 256), (1024, 512), (2048, 512), (4096, 512), (1024, 2048), (8192, 896)]
@@ -35,7 +36,7 @@ def step(kind: str, gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, fu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kind", default="swiglu", choices=sorted(glu.GATE_ACTIVATIONS))
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=positive_int, default=30)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)

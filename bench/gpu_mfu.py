@@ -38,6 +38,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/gpu_mfu.py` from a checkout, installed or not
 
 import torch  # noqa: E402
+from moep_ds.cli import non_negative_int, positive_int  # noqa: E402
 
 log = logging.getLogger("gpu_mfu")
 
@@ -200,8 +201,8 @@ def header(device: torch.device, peak: float, peak_n: int, nominal: float | None
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", nargs="+", default=RECIPES, choices=RECIPES)
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 20; 2 with --dry_run)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --dry_run)")
+    p.add_argument("--steps", type=positive_int, default=None, help="timed steps (default 20; 2 with --dry_run)")
+    p.add_argument("--warmup", type=non_negative_int, default=None, help="untimed steps first (default 3; 1 with --dry_run)")
     p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
                    help="block options per recipe (default: eager + ckpt+compile for the 1B recipes, eager for "
                         "msit_babylm; ckpt with --dry_run)")

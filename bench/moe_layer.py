@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moep_ds.cli import positive_int
 from moep_ds.layers import glu
 from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.experts import expert_ffn
@@ -208,13 +209,13 @@ def top2_rows(args, x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, Step], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)  # a micro-batch of 8 x 512
-    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--experts", type=positive_int, default=8)
     parser.add_argument("--ec_d_model", type=int, default=512)
     parser.add_argument("--ec_hidden", type=int, default=2048)
     parser.add_argument("--capacity_factor", type=float, default=1.25)
     parser.add_argument("--top2_d_model", type=int, default=256)
     parser.add_argument("--top2_hidden", type=int, default=896)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from moep_ds.blocks.msit import MSITBlockConfig, MSITExpertConfig, MSITExperts
+from moep_ds.cli import positive_int
 from moep_ds.layers.norm import NormConfig
 from moep_ds.layers.routed_attention import routed_attention
 from moep_ds.registry import ROUTERS
@@ -142,10 +143,12 @@ def main() -> None:
     parser.add_argument("--d_thin", type=int, default=384)
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--capacity", type=float, default=2.0)
-    parser.add_argument("--windows", type=int, nargs="+", default=[64, 16, 8, 4])
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--windows", type=positive_int, nargs="+", default=[64, 16, 8, 4])
+    parser.add_argument("--iters", type=positive_int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     B, T, D, E = args.batch, args.seq_len, args.d_model, len(args.windows)

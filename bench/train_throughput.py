@@ -56,6 +56,7 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/train_throughput.py` from a checkout, installed or not
+from moep_ds.cli import non_negative_int, positive_int  # noqa: E402
 log = logging.getLogger("train_throughput")
 RECIPES = {"dense": "configs/nova_dense.yaml", "nova_moe": "configs/nova_moe.yaml", "msit": "configs/msit_babylm.yaml"}
 ZERO2_VS_PLAIN = 0.90  # target: ZeRO-2 on one process, tok/s over the plain loop's
@@ -403,9 +404,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--nprocs", nargs="+", type=int, default=[1, 2], help="process counts for the ZeRO rows")
     p.add_argument("--size", default="small", choices=list(SIZES))
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per row")
-    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
-    p.add_argument("--repeats", type=int, default=1, help="run every row this often, keep the fastest")
+    p.add_argument("--steps", type=positive_int, default=30, help="optimizer steps per row")
+    p.add_argument("--warmup", type=non_negative_int, default=5, help="first steps left out of the median")
+    p.add_argument("--repeats", type=positive_int, default=1, help="run every row this often, keep the fastest")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
     p.add_argument("--clock", default="cpu", choices=["cpu", "wall"], help="which tok/s the targets use")

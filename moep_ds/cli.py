@@ -27,6 +27,21 @@ stopping and resuming:
 """
 
 
+# argparse types for counts: 0 would be read as "unset" or give inf / nan; argparse reports them in one usage line
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
 def pretrain_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pre-train a moep_ds model under DeepSpeed.", epilog=STOPPING,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
