@@ -70,6 +70,8 @@ class IndexedDataset:
 
     @property
     def tokens(self) -> np.ndarray:
+        if self.num_tokens == 0:  # numpy cannot map an empty file (an empty dataset's .bin)
+            return np.empty(0, dtype=self.dtype)
         if self._tokens is None:
             self._tokens = np.memmap(self.bin_path, mode="r", dtype=self.dtype, shape=(self.num_tokens,))
         return self._tokens
@@ -84,10 +86,12 @@ class IndexedDataset:
 
 def write_indexed(prefix: str | os.PathLike, sequences: list[np.ndarray] | np.ndarray, dtype=np.uint16) -> None:
     """Write sequences as PREFIX.bin + PREFIX.idx, one document per sequence (as Megatron's preprocessing
-    writes a pre-packed corpus); for tests and for converting a corpus to this format."""
+    writes a pre-packed corpus); for tests and for converting a corpus to this format. No sequences give what
+    Megatron's builder writes then: an empty .bin and an index with no sizes or pointers and doc_idx [0]."""
     dtype = np.dtype(dtype)
     sizes = np.array([len(s) for s in sequences], dtype=np.int32)
-    pointers = np.concatenate([[0], np.cumsum(sizes.astype(np.int64) * dtype.itemsize)[:-1]]).astype(np.int64)
+    nbytes = sizes.astype(np.int64) * dtype.itemsize
+    pointers = np.cumsum(nbytes) - nbytes  # each sequence starts where the one before ends
     doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
     with open(f"{prefix}.bin", "wb") as f:
         for seq in sequences:

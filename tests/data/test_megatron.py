@@ -31,7 +31,7 @@ def pack_by_hand(prefix, sequences, code):
     """PREFIX.bin/.idx laid out field by field as Megatron-LM's MMapIndexedDatasetBuilder writes them."""
     dtype = np.dtype(MEGATRON_CODES[code])
     sizes = [len(s) for s in sequences]
-    pointers = np.cumsum([0] + sizes[:-1]) * dtype.itemsize
+    pointers = np.cumsum([0] + sizes)[:-1] * dtype.itemsize  # one per sequence: none for an empty dataset
     with open(f"{prefix}.bin", "wb") as f:
         for s in sequences:
             f.write(np.asarray(s, dtype=dtype).tobytes())
@@ -64,6 +64,16 @@ def test_writer_matches_the_megatron_layout(tmp_path):
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
     assert (tmp_path / "ours.idx").read_bytes()[17] == 8  # the dtype byte after magic and version
+
+
+def test_an_empty_dataset_is_written_as_megatron_writes_it_and_reads_back(tmp_path):
+    """Megatron's builder with no sequences writes no sizes or pointers, doc_idx [0]: a 42-byte index."""
+    pack_by_hand(tmp_path / "ref", [], 8)
+    write_indexed(tmp_path / "ours", [])
+    assert (tmp_path / "ours.idx").read_bytes() == (tmp_path / "ref.idx").read_bytes()
+    assert (tmp_path / "ours.idx").stat().st_size == 42 and (tmp_path / "ours.bin").stat().st_size == 0
+    data = SequenceDataset(tmp_path / "ours", 4)
+    assert len(data) == 0 and len(data.data) == 0 and data.get_batch([]).shape == (0, 5)
 
 
 def test_samples_are_the_first_seq_len_plus_one_tokens_of_each_sequence(tmp_path):
@@ -213,3 +223,4 @@ def test_hub_tokenizer_is_read_from_the_hugging_face_cache(tmp_path, monkeypatch
     assert tokenizer_sha256("hf:acme/tiny-lm") == tokenizer_sha256(source)
     copy_tokenizer("hf:acme/tiny-lm", tmp_path / "copy")
     assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+
