@@ -62,8 +62,21 @@ class IndexedDataset:
         self.doc_idx_D = idx[offset + 8 * num_seqs:].view(np.int64)
         if not self.bin_path.is_file():
             raise DataError(f"{self.bin_path} not found beside {self.idx_path}")
+        self.check_bin_size()
         self.num_tokens = self.bin_path.stat().st_size // self.dtype.itemsize
         self._tokens: np.memmap | None = None
+
+    def check_bin_size(self) -> None:
+        """The .bin must reach the end of the last sequence the .idx points to: a truncated or empty file, or a
+        dtype code wider than the file's ids, would otherwise fail only when a read reaches past its end.
+        Megatron writes the sequences back to back, so the last one ends the file (O(1), nothing read)."""
+        if len(self.sizes_S) == 0:
+            return
+        need = int(self.pointers_S[-1]) + int(self.sizes_S[-1]) * self.dtype.itemsize
+        size = self.bin_path.stat().st_size
+        if size < need:
+            raise DataError(f"{self.bin_path} has {size} bytes, its index {self.idx_path.name} needs {need} "
+                            f"({len(self.sizes_S)} sequences of {self.dtype.name}, dtype code {self.dtype_code})")
 
     def __len__(self) -> int:
         return len(self.sizes_S)

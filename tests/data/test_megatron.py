@@ -1,6 +1,7 @@
 """megatron:PREFIX sources: the MMIDIDX reader against hand-packed index files, sequence samples in file order
 over data-parallel ranks and across a resume, the prepared folder (reused tokenizer, held-out range or
 val_source), and the one-line errors for missing or malformed data."""
+import re
 import struct
 
 import numpy as np
@@ -104,6 +105,23 @@ def test_malformed_index_files_fail_with_one_line(tmp_path):
         (tmp_path / f"{name}.bin").write_bytes((tmp_path / "d.bin").read_bytes())
         with pytest.raises(DataError, match=message):
             IndexedDataset(tmp_path / name)
+
+
+@pytest.mark.parametrize("damage, size, need, dtype", [
+    ("truncated", 50, 72, "uint16, dtype code 8"),
+    ("empty", 0, 72, "uint16, dtype code 8"),
+    ("dtype code 4 on uint16 ids", 72, 90, "int32, dtype code 4"),  # the last pointer is 54, its 9 ids take 36
+])
+def test_a_bin_shorter_than_its_index_needs_fails_when_opened(tmp_path, damage, size, need, dtype):
+    write_indexed(tmp_path / "d", [np.arange(9)] * 4)
+    if damage == "dtype code 4 on uint16 ids":
+        idx = (tmp_path / "d.idx").read_bytes()
+        (tmp_path / "d.idx").write_bytes(idx[:17] + bytes([4]) + idx[18:])
+    else:
+        (tmp_path / "d.bin").write_bytes((tmp_path / "d.bin").read_bytes()[:size])
+    message = f"{tmp_path / 'd.bin'} has {size} bytes, its index d.idx needs {need} (4 sequences of {dtype})"
+    with pytest.raises(DataError, match=f"^{re.escape(message)}$"):
+        SequenceDataset(tmp_path / "d", 8)
 
 
 def test_sequential_order_is_file_order_over_two_ranks_and_across_a_resume(tmp_path):
