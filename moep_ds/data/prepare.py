@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 META, TRAIN_BIN, VAL_BIN = "meta.json", "train.bin", "val.bin"
 MAP_BATCH, WRITE_BATCH = 1000, 20_000
+# the meta.json keys moep-prepare prints; a megatron: folder counts stored sequences and has no timing phases
+SUMMARY = ("vocab_size", "train_tokens", "val_tokens", "train_documents", "val_documents", "invalid_utf8_bytes",
+           "seconds", "phase_seconds", "tokens_per_second")
+MEGATRON_SUMMARY = ("vocab_size", "train_sequences", "val_sequences", "train_tokens", "val_tokens")
 
 
 def prepare(cfg: DataConfig, *, force: bool = False) -> Path:
@@ -541,8 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     meta = json.loads((out / META).read_text())
-    summary = {k: meta[k] for k in ("vocab_size", "train_tokens", "val_tokens", "train_documents", "val_documents",
-                                    "invalid_utf8_bytes", "seconds", "phase_seconds", "tokens_per_second")}
+    summary = {k: meta[k] for k in (MEGATRON_SUMMARY if "megatron" in meta else SUMMARY)}
     print(json.dumps({"prepared_dir": str(out), **summary}))
     return 0
 

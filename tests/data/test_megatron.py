@@ -1,6 +1,7 @@
 """megatron:PREFIX sources: the MMIDIDX reader against hand-packed index files, sequence samples in file order
 over data-parallel ranks and across a resume, the prepared folder (reused tokenizer, held-out range or
 val_source), and the one-line errors for missing or malformed data."""
+import json
 import re
 import struct
 
@@ -241,4 +242,36 @@ def test_hub_tokenizer_is_read_from_the_hugging_face_cache(tmp_path, monkeypatch
     assert tokenizer_sha256("hf:acme/tiny-lm") == tokenizer_sha256(source)
     copy_tokenizer("hf:acme/tiny-lm", tmp_path / "copy")
     assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+
+
+# ---- moep-prepare on a megatron: source: a summary of sequences, or one line and nothing written ------------
+
+
+def run_cli(capsys, *argv):
+    code = prepare_main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, message):
+    assert code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {message}"], err
+
+
+def megatron_cli(tmp_path, source, *more):
+    """moep-prepare's arguments for `source`, with the tokenizer pythia_like_tokenizer(tmp_path) made."""
+    return ["--source", f"megatron:{source}", "--tokenizer-path", str(tmp_path / "tok" / "tokenizer.json"),
+            "--vocab-size", "300", "--seq-len", "8", "--out", str(tmp_path / "out" / "prep"), *more]
+
+
+def test_cli_prepares_a_megatron_source_and_prints_its_sequences(tmp_path, capsys):
+    write_indexed(tmp_path / "d", [np.full(9 + i % 2, i) for i in range(40)])
+    pythia_like_tokenizer(tmp_path)
+    code, out, err = run_cli(capsys, *megatron_cli(tmp_path, tmp_path / "d"))
+    assert code == 0, err
+    # val_fraction 0.01 of 40 sequences holds out the last one (10 tokens)
+    assert json.loads(out) == {"prepared_dir": str(tmp_path / "out" / "prep"), "vocab_size": 300,
+                               "train_sequences": 39, "val_sequences": 1, "train_tokens": 39 * 9 + 19,
+                               "val_tokens": 10}
+    assert check_meta(tmp_path / "out" / "prep", vocab_size=300)["train_sequences"] == 39
 
