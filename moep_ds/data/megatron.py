@@ -116,6 +116,16 @@ def write_indexed(prefix: str | os.PathLike, sequences: list[np.ndarray] | np.nd
         f.write(doc_idx.tobytes())
 
 
+def check_sequence_lengths(data: IndexedDataset, seq_len: int, field: str) -> None:
+    """Every sequence must hold one sample of seq_len + 1 tokens. Checked on the .idx sizes alone (no token is
+    read), so that a short sequence fails before a run starts, not at the step that first draws it."""
+    need = seq_len + 1
+    if len(data) and int(data.sizes_S.min()) < need:
+        i = int(np.argmax(data.sizes_S < need))
+        raise DataError(f"{field}: sequence {i} of {data.prefix} has {data.sizes_S[i]} tokens, fewer than "
+                        f"data.seq_len + 1 = {need}")
+
+
 def held_out(num_sequences: int, val_fraction: float) -> int:
     """How many trailing sequences a source without val_source holds out for validation."""
     return min(num_sequences, math.ceil(val_fraction * num_sequences))

@@ -204,16 +204,9 @@ def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
     of a megatron:PREFIX source; the tokens stay where they are (nothing is re-tokenised or copied)."""
     from filelock import FileLock
 
-    from moep_ds.data.megatron import IndexedDataset, held_out
-
-    train = IndexedDataset(megatron_prefix(cfg.megatron_prefix, "data.source"))
+    ranges = megatron_ranges(cfg)
+    train = ranges["train"][0]
     tok = check_reusable_tokenizer(cfg)
-    if cfg.val_source is not None:
-        val = IndexedDataset(megatron_prefix(cfg.val_sources[0][len(MEGATRON):], "data.val_source"))
-        ranges = {"train": (train, 0, len(train)), "val": (val, 0, len(val))}
-    else:
-        stop = len(train) - held_out(len(train), cfg.val_fraction)
-        ranges = {"train": (train, 0, stop), "val": (train, stop, len(train))}
     layout = {split: {"prefix": data.prefix, "start": start, "stop": stop, "dtype_code": data.dtype_code,
                       "idx_bytes": data.idx_path.stat().st_size} for split, (data, start, stop) in ranges.items()}
     settings = {"format": FORMAT_VERSION, "megatron": layout, "tokenizer_sha256": tokenizer_sha256(cfg.tokenizer.path)}
@@ -247,6 +240,30 @@ def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
     logger.info("%s: %d train / %d validation sequences (%s)", cfg.sources[0], layout["train"]["stop"] -
                 layout["train"]["start"], layout["val"]["stop"] - layout["val"]["start"], out)
     return out
+
+
+def megatron_ranges(cfg: DataConfig) -> dict[str, tuple[Any, int, int]]:
+    """(dataset, start, stop) of the train and validation sequences: data.val_source's file, or the trailing
+    val_fraction of the source. Checked here, from the .idx alone, so that a source no run can use fails before
+    anything is written: every sequence must hold a sample, and each split file must hold some."""
+    from moep_ds.data.megatron import IndexedDataset, check_sequence_lengths, held_out
+
+    def open_checked(prefix: str, field: str) -> IndexedDataset:
+        data = IndexedDataset(megatron_prefix(prefix, field))
+        if len(data) == 0:
+            raise DataError(f"{field}: {data.idx_path} holds no sequences")
+        check_sequence_lengths(data, cfg.seq_len, field)
+        return data
+
+    train = open_checked(cfg.megatron_prefix, "data.source")
+    if cfg.val_source is not None:
+        val = open_checked(cfg.val_sources[0][len(MEGATRON):], "data.val_source")
+        return {"train": (train, 0, len(train)), "val": (val, 0, len(val))}
+    stop = len(train) - held_out(len(train), cfg.val_fraction)
+    if stop == 0:
+        raise DataError(f"data.val_fraction ({cfg.val_fraction}) holds out all {len(train)} sequence(s) of "
+                        f"{train.prefix}, leaving none to train on; lower it or set data.val_source")
+    return {"train": (train, 0, stop), "val": (train, stop, len(train))}
 
 
 # ---- building ------------------------------------------------------------------------------------------

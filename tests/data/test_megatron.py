@@ -2,6 +2,7 @@
 over data-parallel ranks and across a resume, the prepared folder (reused tokenizer, held-out range or
 val_source), and the one-line errors for missing or malformed data."""
 import json
+import os
 import re
 import struct
 
@@ -275,3 +276,37 @@ def test_cli_prepares_a_megatron_source_and_prints_its_sequences(tmp_path, capsy
                                "val_tokens": 10}
     assert check_meta(tmp_path / "out" / "prep", vocab_size=300)["train_sequences"] == 39
 
+
+def unusable_sources(tmp_path):
+    """(name, the --source prefix, extra flags, the one-line error) for megatron sources no run can use."""
+    write_indexed(tmp_path / "short", [np.arange(9)] * 2 + [np.arange(5)] + [np.arange(3)])
+    write_indexed(tmp_path / "ok", [np.arange(9)] * 4)
+    write_indexed(tmp_path / "one", [np.arange(9)])
+    write_indexed(tmp_path / "empty", [])
+    write_indexed(tmp_path / "trunc", [np.arange(9)] * 4)
+    os.truncate(tmp_path / "trunc.bin", 50)
+    fewer = "fewer than data.seq_len + 1 = 9"
+    return [
+        ("short", "short", [], f"data.source: sequence 2 of {tmp_path / 'short'} has 5 tokens, {fewer}"),
+        ("short val", "ok", ["--val-source", f"megatron:{tmp_path / 'short'}"],
+         f"data.val_source: sequence 2 of {tmp_path / 'short'} has 5 tokens, {fewer}"),
+        ("all held out", "one", ["--val-fraction", "0.5"],
+         f"data.val_fraction (0.5) holds out all 1 sequence(s) of {tmp_path / 'one'}, leaving none to train on; "
+         f"lower it or set data.val_source"),
+        ("empty", "empty", [], f"data.source: {tmp_path / 'empty.idx'} holds no sequences"),
+        ("empty val", "ok", ["--val-source", f"megatron:{tmp_path / 'empty'}"],
+         f"data.val_source: {tmp_path / 'empty.idx'} holds no sequences"),
+        ("truncated", "trunc", [], f"{tmp_path / 'trunc.bin'} has 50 bytes, its index trunc.idx needs 72 "
+                                   f"(4 sequences of uint16, dtype code 8)"),
+    ]
+
+
+def test_cli_refuses_megatron_sources_no_run_can_use_and_writes_nothing(tmp_path, capsys):
+    tmp_path = tmp_path.resolve()  # megatron_prefix resolves the source path
+    cases = unusable_sources(tmp_path)
+    pythia_like_tokenizer(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    for name, source, flags, message in cases:
+        code, _, err = run_cli(capsys, *megatron_cli(tmp_path, tmp_path / source, *flags))
+        assert_one_line_error(code, err, message)
+        assert sorted(os.listdir(tmp_path)) == before, name  # no out/, no temporary folder beside it
