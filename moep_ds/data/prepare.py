@@ -405,9 +405,11 @@ def split_mask(num_docs: int, val_fraction: float, seed: int) -> np.ndarray:
     return val_D
 
 
-def document_text(text: str, sample_by: str) -> str | None:
+def document_text(text: str | None, sample_by: str) -> str | None:
     """The text a document contributes, or None for a blank one. Paragraphs lose the extra newlines of
     runs of blank lines around them."""
+    if text is None:  # a null field (JSON null, a missing parquet value) holds no text: a blank document
+        return None
     if sample_by == "paragraph":
         text = text.strip("\n")
     return text if text.strip() else None

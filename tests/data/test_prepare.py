@@ -262,6 +262,16 @@ def test_malformed_json_is_one_line_error(tmp_path, capsys):
     assert not (tmp_path / "p").exists()
 
 
+def test_null_text_rows_are_blank_documents(tmp_path, capsys):
+    docs = generate_corpus(6_000, seed=5).strip().split("\n\n")
+    rows = [{"text": d} if i % 3 else {"text": None} for i, d in enumerate(docs)]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = run_cli(capsys, "--source", str(tmp_path / "x.jsonl"), "--seq-len", "16", "--vocab-size", "300",
+                             "--val-fraction", "0", "--out", str(tmp_path / "p"))
+    assert code == 0, err
+    assert split_documents(tmp_path / "p", "train") == [r["text"] for r in rows if r["text"] is not None]
+
+
 def test_hub_source_offline_is_one_line_error(tmp_path, capsys):
     code, _, err = run_cli(capsys, "--source", "hf:no-such-user/no-such-dataset", "--seq-len", "16",
                            "--vocab-size", "300", "--out", str(tmp_path / "hub"))
