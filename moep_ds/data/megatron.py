@@ -62,14 +62,29 @@ class IndexedDataset:
         self.doc_idx_D = idx[offset + 8 * num_seqs:].view(np.int64)
         if not self.bin_path.is_file():
             raise DataError(f"{self.bin_path} not found beside {self.idx_path}")
+        self.check_bin_size()
         self.num_tokens = self.bin_path.stat().st_size // self.dtype.itemsize
         self._tokens: np.memmap | None = None
+
+    def check_bin_size(self) -> None:
+        """The .bin must reach the end of the last sequence the .idx points to: a truncated or empty file, or a
+        dtype code wider than the file's ids, would otherwise fail only when a read reaches past its end.
+        Megatron writes the sequences back to back, so the last one ends the file (O(1), nothing read)."""
+        if len(self.sizes_S) == 0:
+            return
+        need = int(self.pointers_S[-1]) + int(self.sizes_S[-1]) * self.dtype.itemsize
+        size = self.bin_path.stat().st_size
+        if size < need:
+            raise DataError(f"{self.bin_path} has {size} bytes, its index {self.idx_path.name} needs {need} "
+                            f"({len(self.sizes_S)} sequences of {self.dtype.name}, dtype code {self.dtype_code})")
 
     def __len__(self) -> int:
         return len(self.sizes_S)
 
     @property
     def tokens(self) -> np.ndarray:
+        if self.num_tokens == 0:  # numpy cannot map an empty file (an empty dataset's .bin)
+            return np.empty(0, dtype=self.dtype)
         if self._tokens is None:
             self._tokens = np.memmap(self.bin_path, mode="r", dtype=self.dtype, shape=(self.num_tokens,))
         return self._tokens
@@ -84,10 +99,12 @@ class IndexedDataset:
 
 def write_indexed(prefix: str | os.PathLike, sequences: list[np.ndarray] | np.ndarray, dtype=np.uint16) -> None:
     """Write sequences as PREFIX.bin + PREFIX.idx, one document per sequence (as Megatron's preprocessing
-    writes a pre-packed corpus); for tests and for converting a corpus to this format."""
+    writes a pre-packed corpus); for tests and for converting a corpus to this format. No sequences give what
+    Megatron's builder writes then: an empty .bin and an index with no sizes or pointers and doc_idx [0]."""
     dtype = np.dtype(dtype)
     sizes = np.array([len(s) for s in sequences], dtype=np.int32)
-    pointers = np.concatenate([[0], np.cumsum(sizes.astype(np.int64) * dtype.itemsize)[:-1]]).astype(np.int64)
+    nbytes = sizes.astype(np.int64) * dtype.itemsize
+    pointers = np.cumsum(nbytes) - nbytes  # each sequence starts where the one before ends
     doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
     with open(f"{prefix}.bin", "wb") as f:
         for seq in sequences:
@@ -97,6 +114,16 @@ def write_indexed(prefix: str | os.PathLike, sequences: list[np.ndarray] | np.nd
         f.write(sizes.tobytes())
         f.write(pointers.tobytes())
         f.write(doc_idx.tobytes())
+
+
+def check_sequence_lengths(data: IndexedDataset, seq_len: int, field: str) -> None:
+    """Every sequence must hold one sample of seq_len + 1 tokens. Checked on the .idx sizes alone (no token is
+    read), so that a short sequence fails before a run starts, not at the step that first draws it."""
+    need = seq_len + 1
+    if len(data) and int(data.sizes_S.min()) < need:
+        i = int(np.argmax(data.sizes_S < need))
+        raise DataError(f"{field}: sequence {i} of {data.prefix} has {data.sizes_S[i]} tokens, fewer than "
+                        f"data.seq_len + 1 = {need}")
 
 
 def held_out(num_sequences: int, val_fraction: float) -> int:

@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 META, TRAIN_BIN, VAL_BIN = "meta.json", "train.bin", "val.bin"
 MAP_BATCH, WRITE_BATCH = 1000, 20_000
+# the meta.json keys moep-prepare prints; a megatron: folder counts stored sequences and has no timing phases
+SUMMARY = ("vocab_size", "train_tokens", "val_tokens", "train_documents", "val_documents", "invalid_utf8_bytes",
+           "seconds", "phase_seconds", "tokens_per_second")
+MEGATRON_SUMMARY = ("vocab_size", "train_sequences", "val_sequences", "train_tokens", "val_tokens")
 
 
 def prepare(cfg: DataConfig, *, force: bool = False) -> Path:
@@ -200,16 +204,9 @@ def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
     of a megatron:PREFIX source; the tokens stay where they are (nothing is re-tokenised or copied)."""
     from filelock import FileLock
 
-    from moep_ds.data.megatron import IndexedDataset, held_out
-
-    train = IndexedDataset(megatron_prefix(cfg.megatron_prefix, "data.source"))
+    ranges = megatron_ranges(cfg)
+    train = ranges["train"][0]
     tok = check_reusable_tokenizer(cfg)
-    if cfg.val_source is not None:
-        val = IndexedDataset(megatron_prefix(cfg.val_sources[0][len(MEGATRON):], "data.val_source"))
-        ranges = {"train": (train, 0, len(train)), "val": (val, 0, len(val))}
-    else:
-        stop = len(train) - held_out(len(train), cfg.val_fraction)
-        ranges = {"train": (train, 0, stop), "val": (train, stop, len(train))}
     layout = {split: {"prefix": data.prefix, "start": start, "stop": stop, "dtype_code": data.dtype_code,
                       "idx_bytes": data.idx_path.stat().st_size} for split, (data, start, stop) in ranges.items()}
     settings = {"format": FORMAT_VERSION, "megatron": layout, "tokenizer_sha256": tokenizer_sha256(cfg.tokenizer.path)}
@@ -243,6 +240,30 @@ def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
     logger.info("%s: %d train / %d validation sequences (%s)", cfg.sources[0], layout["train"]["stop"] -
                 layout["train"]["start"], layout["val"]["stop"] - layout["val"]["start"], out)
     return out
+
+
+def megatron_ranges(cfg: DataConfig) -> dict[str, tuple[Any, int, int]]:
+    """(dataset, start, stop) of the train and validation sequences: data.val_source's file, or the trailing
+    val_fraction of the source. Checked here, from the .idx alone, so that a source no run can use fails before
+    anything is written: every sequence must hold a sample, and each split file must hold some."""
+    from moep_ds.data.megatron import IndexedDataset, check_sequence_lengths, held_out
+
+    def open_checked(prefix: str, field: str) -> IndexedDataset:
+        data = IndexedDataset(megatron_prefix(prefix, field))
+        if len(data) == 0:
+            raise DataError(f"{field}: {data.idx_path} holds no sequences")
+        check_sequence_lengths(data, cfg.seq_len, field)
+        return data
+
+    train = open_checked(cfg.megatron_prefix, "data.source")
+    if cfg.val_source is not None:
+        val = open_checked(cfg.val_sources[0][len(MEGATRON):], "data.val_source")
+        return {"train": (train, 0, len(train)), "val": (val, 0, len(val))}
+    stop = len(train) - held_out(len(train), cfg.val_fraction)
+    if stop == 0:
+        raise DataError(f"data.val_fraction ({cfg.val_fraction}) holds out all {len(train)} sequence(s) of "
+                        f"{train.prefix}, leaving none to train on; lower it or set data.val_source")
+    return {"train": (train, 0, stop), "val": (train, stop, len(train))}
 
 
 # ---- building ------------------------------------------------------------------------------------------
@@ -384,9 +405,11 @@ def split_mask(num_docs: int, val_fraction: float, seed: int) -> np.ndarray:
     return val_D
 
 
-def document_text(text: str, sample_by: str) -> str | None:
+def document_text(text: str | None, sample_by: str) -> str | None:
     """The text a document contributes, or None for a blank one. Paragraphs lose the extra newlines of
     runs of blank lines around them."""
+    if text is None:  # a null field (JSON null, a missing parquet value) holds no text: a blank document
+        return None
     if sample_by == "paragraph":
         text = text.strip("\n")
     return text if text.strip() else None
@@ -541,8 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     meta = json.loads((out / META).read_text())
-    summary = {k: meta[k] for k in ("vocab_size", "train_tokens", "val_tokens", "train_documents", "val_documents",
-                                    "invalid_utf8_bytes", "seconds", "phase_seconds", "tokens_per_second")}
+    summary = {k: meta[k] for k in (MEGATRON_SUMMARY if "megatron" in meta else SUMMARY)}
     print(json.dumps({"prepared_dir": str(out), **summary}))
     return 0
 

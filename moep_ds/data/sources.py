@@ -171,12 +171,24 @@ def load_documents(parts: list[Part], cfg: DataConfig, cache_dir: Path):
         if field_name not in ds.column_names:
             raise DataError(f"{part.describe()} has no column {field_name!r} (columns: {', '.join(ds.column_names)}); "
                             f"set data.text_field")
+        check_text_column(ds, field_name, part)
         ds = ds.select_columns([field_name])
         if field_name != "text":
             ds = ds.rename_column(field_name, "text")
         features = datasets.Features({"text": datasets.Value("string")})
         loaded.append(ds if ds.features == features else ds.cast(features))
     return loaded[0] if len(loaded) == 1 else datasets.concatenate_datasets(loaded)
+
+
+def check_text_column(ds, field_name: str, part: Part) -> None:
+    """The text field must hold strings (or nulls, blank documents): casting an object fails deep inside
+    `datasets`, and a number column would train a tokenizer on digit strings."""
+    import pyarrow as pa
+
+    kind = ds.data.schema.field(field_name).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+        raise DataError(f"{part.describe()}: column {field_name!r} holds {kind}, not text; set data.text_field to "
+                        f"a string column (columns: {', '.join(ds.column_names)})")
 
 
 def _load_part(part: Part, cfg: DataConfig, cache_dir: str):

@@ -1,6 +1,9 @@
 """megatron:PREFIX sources: the MMIDIDX reader against hand-packed index files, sequence samples in file order
 over data-parallel ranks and across a resume, the prepared folder (reused tokenizer, held-out range or
 val_source), and the one-line errors for missing or malformed data."""
+import json
+import os
+import re
 import struct
 
 import numpy as np
@@ -31,7 +34,7 @@ def pack_by_hand(prefix, sequences, code):
     """PREFIX.bin/.idx laid out field by field as Megatron-LM's MMapIndexedDatasetBuilder writes them."""
     dtype = np.dtype(MEGATRON_CODES[code])
     sizes = [len(s) for s in sequences]
-    pointers = np.cumsum([0] + sizes[:-1]) * dtype.itemsize
+    pointers = np.cumsum([0] + sizes)[:-1] * dtype.itemsize  # one per sequence: none for an empty dataset
     with open(f"{prefix}.bin", "wb") as f:
         for s in sequences:
             f.write(np.asarray(s, dtype=dtype).tobytes())
@@ -66,6 +69,16 @@ def test_writer_matches_the_megatron_layout(tmp_path):
     assert (tmp_path / "ours.idx").read_bytes()[17] == 8  # the dtype byte after magic and version
 
 
+def test_an_empty_dataset_is_written_as_megatron_writes_it_and_reads_back(tmp_path):
+    """Megatron's builder with no sequences writes no sizes or pointers, doc_idx [0]: a 42-byte index."""
+    pack_by_hand(tmp_path / "ref", [], 8)
+    write_indexed(tmp_path / "ours", [])
+    assert (tmp_path / "ours.idx").read_bytes() == (tmp_path / "ref.idx").read_bytes()
+    assert (tmp_path / "ours.idx").stat().st_size == 42 and (tmp_path / "ours.bin").stat().st_size == 0
+    data = SequenceDataset(tmp_path / "ours", 4)
+    assert len(data) == 0 and len(data.data) == 0 and data.get_batch([]).shape == (0, 5)
+
+
 def test_samples_are_the_first_seq_len_plus_one_tokens_of_each_sequence(tmp_path):
     sequences = [np.arange(i, i + 6) for i in range(0, 40, 10)] + [np.arange(40, 45)]
     write_indexed(tmp_path / "d", sequences)
@@ -94,6 +107,23 @@ def test_malformed_index_files_fail_with_one_line(tmp_path):
         (tmp_path / f"{name}.bin").write_bytes((tmp_path / "d.bin").read_bytes())
         with pytest.raises(DataError, match=message):
             IndexedDataset(tmp_path / name)
+
+
+@pytest.mark.parametrize("damage, size, need, dtype", [
+    ("truncated", 50, 72, "uint16, dtype code 8"),
+    ("empty", 0, 72, "uint16, dtype code 8"),
+    ("dtype code 4 on uint16 ids", 72, 90, "int32, dtype code 4"),  # the last pointer is 54, its 9 ids take 36
+])
+def test_a_bin_shorter_than_its_index_needs_fails_when_opened(tmp_path, damage, size, need, dtype):
+    write_indexed(tmp_path / "d", [np.arange(9)] * 4)
+    if damage == "dtype code 4 on uint16 ids":
+        idx = (tmp_path / "d.idx").read_bytes()
+        (tmp_path / "d.idx").write_bytes(idx[:17] + bytes([4]) + idx[18:])
+    else:
+        (tmp_path / "d.bin").write_bytes((tmp_path / "d.bin").read_bytes()[:size])
+    message = f"{tmp_path / 'd.bin'} has {size} bytes, its index d.idx needs {need} (4 sequences of {dtype})"
+    with pytest.raises(DataError, match=f"^{re.escape(message)}$"):
+        SequenceDataset(tmp_path / "d", 8)
 
 
 def test_sequential_order_is_file_order_over_two_ranks_and_across_a_resume(tmp_path):
@@ -213,3 +243,70 @@ def test_hub_tokenizer_is_read_from_the_hugging_face_cache(tmp_path, monkeypatch
     assert tokenizer_sha256("hf:acme/tiny-lm") == tokenizer_sha256(source)
     copy_tokenizer("hf:acme/tiny-lm", tmp_path / "copy")
     assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+
+
+# ---- moep-prepare on a megatron: source: a summary of sequences, or one line and nothing written ------------
+
+
+def run_cli(capsys, *argv):
+    code = prepare_main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, message):
+    assert code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {message}"], err
+
+
+def megatron_cli(tmp_path, source, *more):
+    """moep-prepare's arguments for `source`, with the tokenizer pythia_like_tokenizer(tmp_path) made."""
+    return ["--source", f"megatron:{source}", "--tokenizer-path", str(tmp_path / "tok" / "tokenizer.json"),
+            "--vocab-size", "300", "--seq-len", "8", "--out", str(tmp_path / "out" / "prep"), *more]
+
+
+def test_cli_prepares_a_megatron_source_and_prints_its_sequences(tmp_path, capsys):
+    write_indexed(tmp_path / "d", [np.full(9 + i % 2, i) for i in range(40)])
+    pythia_like_tokenizer(tmp_path)
+    code, out, err = run_cli(capsys, *megatron_cli(tmp_path, tmp_path / "d"))
+    assert code == 0, err
+    # val_fraction 0.01 of 40 sequences holds out the last one (10 tokens)
+    assert json.loads(out) == {"prepared_dir": str(tmp_path / "out" / "prep"), "vocab_size": 300,
+                               "train_sequences": 39, "val_sequences": 1, "train_tokens": 39 * 9 + 19,
+                               "val_tokens": 10}
+    assert check_meta(tmp_path / "out" / "prep", vocab_size=300)["train_sequences"] == 39
+
+
+def unusable_sources(tmp_path):
+    """(name, the --source prefix, extra flags, the one-line error) for megatron sources no run can use."""
+    write_indexed(tmp_path / "short", [np.arange(9)] * 2 + [np.arange(5)] + [np.arange(3)])
+    write_indexed(tmp_path / "ok", [np.arange(9)] * 4)
+    write_indexed(tmp_path / "one", [np.arange(9)])
+    write_indexed(tmp_path / "empty", [])
+    write_indexed(tmp_path / "trunc", [np.arange(9)] * 4)
+    os.truncate(tmp_path / "trunc.bin", 50)
+    fewer = "fewer than data.seq_len + 1 = 9"
+    return [
+        ("short", "short", [], f"data.source: sequence 2 of {tmp_path / 'short'} has 5 tokens, {fewer}"),
+        ("short val", "ok", ["--val-source", f"megatron:{tmp_path / 'short'}"],
+         f"data.val_source: sequence 2 of {tmp_path / 'short'} has 5 tokens, {fewer}"),
+        ("all held out", "one", ["--val-fraction", "0.5"],
+         f"data.val_fraction (0.5) holds out all 1 sequence(s) of {tmp_path / 'one'}, leaving none to train on; "
+         f"lower it or set data.val_source"),
+        ("empty", "empty", [], f"data.source: {tmp_path / 'empty.idx'} holds no sequences"),
+        ("empty val", "ok", ["--val-source", f"megatron:{tmp_path / 'empty'}"],
+         f"data.val_source: {tmp_path / 'empty.idx'} holds no sequences"),
+        ("truncated", "trunc", [], f"{tmp_path / 'trunc.bin'} has 50 bytes, its index trunc.idx needs 72 "
+                                   f"(4 sequences of uint16, dtype code 8)"),
+    ]
+
+
+def test_cli_refuses_megatron_sources_no_run_can_use_and_writes_nothing(tmp_path, capsys):
+    tmp_path = tmp_path.resolve()  # megatron_prefix resolves the source path
+    cases = unusable_sources(tmp_path)
+    pythia_like_tokenizer(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    for name, source, flags, message in cases:
+        code, _, err = run_cli(capsys, *megatron_cli(tmp_path, tmp_path / source, *flags))
+        assert_one_line_error(code, err, message)
+        assert sorted(os.listdir(tmp_path)) == before, name  # no out/, no temporary folder beside it

@@ -262,6 +262,38 @@ def test_malformed_json_is_one_line_error(tmp_path, capsys):
     assert not (tmp_path / "p").exists()
 
 
+def test_null_text_rows_are_blank_documents(tmp_path, capsys):
+    docs = generate_corpus(6_000, seed=5).strip().split("\n\n")
+    rows = [{"text": d} if i % 3 else {"text": None} for i, d in enumerate(docs)]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = run_cli(capsys, "--source", str(tmp_path / "x.jsonl"), "--seq-len", "16", "--vocab-size", "300",
+                             "--val-fraction", "0", "--out", str(tmp_path / "p"))
+    assert code == 0, err
+    assert split_documents(tmp_path / "p", "train") == [r["text"] for r in rows if r["text"] is not None]
+
+
+@pytest.mark.parametrize("name, column, kind", [("nested.jsonl", {"body": "A story."}, "struct<body: string>"),
+                                                ("numbers.jsonl", 7, "int64"),
+                                                ("numbers.parquet", 7, "int64")])
+def test_a_text_field_that_is_not_text_is_one_line_error(tmp_path, capsys, name, column, kind):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": column, "id": i} for i in range(50)]
+    if name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / name)
+    else:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = run_cli(capsys, "--source", str(tmp_path / name), "--seq-len", "16", "--vocab-size", "300",
+                           "--out", str(tmp_path / "out" / "p"))
+    builder = "parquet" if name.endswith(".parquet") else "json"
+    message = (f"1 {builder} file(s) starting with {tmp_path / name}: column 'text' holds {kind}, not text; set "
+               f"data.text_field to a string column (columns: text, id)")
+    assert_one_line_error(code, err, message)
+    assert err.endswith(f"error: {message}\n")  # the whole line, nothing after it
+    assert os.listdir(tmp_path) == [name]
+
+
 def test_hub_source_offline_is_one_line_error(tmp_path, capsys):
     code, _, err = run_cli(capsys, "--source", "hf:no-such-user/no-such-dataset", "--seq-len", "16",
                            "--vocab-size", "300", "--out", str(tmp_path / "hub"))
