@@ -217,3 +217,75 @@ def test_compare_that_fails_writing_leaves_no_out_folder_and_old_reports_alone(t
     (tmp_path / "old" / "report.md").write_text("earlier report")
     assert compare.main([str(tmp_path / "r.json"), "--out", str(tmp_path / "old")]) == 2
     assert snapshot(tmp_path / "old") == {"report.md": b"earlier report"}
+
+
+# ---- eval/reference/pythia_curve.py on bad input: one line, exit status 2, --out left as it was -----------------
+
+
+def load_pythia_curve():
+    spec = importlib.util.spec_from_file_location("pythia_curve", REPO / "eval" / "reference" / "pythia_curve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+POINT_FILE = "pythia-v1__pythia-1b-bf16__zero-shot__1b-bf16_step1000.json"
+POINT = {"config": {"num_fewshot": 0}, "results": {"piqa": {"acc": 0.6}}}
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"config":{\n', "--curve file '{file}' is not valid JSON (Expecting property name enclosed in double quotes: "
+                      "line 2 column 1)"),
+    ('{"config": {}}', "--curve file '{file}': no 'results' (not an lm-eval results file)"),
+    (json.dumps({**POINT, "config": {"num_fewshot": 5}}),
+     "--curve file '{file}': num_fewshot 5, the curve is zero-shot"),
+    (json.dumps({**POINT, "results": {"piqa": {"acc": "0.6"}}}),
+     "--curve file '{file}': results.piqa.acc (\"0.6\") must be a number"),
+    (None, "--curve ('{dir}') has no result files of pythia-1b-bf16, pythia-1b-deduped "
+           "(pythia-v1__<model>__zero-shot__<name>_step<N>.json)"),
+])
+def test_pythia_curve_refuses_bad_result_files_and_keeps_the_old_curve(tmp_path, capsys, text, message):
+    curve_dir = tmp_path / "curve"
+    curve_dir.mkdir()
+    if text is not None:
+        (curve_dir / POINT_FILE).write_text(text)
+    (tmp_path / "out.json").write_text("old curve")
+    before = snapshot(tmp_path)
+    code = load_pythia_curve().main(["--curve", str(curve_dir), "--out", str(tmp_path / "out.json")])
+    expected = message.replace("{file}", str(curve_dir / POINT_FILE)).replace("{dir}", str(curve_dir))
+    assert_one_line_error(code, capsys.readouterr().err, expected)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("out,message", [
+    ("nodir/out.json", "--out ('{tmp}/nodir/out.json') cannot be written: folder '{tmp}/nodir' does not exist"),
+    ("curve", "--out ('{tmp}/curve') is a folder; name the JSON file to write"),
+])
+def test_pythia_curve_refuses_an_out_it_cannot_write(tmp_path, capsys, out, message):
+    (tmp_path / "curve").mkdir()
+    (tmp_path / "curve" / POINT_FILE).write_text(json.dumps(POINT))
+    before = snapshot(tmp_path)
+    code = load_pythia_curve().main(["--curve", str(tmp_path / "curve"), "--out", str(tmp_path / out)])
+    assert_one_line_error(code, capsys.readouterr().err, message.replace("{tmp}", str(tmp_path)))
+    assert snapshot(tmp_path) == before
+
+
+def test_pythia_curve_that_fails_writing_leaves_the_old_file_whole(tmp_path, capsys, monkeypatch):
+    for name in (POINT_FILE, POINT_FILE.replace("1b-bf16", "1b-deduped")):
+        (tmp_path / name).write_text(json.dumps(POINT))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "curve.json").write_text("old curve")
+    curve = load_pythia_curve()
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(curve.os, "replace", full_disk)
+    code = curve.main(["--curve", str(tmp_path), "--out", str(tmp_path / "out" / "curve.json")])
+    assert_one_line_error(code, capsys.readouterr().err,
+                          f"--out ('{tmp_path}/out/curve.json') cannot be written: No space left on device")
+    assert snapshot(tmp_path / "out") == {"curve.json": b"old curve"}
+    monkeypatch.undo()
+    assert curve.main(["--curve", str(tmp_path), "--out", str(tmp_path / "out" / "curve.json")]) == 0
+    written = json.loads((tmp_path / "out" / "curve.json").read_text())
+    assert [[p["step"] for p in m["points"]] for m in written["models"]] == [[1000], [1000]]
