@@ -17,16 +17,23 @@ checkpoint get no such row; the final-checkpoint rows of pythia-1b.json stay in 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`, like pretrain.py
 
-from moep_ds.evaluation.report import comparison_chart, comparison_markdown, load_records, load_reference  # noqa: E402
+from moep_ds.checkpointing import layout  # noqa: E402
+from moep_ds.cli import run_guarded  # noqa: E402
+from moep_ds.errors import UserError  # noqa: E402
+from moep_ds.evaluation.report import (  # noqa: E402
+    check, comparison_chart, comparison_markdown, is_number, load_records, load_reference, model_list,
+    read_json_object, scores_problem, show,
+)
 
 REFERENCE = REPO / "eval" / "reference" / "pythia-1b.json"
 CURVE = REPO / "eval" / "reference" / "pythia-1b-curve.json"
@@ -52,15 +59,45 @@ def interpolate(points: list[dict[str, Any]], tokens: float) -> tuple[dict[str, 
     return scores, f"interpolated in log-tokens between steps {lo['step']} and {hi['step']}"
 
 
+def load_curve(path: str | Path) -> list[dict[str, Any]]:
+    """The curve file's models, checked: every point has a step, its tokens and numeric scores (interpolated),
+    in increasing order of tokens (interpolate() looks for the first point past a run's tokens)."""
+    models = model_list(read_json_object(path, "--curve"), "--curve", path)
+    for i, model in enumerate(models):
+        check(curve_model_problem(model, f"models[{i}]"), "--curve", path)
+    return models
+
+
+def curve_model_problem(model: Any, where: str) -> str | None:
+    if not isinstance(model, dict) or not isinstance(model.get("name"), str):
+        return f"{where} ({show(model)}) must be an object with a name"
+    points = model.get("points")
+    if not isinstance(points, list):
+        return f"{where}.points ({show(points)}) must be a list"
+    for j, point in enumerate(points):
+        at = f"{where}.points[{j}]"
+        if not isinstance(point, dict):
+            return f"{at} ({show(point)}) must be an object"
+        for key in ("step", "tokens"):
+            if not (is_number(point.get(key)) and point[key] >= 0):
+                return f"{at}.{key} ({show(point.get(key))}) must be a number >= 0"
+        if j and point["tokens"] <= points[j - 1]["tokens"]:
+            return f"{at}.tokens ({point['tokens']}) must exceed the previous point's ({points[j - 1]['tokens']})"
+        problem = scores_problem(point.get("scores"), f"{at}.scores", nullable=False)  # null cannot be interpolated
+        if problem:
+            return problem
+    return None
+
+
 def equal_token_records(runs: list[dict[str, Any]], curve_path: str | Path,
                         reference_path: str | Path = REFERENCE) -> list[dict[str, Any]]:
     """One reference record per curve model and per distinct token count of the runs (see the module text)."""
-    curve = json.loads(Path(curve_path).read_text(encoding="utf-8"))
-    sizes = json.loads(Path(reference_path).read_text(encoding="utf-8"))["models"][0]  # Pythia-1B's parameters
+    curve = load_curve(curve_path)
+    sizes = read_json_object(reference_path, "reference file")["models"][0]  # Pythia-1B's (the shipped file)
     moep = {k: sizes.get(k) for k in ("params_total", "params_active", "flops_per_token")}
     out = []
     for tokens in sorted({r["moep"]["tokens"] for r in runs if r.get("moep", {}).get("tokens") is not None}):
-        for model in curve["models"]:
+        for model in curve:
             found = interpolate(model["points"], tokens)
             if found is None:
                 continue
@@ -70,6 +107,47 @@ def equal_token_records(runs: list[dict[str, Any]], curve_path: str | Path,
     return out
 
 
+def check_baseline(runs: list[dict[str, Any]], baseline: str | None) -> None:
+    names = [r["name"] for r in runs]
+    if baseline is not None and baseline not in names:
+        raise UserError(f"--baseline ({baseline!r}) names no run; the runs are {', '.join(map(repr, names))}")
+
+
+def write_report(out: Path, markdown: str, records: list[dict[str, Any]]) -> None:
+    """report.md and report.png in `out`, each appearing whole (written aside, then renamed); on an error the
+    folders made for `out` are removed again and the files already there are left as they were."""
+    created = layout.first_missing(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out, prefix=".report.") as tmp:
+            (Path(tmp) / "report.md").write_text(markdown, encoding="utf-8")
+            comparison_chart(records, Path(tmp) / "report.png")
+            for name in ("report.md", "report.png"):
+                layout.apply_umask(Path(tmp) / name)
+                os.replace(Path(tmp) / name, out / name)
+    except BaseException as err:
+        layout.remove_new_dir(out, created)
+        if isinstance(err, OSError):
+            raise UserError(f"--out ({str(out)!r}) cannot be written: {err.strerror or err}") from None
+        raise
+
+
+def compare(args: argparse.Namespace) -> int:
+    missing = [f for f in args.results if not Path(f).is_file()]
+    if missing:
+        raise UserError(f"results file(s) not found: {', '.join(missing)}")
+    runs = load_records(args.results)
+    check_baseline(runs, args.baseline)
+    records = runs + (equal_token_records(runs, args.curve) if args.curve else [])
+    records += load_reference(args.reference) if args.reference else []
+    out = Path(args.out)
+    layout.check_dir_target("--out", out)
+    markdown = comparison_markdown(records, args.baseline)
+    write_report(out, markdown, records)
+    print(markdown)  # the report is this script's product
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="results.json files written by moep-eval")
@@ -77,20 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--curve", default=str(CURVE), help="published checkpoints for equal-token rows ('' for none)")
     p.add_argument("--baseline", help="run name the others are compared against (default: the first)")
     p.add_argument("--out", default="report", help="output directory for report.md and report.png")
-    args = p.parse_args(argv)
-    missing = [f for f in args.results if not Path(f).is_file()]
-    if missing:
-        print(f"error: results file(s) not found: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    runs = load_records(args.results)
-    records = runs + (equal_token_records(runs, args.curve) if args.curve else [])
-    records += load_reference(args.reference) if args.reference else []
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(comparison_markdown(records, args.baseline), encoding="utf-8")
-    comparison_chart(records, out / "report.png")
-    print((out / "report.md").read_text(encoding="utf-8"))  # the report is this script's product
-    return 0
+    return run_guarded(compare, p.parse_args(argv))
 
 
 if __name__ == "__main__":

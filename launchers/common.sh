@@ -32,6 +32,17 @@ build_pretrain_args() {
     if [ "${#overrides[@]}" -gt 0 ]; then PRETRAIN_ARGS+=(--set "${overrides[@]}"); fi
 }
 
+# require_int NAME WHAT MIN [MAX]: die unless the variable NAME holds a whole number from MIN to MAX, naming it and its
+# value (deepspeed's own refusal is its multi-line usage, and NPROC 0 or -1 it takes: it trains one process). NAME
+# is set to the plain decimal number: signal_trainers.sh finds the trainers by MASTER_PORT as deepspeed writes it.
+require_int() {
+    local name=$1 what=$2 min=$3 max=${4:-999999999999999999} value=${!1-}  # 18 digits: no overflow in (( ))
+    if ! [[ $value =~ ^[0-9]{1,18}$ ]] || ((10#$value < min || 10#$value > max)); then
+        die "$name ($value) must be $what"
+    fi
+    printf -v "$name" '%d' "$((10#$value))"
+}
+
 # DEEPSPEED_ARGS (e.g. "--launcher openmpi"), split on whitespace into DEEPSPEED_EXTRA.
 deepspeed_extra_args() {
     # shellcheck disable=SC2034  # read by the scripts that source this file

@@ -13,6 +13,8 @@ source "$ROOT/launchers/common.sh"
 build_pretrain_args "$@"
 cd "$ROOT"
 NPROC=${NPROC:-1}
+require_int NPROC "a positive integer (processes on this machine)" 1
+if [ -n "${MASTER_PORT:-}" ]; then require_int MASTER_PORT "an integer from 1 to 65535" 1 65535; fi
 export MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-$(free_port)} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 deepspeed_extra_args

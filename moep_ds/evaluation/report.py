@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from moep_ds.errors import UserError
+
 # the score a table shows for a task, in this order of preference
 PRIMARY_METRICS = ("acc", "perplexity", "acc_norm", "word_perplexity")
 LOWER_IS_BETTER = {"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"}
@@ -84,18 +86,119 @@ def results_markdown(record: dict[str, Any]) -> str:
 def load_records(paths: list[str | Path]) -> list[dict[str, Any]]:
     records = []
     for p in paths:
-        record = json.loads(Path(p).read_text(encoding="utf-8"))
+        record = read_json_object(p, "results file")
+        check(record_problem(record), "results file", p)
         record.setdefault("name", Path(p).parent.name)
         records.append(record)
     return records
 
 
-def load_reference(path: str | Path) -> list[dict[str, Any]]:
+def load_reference(path: str | Path, option: str = "--reference") -> list[dict[str, Any]]:
     """Reference models in the record layout: {"name", "moep": {params..., tokens, train_flops}, "scores"}."""
-    models = json.loads(Path(path).read_text(encoding="utf-8"))["models"]
+    models = model_list(read_json_object(path, option), option, path)
+    for i, m in enumerate(models):
+        check(reference_problem(m, f"models[{i}]"), option, path)
     keys = ("params_total", "params_active", "tokens", "train_flops")
     return [{"name": m["name"], "moep": {k: m.get(k) for k in keys}, "scores": m["scores"], "reference": True}
             for m in models]
+
+
+# ---- checks of the files read: one-line UserErrors naming the file and the field ------------------------------
+
+# the numbers of a record's "moep" (a reference model's top level) that the report computes with
+NUMERIC_FIELDS = ("params_total", "params_active", "tokens", "train_flops", "flops_per_token")
+
+
+def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
+    """The JSON object in `path`; a UserError naming `what` (an option, "results file") and the file otherwise."""
+    p, text = Path(path), None
+    if not p.is_file():
+        raise UserError(f"{what} {str(p)!r} " + ("is a folder, not a JSON file" if p.is_dir() else "does not exist"))
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = json.loads(text)
+    except (ValueError, RecursionError) as err:  # also UnicodeDecodeError, and RecursionError when nested deep
+        problem = "is empty" if text is not None and not text.strip() else f"is not valid JSON ({json_reason(err)})"
+        raise UserError(f"{what} {str(p)!r} {problem}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{what} {str(p)!r} must hold a JSON object, not {show(data)}")
+    return data
+
+
+def json_reason(err: Exception) -> str:
+    if isinstance(err, json.JSONDecodeError):
+        return f"{err.msg}: line {err.lineno} column {err.colno}"
+    return f"not UTF-8 at byte {err.start + 1}" if isinstance(err, UnicodeDecodeError) else str(err)
+
+
+def model_list(data: dict[str, Any], what: str, path: str | Path) -> list[Any]:
+    """The file's "models" list (a reference file and the curve file both hold one)."""
+    if "models" not in data:
+        raise UserError(f"{what} {str(path)!r}: no 'models' (a list of models with their scores)")
+    check(None if isinstance(data["models"], list) else f"models ({show(data['models'])}) must be a list",
+          what, path)
+    return data["models"]
+
+
+def check(problem: str | None, what: str, path: str | Path) -> None:
+    if problem is not None:
+        raise UserError(f"{what} {str(path)!r}: {problem}")
+
+
+def show(value: Any) -> str:
+    """A value as an error shows it: JSON, cut to 60 characters (a file's whole content can be huge)."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def scores_problem(scores: Any, where: str = "scores", nullable: bool = True) -> str | None:
+    """What is wrong with {task: {metric: number}} (`nullable`: null stands for a score not reported, shown as –)."""
+    if not isinstance(scores, dict):
+        return f"{where} ({show(scores)}) must be an object {{task: {{metric: number}}}}"
+    for task, metrics in scores.items():
+        if not isinstance(metrics, dict):
+            return f"{where}.{task} ({show(metrics)}) must be an object {{metric: number}}"
+        for metric, value in metrics.items():
+            if not (is_number(value) or (nullable and value is None)):
+                return f"{where}.{task}.{metric} ({show(value)}) must be a number"
+    return None
+
+
+def numbers_problem(fields: dict[str, Any], where: str) -> str | None:
+    for key in NUMERIC_FIELDS:
+        if fields.get(key) is not None and not is_number(fields[key]):
+            return f"{where}{key} ({show(fields[key])}) must be a number"
+    return None
+
+
+def record_problem(record: dict[str, Any]) -> str | None:
+    """What is wrong with a results record (moep-eval's results.json), in the fields the report reads."""
+    if "scores" not in record:
+        return "no 'scores' (moep-eval's results.json has {task: {metric: number}} there)"
+    if "name" in record and not isinstance(record["name"], str):
+        return f"name ({show(record['name'])}) must be a string"
+    moep = record.get("moep", {})
+    if not isinstance(moep, dict):
+        return f"moep ({show(moep)}) must be an object"
+    tasks = moep.get("tasks")
+    if tasks is not None and not (isinstance(tasks, list) and all(isinstance(t, str) for t in tasks)):
+        return f"moep.tasks ({show(tasks)}) must be a list of task names"
+    return scores_problem(record["scores"]) or numbers_problem(moep, "moep.")
+
+
+def reference_problem(model: Any, where: str) -> str | None:
+    """What is wrong with one model of a reference file (eval/reference/pythia-1b.json's layout)."""
+    if not isinstance(model, dict):
+        return f"{where} ({show(model)}) must be an object"
+    if not isinstance(model.get("name"), str):
+        return f"{where}.name ({show(model.get('name'))}) must be a string"
+    if "scores" not in model:
+        return f"{where} has no 'scores'"
+    return scores_problem(model["scores"], f"{where}.scores") or numbers_problem(model, f"{where}.")
 
 
 def train_flops(record: dict[str, Any]) -> float | None:

@@ -137,3 +137,155 @@ def test_shipped_curve_is_derived_from_the_published_files(shared_data):
     assert derived == json.loads((REPO / "eval" / "reference" / "pythia-1b-curve.json").read_text())
     assert [len(m["points"]) for m in derived["models"]] == [27, 27]
     assert derived["models"][0]["points"][-1]["tokens"] == 143_000 * STEP_TOKENS
+
+
+# ---- eval/compare.py on bad input: one line, exit status 2, no --out folder -----------------------------------
+
+
+def assert_one_line_error(code, err, message):
+    assert code == 2
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {message}"], err
+
+
+def snapshot(root):
+    """Every path under `root` with its bytes (None for folders): what a refused comparison must leave alone."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+GOOD = json.dumps(record("dense", 1.0, 1000))
+CURVE_POINT = {"step": 1, "tokens": STEP_TOKENS, "scores": {"piqa": {"acc": 0.5}}}
+
+
+@pytest.mark.parametrize("files,options,message", [
+    ({"r.json": '{"name": "x", "scores": \n'}, [], "results file '{r.json}' is not valid JSON (Expecting value: "
+                                                   "line 2 column 1)"),
+    ({"r.json": ""}, [], "results file '{r.json}' is empty"),
+    ({"r.json": "[1, 2, 3]"}, [], "results file '{r.json}' must hold a JSON object, not [1, 2, 3]"),
+    ({"r.json": '{"name": "noscores"}'}, [],
+     "results file '{r.json}': no 'scores' (moep-eval's results.json has {task: {metric: number}} there)"),
+    ({"r.json": '{"name": "s", "scores": {"piqa": {"acc": "high"}}}'}, [],
+     "results file '{r.json}': scores.piqa.acc (\"high\") must be a number"),
+    ({"r.json": '{"scores": {}, "moep": {"tokens": "1B"}}'}, [],
+     "results file '{r.json}': moep.tokens (\"1B\") must be a number"),
+    ({"r.json": GOOD}, ["--reference", "{tmp}/nope.json"], "--reference '{tmp}/nope.json' does not exist"),
+    ({"r.json": GOOD}, ["--curve", "{tmp}/nope.json"], "--curve '{tmp}/nope.json' does not exist"),
+    ({"r.json": GOOD, "ref.json": '{"foo": 1}'}, ["--reference", "{ref.json}"],
+     "--reference '{ref.json}': no 'models' (a list of models with their scores)"),
+    ({"r.json": GOOD, "ref.json": '{"models": [{"name": "P"}]}'}, ["--reference", "{ref.json}"],
+     "--reference '{ref.json}': models[0] has no 'scores'"),
+    ({"r.json": GOOD, "c.json": json.dumps({"models": [{"name": "C", "points": [{**CURVE_POINT, "tokens": "abc"}]}]})},
+     ["--curve", "{c.json}"], "--curve '{c.json}': models[0].points[0].tokens (\"abc\") must be a number >= 0"),
+    ({"r.json": GOOD, "c.json": json.dumps({"models": [{"name": "C", "points": [CURVE_POINT, CURVE_POINT]}]})},
+     ["--curve", "{c.json}"],
+     f"--curve '{{c.json}}': models[0].points[1].tokens ({STEP_TOKENS}) must exceed the previous point's "
+     f"({STEP_TOKENS})"),
+    ({"r.json": GOOD}, ["--baseline", "nosuchrun"], "--baseline ('nosuchrun') names no run; the runs are 'dense'"),
+    ({"r.json": GOOD, "afile": "x"}, ["--out", "{afile}"], "--out ('{afile}') exists and is not a directory"),
+    ({"r.json": GOOD, "afile": "x"}, ["--out", "{afile}/sub"],
+     "--out ('{afile}/sub') cannot be created: '{afile}' is not a directory"),
+])
+def test_compare_refuses_bad_input_in_one_line_before_writing(tmp_path, capsys, files, options, message):
+    def fill(text):  # {tmp} is tmp_path, {r.json} that file's path
+        for name in files:
+            text = text.replace(f"{{{name}}}", str(tmp_path / name))
+        return text.replace("{tmp}", str(tmp_path))
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    options = [fill(o) for o in options]
+    if "--out" not in options:
+        options += ["--out", str(tmp_path / "report")]
+    before = snapshot(tmp_path)
+    code = load_compare().main([str(tmp_path / "r.json"), *options])
+    assert_one_line_error(code, capsys.readouterr().err, fill(message))
+    assert snapshot(tmp_path) == before
+
+
+def test_compare_that_fails_writing_leaves_no_out_folder_and_old_reports_alone(tmp_path, capsys, monkeypatch):
+    (tmp_path / "r.json").write_text(GOOD)
+    compare = load_compare()
+
+    def full_disk(records, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compare, "comparison_chart", full_disk)
+    code = compare.main([str(tmp_path / "r.json"), "--out", str(tmp_path / "new" / "report")])
+    assert_one_line_error(code, capsys.readouterr().err,
+                          f"--out ('{tmp_path}/new/report') cannot be written: No space left on device")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "report.md").write_text("earlier report")
+    assert compare.main([str(tmp_path / "r.json"), "--out", str(tmp_path / "old")]) == 2
+    assert snapshot(tmp_path / "old") == {"report.md": b"earlier report"}
+
+
+# ---- eval/reference/pythia_curve.py on bad input: one line, exit status 2, --out left as it was -----------------
+
+
+def load_pythia_curve():
+    spec = importlib.util.spec_from_file_location("pythia_curve", REPO / "eval" / "reference" / "pythia_curve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+POINT_FILE = "pythia-v1__pythia-1b-bf16__zero-shot__1b-bf16_step1000.json"
+POINT = {"config": {"num_fewshot": 0}, "results": {"piqa": {"acc": 0.6}}}
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"config":{\n', "--curve file '{file}' is not valid JSON (Expecting property name enclosed in double quotes: "
+                      "line 2 column 1)"),
+    ('{"config": {}}', "--curve file '{file}': no 'results' (not an lm-eval results file)"),
+    (json.dumps({**POINT, "config": {"num_fewshot": 5}}),
+     "--curve file '{file}': num_fewshot 5, the curve is zero-shot"),
+    (json.dumps({**POINT, "results": {"piqa": {"acc": "0.6"}}}),
+     "--curve file '{file}': results.piqa.acc (\"0.6\") must be a number"),
+    (None, "--curve ('{dir}') has no result files of pythia-1b-bf16, pythia-1b-deduped "
+           "(pythia-v1__<model>__zero-shot__<name>_step<N>.json)"),
+])
+def test_pythia_curve_refuses_bad_result_files_and_keeps_the_old_curve(tmp_path, capsys, text, message):
+    curve_dir = tmp_path / "curve"
+    curve_dir.mkdir()
+    if text is not None:
+        (curve_dir / POINT_FILE).write_text(text)
+    (tmp_path / "out.json").write_text("old curve")
+    before = snapshot(tmp_path)
+    code = load_pythia_curve().main(["--curve", str(curve_dir), "--out", str(tmp_path / "out.json")])
+    expected = message.replace("{file}", str(curve_dir / POINT_FILE)).replace("{dir}", str(curve_dir))
+    assert_one_line_error(code, capsys.readouterr().err, expected)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("out,message", [
+    ("nodir/out.json", "--out ('{tmp}/nodir/out.json') cannot be written: folder '{tmp}/nodir' does not exist"),
+    ("curve", "--out ('{tmp}/curve') is a folder; name the JSON file to write"),
+])
+def test_pythia_curve_refuses_an_out_it_cannot_write(tmp_path, capsys, out, message):
+    (tmp_path / "curve").mkdir()
+    (tmp_path / "curve" / POINT_FILE).write_text(json.dumps(POINT))
+    before = snapshot(tmp_path)
+    code = load_pythia_curve().main(["--curve", str(tmp_path / "curve"), "--out", str(tmp_path / out)])
+    assert_one_line_error(code, capsys.readouterr().err, message.replace("{tmp}", str(tmp_path)))
+    assert snapshot(tmp_path) == before
+
+
+def test_pythia_curve_that_fails_writing_leaves_the_old_file_whole(tmp_path, capsys, monkeypatch):
+    for name in (POINT_FILE, POINT_FILE.replace("1b-bf16", "1b-deduped")):
+        (tmp_path / name).write_text(json.dumps(POINT))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "curve.json").write_text("old curve")
+    curve = load_pythia_curve()
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(curve.os, "replace", full_disk)
+    code = curve.main(["--curve", str(tmp_path), "--out", str(tmp_path / "out" / "curve.json")])
+    assert_one_line_error(code, capsys.readouterr().err,
+                          f"--out ('{tmp_path}/out/curve.json') cannot be written: No space left on device")
+    assert snapshot(tmp_path / "out") == {"curve.json": b"old curve"}
+    monkeypatch.undo()
+    assert curve.main(["--curve", str(tmp_path), "--out", str(tmp_path / "out" / "curve.json")]) == 0
+    written = json.loads((tmp_path / "out" / "curve.json").read_text())
+    assert [[p["step"] for p in m["points"]] for m in written["models"]] == [[1000], [1000]]

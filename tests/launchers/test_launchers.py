@@ -140,6 +140,29 @@ def test_bad_settings_fail_before_submitting(cluster, script, env, message):
     assert cluster.calls() == []
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"NPROC": "0"}, "NPROC (0) must be a positive integer (processes on this machine)"),
+    ({"NPROC": "-1"}, "NPROC (-1) must be a positive integer (processes on this machine)"),
+    ({"NPROC": "abc"}, "NPROC (abc) must be a positive integer (processes on this machine)"),
+    ({"MASTER_PORT": "abc"}, "MASTER_PORT (abc) must be an integer from 1 to 65535"),
+    ({"MASTER_PORT": "0"}, "MASTER_PORT (0) must be an integer from 1 to 65535"),
+    ({"MASTER_PORT": "65536"}, "MASTER_PORT (65536) must be an integer from 1 to 65535"),
+])
+def test_local_launch_refuses_a_bad_nproc_or_port_in_one_line(cluster, env, message):
+    before = sorted(cluster.tmp.rglob("*"))
+    proc = cluster.run("local.sh", **RECIPE, **env)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"[launcher] error: {message}"]
+    assert cluster.calls() == [] and sorted(cluster.tmp.rglob("*")) == before
+
+
+def test_local_launch_passes_nproc_and_port_as_plain_numbers(cluster):
+    proc = cluster.run("local.sh", NPROC="02", MASTER_PORT="029517", **RECIPE)
+    assert proc.returncode == 0, proc.stderr
+    argv = cluster.argv("deepspeed")[0]
+    assert argv[:4] == ["--num_gpus", "2", "--master_port", "29517"]  # signal_trainers.sh matches the port as text
+
+
 def test_more_nodes_than_allocated_is_an_error(cluster):
     env = {**RECIPE, "STUB_NODELIST": "gpu[01-02]", "GPUS_PER_NODE": "4", "MOEP_ROOT": str(REPO),
            "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_NUM_NODES": "2", "NODES": "3"}
