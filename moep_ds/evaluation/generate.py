@@ -31,6 +31,8 @@ from moep_ds.evaluation.partitioned import (
 
 log = logging.getLogger(__name__)
 
+DTYPES = ("float32", "bfloat16", "float16")  # the precisions a model is evaluated or sampled in
+
 
 def parse_device(device: str) -> torch.device:
     """`device` as a torch.device; the commands call it before loading anything, since the model would otherwise
@@ -190,7 +192,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no_cache", action="store_true", help="recompute the whole sequence at every step")
     p.add_argument("--device", help="default: cuda when there is a GPU, else cpu (one process; under a launcher "
                    "each rank uses its own)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--expert_parallel", action="store_true",
                    help="under a launcher: shard the experts over the ranks instead of ZeRO-3")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
