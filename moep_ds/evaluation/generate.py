@@ -214,8 +214,22 @@ def check_sampling_args(args: argparse.Namespace) -> None:
         raise UserError(f"--num_samples ({args.num_samples}) must be >= 1")
 
 
+def check_prompt(prompt: str) -> None:
+    """Python decodes argv bytes that are not UTF-8 to lone surrogates (surrogateescape), which the tokenizer
+    cannot encode: the error shows the bytes as they were given."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            shown = repr(prompt.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:  # a surrogate that no argv byte produced (a Python caller's string)
+            shown = ascii(prompt)
+        raise UserError(f"--prompt ({shown}) is not UTF-8 text") from None
+
+
 def _main(args: argparse.Namespace) -> int:
     check_sampling_args(args)
+    check_prompt(args.prompt)
     if args.device is not None:
         parse_device(args.device)
     # a split model's engine (ZeRO-3) gathers the parameters while the model runs: keep it

@@ -133,6 +133,9 @@ def files_under(root):
     (["--device", "gpu0"], "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
     (["--temperature", "nan"], "--temperature (nan) must be a finite number >= 0"),
     (["--temperature", "-1"], "--temperature (-1.0) must be a finite number >= 0"),
+    # argv bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape); tokenizers raised TypeError
+    (["--prompt", b"\xff\xfe bad".decode("utf-8", "surrogateescape")],
+     "--prompt (b'\\xff\\xfe bad') is not UTF-8 text"),
 ])
 def test_moep_generate_refuses_bad_arguments_before_loading(tmp_path, capsys, monkeypatch, extra, message):
     import moep_ds.evaluation.generate as generate_cli
