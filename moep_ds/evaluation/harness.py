@@ -6,6 +6,9 @@
     simple_evaluate(model=lm, tasks=[...], task_manager=...)
     python -m moep_ds.evaluation.lm_eval_cli --model moep_ds --model_args pretrained=DIR --batch_size 16 ...
 
+model_args: pretrained, overrides (';'-separated a.b=v), batch_size, device, max_length (capped at the model's
+max_seq_len), dtype (float32 | bfloat16 | float16), expert_parallel (true | false); any other key is an error.
+
 Requests are tokenized as lm-eval's TemplateLM does (an empty context is the end-of-text token), sorted by
 length (longest first) and batched with right padding: causal blocks never look at the padding, so a score
 does not depend on the batch it was computed in, as long as routing is causal at evaluation (expert choice
