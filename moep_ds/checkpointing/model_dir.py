@@ -205,8 +205,8 @@ def hf_export_recipe(model_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         hf = json.loads(f.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:  # a damaged export, not "no config.yaml"
+        raise UserError(f"{str(f)!r} is not valid JSON: {err}") from None
     return {"model": hf["moep_model"]} if isinstance(hf, dict) and "moep_model" in hf else None
 
 
@@ -263,7 +263,11 @@ def load_weights(model: torch.nn.Module, model_dir: Path, cfg: Any, partitions: 
 def load_consolidated(model: torch.nn.Module, model_dir: Path, cfg: Any) -> None:
     from safetensors.torch import load_file
 
-    state: dict[str, Any] = {**load_file(str(model_dir / WEIGHTS_FILE)), **stored_extra_state(model_dir)}
+    try:
+        state: dict[str, Any] = load_file(str(model_dir / WEIGHTS_FILE))
+    except Exception as err:  # noqa: BLE001 - a truncated or unreadable file (safetensors' own errors)
+        raise damaged_weights(model_dir, err) from None
+    state.update(stored_extra_state(model_dir))
     if key_prefix := weights_key_prefix(model_dir):
         state = {k.removeprefix(key_prefix): v for k, v in state.items()}
     load_state_dict_into(model, state, cfg.model.tie_embeddings, model_dir / WEIGHTS_FILE)
@@ -286,8 +290,16 @@ def load_consolidated_pieces(model: torch.nn.Module, model_dir: Path,
     except UserError:
         raise
     except Exception as err:  # noqa: BLE001 - a missing, truncated or unreadable file (safetensors' own errors)
-        raise sharded.DamagedCheckpoint(f"{str(file)!r} could not be read: {sharded.first_line(err)}") from None
+        raise damaged_weights(model_dir, err) from None
     model.load_state_dict(stored_extra_state(model_dir), strict=False)
+
+
+def damaged_weights(model_dir: Path, err: BaseException) -> sharded.DamagedCheckpoint:
+    """One line for a model.safetensors that cannot be read (safetensors' own errors name no file)."""
+    file = model_dir / WEIGHTS_FILE
+    return sharded.DamagedCheckpoint(
+        f"model directory {str(model_dir)!r} is damaged: {str(file)!r} could not be read: {sharded.first_line(err)}"
+    )
 
 
 def read_flat_range(f: Any, key: str, offset: int, numel: int) -> torch.Tensor:

@@ -31,6 +31,8 @@ from moep_ds.evaluation.partitioned import (
 
 log = logging.getLogger(__name__)
 
+DTYPES = ("float32", "bfloat16", "float16")  # the precisions a model is evaluated or sampled in
+
 
 def parse_device(device: str) -> torch.device:
     """`device` as a torch.device; the commands call it before loading anything, since the model would otherwise
@@ -190,7 +192,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no_cache", action="store_true", help="recompute the whole sequence at every step")
     p.add_argument("--device", help="default: cuda when there is a GPU, else cpu (one process; under a launcher "
                    "each rank uses its own)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--expert_parallel", action="store_true",
                    help="under a launcher: shard the experts over the ranks instead of ZeRO-3")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -212,8 +214,22 @@ def check_sampling_args(args: argparse.Namespace) -> None:
         raise UserError(f"--num_samples ({args.num_samples}) must be >= 1")
 
 
+def check_prompt(prompt: str) -> None:
+    """Python decodes argv bytes that are not UTF-8 to lone surrogates (surrogateescape), which the tokenizer
+    cannot encode: the error shows the bytes as they were given."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            shown = repr(prompt.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:  # a surrogate that no argv byte produced (a Python caller's string)
+            shown = ascii(prompt)
+        raise UserError(f"--prompt ({shown}) is not UTF-8 text") from None
+
+
 def _main(args: argparse.Namespace) -> int:
     check_sampling_args(args)
+    check_prompt(args.prompt)
     if args.device is not None:
         parse_device(args.device)
     # a split model's engine (ZeRO-3) gathers the parameters while the model runs: keep it

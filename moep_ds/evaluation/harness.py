@@ -6,6 +6,9 @@
     simple_evaluate(model=lm, tasks=[...], task_manager=...)
     python -m moep_ds.evaluation.lm_eval_cli --model moep_ds --model_args pretrained=DIR --batch_size 16 ...
 
+model_args: pretrained, overrides (';'-separated a.b=v), batch_size, device, max_length (capped at the model's
+max_seq_len), dtype (float32 | bfloat16 | float16), expert_parallel (true | false); any other key is an error.
+
 Requests are tokenized as lm-eval's TemplateLM does (an empty context is the end-of-text token), sorted by
 length (longest first) and batched with right padding: causal blocks never look at the padding, so a score
 does not depend on the batch it was computed in, as long as routing is causal at evaluation (expert choice
@@ -33,13 +36,18 @@ from lm_eval.api.registry import model_registry
 from tqdm import tqdm
 
 from moep_ds.errors import SharedUserError, UserError
-from moep_ds.evaluation.generate import decode_steps, eval_mode, place_model
+from moep_ds.evaluation.generate import DTYPES, decode_steps, eval_mode, place_model
 from moep_ds.evaluation.partitioned import load_eval_model, split_over_ranks
 from moep_ds.checkpointing.model_dir import routing_eval_modes, summarize_routing_modes
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_GEN_TOKS = 256
+# what `--model_args` may set (the other keywords, model and tokenizer, are Python objects)
+MODEL_ARGS = ("pretrained", "overrides", "batch_size", "device", "max_length", "dtype", "expert_parallel")
+# what lm-eval passes to every model besides batch_size and device: max_batch_size (for --batch_size auto, which
+# this model does not do) and trust_remote_code (with --trust_remote_code; loading a moep_ds model runs no code)
+LM_EVAL_ARGS = ("max_batch_size", "trust_remote_code")
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (strings, context ids, continuation ids)
 
@@ -111,11 +119,12 @@ class MoepLM(TemplateLM):
         max_length: int | None = None,
         dtype: str = "float32",
         expert_parallel: bool | str = False,
-        **unused: Any,
+        **lm_eval_args: Any,
     ):
         super().__init__()
-        if unused:
-            log.warning("moep_ds model ignores arguments %s", sorted(unused))
+        check_model_args(lm_eval_args)
+        check_dtype(dtype)  # before loading: a bad value would only fail once the model is moved
+        check_max_length(max_length)
         self.meta: dict[str, Any] = {}
         self.engine = None  # a partitioned model's DeepSpeed engine (its hooks gather the parameters)
         if model is None:
@@ -267,6 +276,29 @@ class MoepLM(TemplateLM):
         dist.all_gather_object(counts, count)
         if len(set(counts)) > 1:
             raise SharedUserError(f"the ranks of a split model were given different work: {what} per rank {counts}")
+
+
+def check_model_args(lm_eval_args: dict[str, Any]) -> None:
+    """Refuse a model_args key this model does not know (a misspelled `dtpye=` would otherwise evaluate in fp32).
+
+    lm-eval passes LM_EVAL_ARGS to every model: they are accepted and, being of no use here, ignored."""
+    unknown = sorted(k for k in lm_eval_args if k not in LM_EVAL_ARGS)
+    if unknown:
+        raise UserError(f"moep_ds model_args: unknown argument(s) {unknown}; known: {', '.join(MODEL_ARGS)}")
+    given = sorted(k for k, v in lm_eval_args.items() if v is not None)
+    if given:
+        log.warning("moep_ds model ignores arguments %s", given)
+
+
+def check_dtype(dtype: Any) -> None:
+    if dtype not in DTYPES:
+        raise UserError(f"dtype ({dtype!r}) must be one of {', '.join(DTYPES)}")
+
+
+def check_max_length(max_length: Any) -> None:
+    """None (the model's max_seq_len) or a positive int; model_args arrive as parsed by lm-eval ('12' -> 12)."""
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise UserError(f"max_length ({max_length!r}) must be a positive integer")
 
 
 def as_bool(name: str, value: bool | str) -> bool:

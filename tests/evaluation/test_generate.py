@@ -1,5 +1,7 @@
 """generate(): sampling filters against naive references, and cached decoding against full recomputation for
 every block type."""
+import os
+
 import pytest
 import torch
 
@@ -133,6 +135,9 @@ def files_under(root):
     (["--device", "gpu0"], "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
     (["--temperature", "nan"], "--temperature (nan) must be a finite number >= 0"),
     (["--temperature", "-1"], "--temperature (-1.0) must be a finite number >= 0"),
+    # argv bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape); tokenizers raised TypeError
+    (["--prompt", b"\xff\xfe bad".decode("utf-8", "surrogateescape")],
+     "--prompt (b'\\xff\\xfe bad') is not UTF-8 text"),
 ])
 def test_moep_generate_refuses_bad_arguments_before_loading(tmp_path, capsys, monkeypatch, extra, message):
     import moep_ds.evaluation.generate as generate_cli
@@ -157,3 +162,37 @@ def test_the_default_device_is_the_gpu_when_there_is_one(monkeypatch, caplog):
     assert "device cuda:1 requested but CUDA is not available: evaluating on cpu" in caplog.text
     with pytest.raises(UserError, match=r"^--device \('cuda:x'\) is not a torch device"):
         pick_device("cuda:x")  # malformed: refused, not taken for a cuda device to fall back from
+
+
+def truncated_model_dir(root):
+    """A model directory whose model.safetensors is cut short, and the one line that names it."""
+    from moep_ds.checkpointing.model_dir import save_model_dir
+
+    model, cfg = tiny_model("dense_gpt2")
+    out = save_model_dir(model, cfg, root / "m")
+    os.truncate(out / "model.safetensors", 100)
+    return out, (f"model directory '{out}' is damaged: '{out}/model.safetensors' could not be read: "
+                 "Error while deserializing header: invalid header length")
+
+
+def hf_export_with_malformed_config(root):
+    from moep_ds.evaluation.export import export_hf
+
+    model, cfg = tiny_model("dense_gpt2")
+    out = export_hf(model, cfg, root / "hf")
+    (out / "config.json").write_text("{\n")
+    return out, (f"'{out}/config.json' is not valid JSON: Expecting property name enclosed in double quotes: "
+                 "line 2 column 1 (char 2)")
+
+
+@pytest.mark.parametrize("damage", [truncated_model_dir, hf_export_with_malformed_config])
+def test_moep_generate_names_a_damaged_model_directory(tmp_path, capsys, damage):
+    """A truncated model.safetensors was a SafetensorError traceback; a malformed config.json of an --hf export
+    read as "has model.safetensors but no config.yaml"."""
+    from moep_ds.evaluation.generate import main as generate_main
+
+    ckpt, message = damage(tmp_path)
+    before = files_under(tmp_path)
+    assert generate_main([str(ckpt), "--prompt", "x", "--max_new_tokens", "5"]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert files_under(tmp_path) == before

@@ -297,5 +297,52 @@ def test_registered_for_lm_eval_beside_its_own_models(tmp_path, tokenizer_dir):
     assert get_model("hf").__name__ == "HFLM"  # registering ours first must not hide lm-eval's models
     model, cfg = tiny_model("dense_gpt2", vocab_size=300)
     out = save_model_dir(model, cfg, tmp_path / "m", tokenizer_dir=tokenizer_dir)
-    lm = get_model("moep_ds").create_from_arg_string(f"pretrained={out}", {"batch_size": 4, "device": "cuda"})
+    lm = get_model("moep_ds").create_from_arg_string(f"pretrained={out},trust_remote_code=True",  # --trust_remote_code
+                                                     {"batch_size": 4, "max_batch_size": 8, "device": "cuda"})
     assert lm.batch_size == 4 and lm.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---- bad model_args: one line, exit status 2, nothing written ----------------------------------------------
+
+KNOWN_ARGS = "pretrained, overrides, batch_size, device, max_length, dtype, expert_parallel"
+
+
+@pytest.mark.parametrize("model_args, message", [
+    ("max_length=abc", "max_length ('abc') must be a positive integer"),
+    ("max_length=0", "max_length (0) must be a positive integer"),
+    ("max_length=1.5", "max_length (1.5) must be a positive integer"),
+    ("dtype=foo", "dtype ('foo') must be one of float32, bfloat16, float16"),
+    ("dtype=int8", "dtype ('int8') must be one of float32, bfloat16, float16"),
+    ("dtype=float64", "dtype ('float64') must be one of float32, bfloat16, float16"),
+    ("dtpye=bfloat16", f"moep_ds model_args: unknown argument(s) ['dtpye']; known: {KNOWN_ARGS}"),
+])
+def test_bad_model_args_are_refused_before_loading(tmp_path, monkeypatch, model_args, message):
+    import moep_ds.evaluation.harness as harness
+    from lm_eval.api.registry import get_model
+
+    monkeypatch.setattr(harness, "load_eval_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(UserError) as err:
+        get_model("moep_ds").create_from_arg_string(f"pretrained={tmp_path},{model_args}", {"batch_size": 4})
+    assert str(err.value) == message
+
+
+def test_lm_eval_cli_reports_bad_model_args_in_one_line(tmp_path, tokenizer_dir, capsys, monkeypatch):
+    """A misspelled argument used to be a warning, and the evaluation ran in fp32."""
+    import sys
+
+    from moep_ds.evaluation import lm_eval_cli
+    from moep_ds.evaluation.tasks import render_tasks
+    from test_export import assert_one_line_error, snapshot
+
+    model, cfg = tiny_model("dense_gpt2", vocab_size=300)
+    out = save_model_dir(model, cfg, tmp_path / "m", tokenizer_dir=tokenizer_dir)
+    tasks = render_tasks(tmp_path / "nowhere", tmp_path / "tasks").path
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lm_eval_cli", "--model", "moep_ds", "--model_args",
+                                      f"pretrained={out},dtpye=bfloat16", "--include_path", str(tasks),
+                                      "--tasks", "grammar_pairs", "--limit", "2", "--device", "cpu",
+                                      "--output_path", str(tmp_path / "results")])
+    code = lm_eval_cli.main()
+    assert_one_line_error(code, capsys.readouterr().err,
+                          f"moep_ds model_args: unknown argument(s) ['dtpye']; known: {KNOWN_ARGS}")
+    assert snapshot(tmp_path) == before

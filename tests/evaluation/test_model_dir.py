@@ -1,5 +1,6 @@
 """Model directories: save/load round trip, run-directory resolution, routing eval modes, one-line errors."""
 import json
+import os
 
 import pytest
 import torch
@@ -104,3 +105,30 @@ def test_lifecycle_event_log_survives_the_round_trip(tmp_path):
     assert again.blocks[0].moe.router.lifecycle.events == lifecycle.events
     (out / "extra_state.pt").unlink()  # the log is history: the model still loads without it
     assert load_model_dir(out)[0].blocks[0].moe.router.lifecycle.events == []
+
+
+@pytest.mark.parametrize("size, cause", [(100, "invalid header length"), (0, "header too small")])
+def test_truncated_weights_are_named_as_a_damaged_model_directory(tmp_path, size, cause):
+    model, cfg = tiny_model("dense_gpt2")
+    out = save_model_dir(model, cfg, tmp_path / "m")
+    os.truncate(out / "model.safetensors", size)
+    with pytest.raises(UserError) as err:  # safetensors' own error names no file
+        load_model_dir(out)
+    assert str(err.value) == (f"model directory '{out}' is damaged: '{out}/model.safetensors' could not be read: "
+                              f"Error while deserializing header: {cause}")
+
+
+@pytest.mark.parametrize("text, cause", [
+    (b"{\n", "Expecting property name enclosed in double quotes: line 2 column 1 (char 2)"),
+    (b"\xff{}", "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"),
+])
+def test_hf_export_with_a_malformed_config_json_names_it(tmp_path, text, cause):
+    """It used to read as a directory without any recipe: "has model.safetensors but no config.yaml"."""
+    from moep_ds.evaluation.export import export_hf
+
+    model, cfg = tiny_model("dense_gpt2")
+    out = export_hf(model, cfg, tmp_path / "hf")
+    (out / "config.json").write_bytes(text)
+    with pytest.raises(UserError) as err:
+        load_model_dir(out)
+    assert str(err.value) == f"'{out}/config.json' is not valid JSON: {cause}"

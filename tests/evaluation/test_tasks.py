@@ -203,3 +203,16 @@ def test_tasks_that_need_the_missing_data_directory_say_so(tmp_path):
     with pytest.raises(UserError, match=rf"^data directory '{tmp_path}/nowhere' does not exist \(set --data_dir, "
                                         r"eval.data_dir or MOEP_DATA_DIR\); task 'piqa' reads "):
         rendered.resolve(["grammar_pairs", "piqa"])
+
+
+@pytest.mark.parametrize("damage", ["truncated_model_dir", "hf_export_with_malformed_config"])
+def test_moep_eval_names_a_damaged_model_directory(tmp_path, capsys, damage):
+    """A truncated model.safetensors was a SafetensorError traceback; nothing is written (--output stays absent)."""
+    import test_generate
+
+    ckpt, message = getattr(test_generate, damage)(tmp_path)
+    before = files_under(tmp_path)
+    assert eval_main([str(ckpt), "--tasks", "grammar_pairs", "--limit", "2", "--data_dir", str(tmp_path / "nowhere"),
+                      "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert files_under(tmp_path) == before
