@@ -43,6 +43,14 @@ require_int() {
     printf -v "$name" '%d' "$((10#$value))"
 }
 
+# check_launch_numbers: NODES, GPUS_PER_NODE and MASTER_PORT, those that are set, before anything is submitted
+# (srun or deepspeed would refuse them later, in their own words, or take 0 as something else)
+check_launch_numbers() {
+    if [ -n "${NODES:-}" ]; then require_int NODES "a positive integer (nodes)" 1; fi
+    if [ -n "${GPUS_PER_NODE:-}" ]; then require_int GPUS_PER_NODE "a positive integer (GPUs per node)" 1; fi
+    if [ -n "${MASTER_PORT:-}" ]; then require_int MASTER_PORT "an integer from 1 to 65535" 1 65535; fi
+}
+
 # DEEPSPEED_ARGS (e.g. "--launcher openmpi"), split on whitespace into DEEPSPEED_EXTRA.
 deepspeed_extra_args() {
     # shellcheck disable=SC2034  # read by the scripts that source this file

@@ -131,6 +131,9 @@ def test_srun_task_takes_its_rank_from_slurm(cluster):
     ("slurm_multi_node.sbatch", {}, "no recipe: set CONFIG=configs/<name>.yaml or pass --config"),
     ("slurm_multi_node.sbatch", {**RECIPE, "LAUNCHER": "mpirun"}, "LAUNCHER (mpirun) must be deepspeed or srun"),
     ("slurm_single_node.sbatch", {**RECIPE, "NODES": "2"}, "NODES (2) must be 1 here"),
+    ("slurm_multi_node.sbatch", {**RECIPE, "NODES": "0"}, "NODES (0) must be a positive integer (nodes)"),
+    ("slurm_multi_node.sbatch", {**RECIPE, "GPUS_PER_NODE": "x"}, "GPUS_PER_NODE (x) must be a positive integer"),
+    ("slurm_single_node.sbatch", {**RECIPE, "MASTER_PORT": "70000"}, "MASTER_PORT (70000) must be an integer from 1"),
     ("local.sh", {}, "no recipe"),
 ])
 def test_bad_settings_fail_before_submitting(cluster, script, env, message):
