@@ -204,6 +204,8 @@ def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
     of a megatron:PREFIX source; the tokens stay where they are (nothing is re-tokenised or copied)."""
     from filelock import FileLock
 
+    from moep_ds.data.megatron import check_sequence_lengths
+
     ranges = megatron_ranges(cfg)
     train = ranges["train"][0]
     tok = check_reusable_tokenizer(cfg)
@@ -223,6 +225,11 @@ def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
             return out
 
         def write(work: Path) -> None:
+            # here, not before the reuse test: the check reads the whole sizes array (Pythia's: 585 MB), which
+            # every rank of every start would otherwise do; a reused folder was checked when it was built
+            check_sequence_lengths(train, cfg.seq_len, "data.source")
+            if cfg.val_source is not None:
+                check_sequence_lengths(ranges["val"][0], cfg.seq_len, "data.val_source")
             obtain_tokenizer(cfg, None, None, work)
             tokens = {split: int(data.sizes_S[start:stop].sum(dtype=np.int64))
                       for split, (data, start, stop) in ranges.items()}
@@ -244,15 +251,14 @@ def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
 
 def megatron_ranges(cfg: DataConfig) -> dict[str, tuple[Any, int, int]]:
     """(dataset, start, stop) of the train and validation sequences: data.val_source's file, or the trailing
-    val_fraction of the source. Checked here, from the .idx alone, so that a source no run can use fails before
-    anything is written: every sequence must hold a sample, and each split file must hold some."""
-    from moep_ds.data.megatron import IndexedDataset, check_sequence_lengths, held_out
+    val_fraction of the source. Checked here, from the .idx header alone, so that a source no run can use fails
+    before anything is written: each split must hold some sequences (their lengths: when the folder is built)."""
+    from moep_ds.data.megatron import IndexedDataset, held_out
 
     def open_checked(prefix: str, field: str) -> IndexedDataset:
         data = IndexedDataset(megatron_prefix(prefix, field))
         if len(data) == 0:
             raise DataError(f"{field}: {data.idx_path} holds no sequences")
-        check_sequence_lengths(data, cfg.seq_len, field)
         return data
 
     train = open_checked(cfg.megatron_prefix, "data.source")

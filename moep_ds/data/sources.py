@@ -176,7 +176,11 @@ def load_documents(parts: list[Part], cfg: DataConfig, cache_dir: Path):
         if field_name != "text":
             ds = ds.rename_column(field_name, "text")
         features = datasets.Features({"text": datasets.Value("string")})
-        loaded.append(ds if ds.features == features else ds.cast(features))
+        try:
+            loaded.append(ds if ds.features == features else ds.cast(features))
+        except Exception as err:  # pyarrow's ArrowInvalid: binary text that is not UTF-8
+            raise DataError(f"{part.describe()}: column {field_name!r} cannot be read as text: {root_cause(err)}") \
+                from None
     return loaded[0] if len(loaded) == 1 else datasets.concatenate_datasets(loaded)
 
 
@@ -186,7 +190,9 @@ def check_text_column(ds, field_name: str, part: Part) -> None:
     import pyarrow as pa
 
     kind = ds.data.schema.field(field_name).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+    # binary: parquet text written without the UTF8 annotation (some Spark/Hive writers); the cast decodes it
+    if not any(is_kind(kind) for is_kind in (pa.types.is_string, pa.types.is_large_string, pa.types.is_null,
+                                              pa.types.is_binary, pa.types.is_large_binary)):
         raise DataError(f"{part.describe()}: column {field_name!r} holds {kind}, not text; set data.text_field to "
                         f"a string column (columns: {', '.join(ds.column_names)})")
 

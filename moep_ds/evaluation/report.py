@@ -120,6 +120,8 @@ def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
     except (ValueError, RecursionError) as err:  # also UnicodeDecodeError, and RecursionError when nested deep
         problem = "is empty" if text is not None and not text.strip() else f"is not valid JSON ({json_reason(err)})"
         raise UserError(f"{what} {str(p)!r} {problem}") from None
+    except OSError as err:
+        raise UserError(f"{what} {str(p)!r} cannot be read: {err.strerror or err}") from None
     if not isinstance(data, dict):
         raise UserError(f"{what} {str(p)!r} must hold a JSON object, not {show(data)}")
     return data

@@ -310,3 +310,14 @@ def test_cli_refuses_megatron_sources_no_run_can_use_and_writes_nothing(tmp_path
         code, _, err = run_cli(capsys, *megatron_cli(tmp_path, tmp_path / source, *flags))
         assert_one_line_error(code, err, message)
         assert sorted(os.listdir(tmp_path)) == before, name  # no out/, no temporary folder beside it
+
+
+def test_a_reused_folder_does_not_scan_the_sequence_lengths_again(tmp_path, monkeypatch):
+    """The length check reads the whole sizes array (Pythia's: 585 MB); every rank of every start calls prepare()."""
+    import moep_ds.data.megatron as megatron
+
+    write_indexed(tmp_path / "d", [np.full(9, i) for i in range(40)])
+    cfg = megatron_config(tmp_path, val_fraction=0.1, prepared_dir=str(tmp_path / "prep"))
+    out = prepare(cfg)
+    monkeypatch.setattr(megatron, "check_sequence_lengths", lambda *a: pytest.fail("scanned the sizes again"))
+    assert prepare(cfg) == out

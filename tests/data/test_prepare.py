@@ -294,6 +294,25 @@ def test_a_text_field_that_is_not_text_is_one_line_error(tmp_path, capsys, name,
     assert os.listdir(tmp_path) == [name]
 
 
+def test_parquet_text_stored_as_binary_is_read_as_text_when_utf8(tmp_path, capsys):
+    """Some writers store strings without parquet's UTF8 annotation: the column loads as binary."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [f"Story number {i} is short." for i in range(60)]
+    pq.write_table(pa.table({"text": pa.array([d.encode() for d in docs], pa.binary())}), tmp_path / "b.parquet")
+    code, _, err = run_cli(capsys, "--source", str(tmp_path / "b.parquet"), "--seq-len", "16", "--vocab-size", "300",
+                           "--val-fraction", "0", "--out", str(tmp_path / "p"))
+    assert code == 0, err
+    assert split_documents(tmp_path / "p", "train") == docs
+    pq.write_table(pa.table({"text": pa.array([b"caf\xe9"] * 60, pa.binary())}), tmp_path / "bad.parquet")
+    code, _, err = run_cli(capsys, "--source", str(tmp_path / "bad.parquet"), "--seq-len", "16", "--vocab-size",
+                           "300", "--out", str(tmp_path / "q"))
+    assert_one_line_error(code, err, f"1 parquet file(s) starting with {tmp_path / 'bad.parquet'}: column 'text' "
+                                     "cannot be read as text: ")
+    assert not (tmp_path / "q").exists()
+
+
 def test_hub_source_offline_is_one_line_error(tmp_path, capsys):
     code, _, err = run_cli(capsys, "--source", "hf:no-such-user/no-such-dataset", "--seq-len", "16",
                            "--vocab-size", "300", "--out", str(tmp_path / "hub"))

@@ -289,3 +289,20 @@ def test_pythia_curve_that_fails_writing_leaves_the_old_file_whole(tmp_path, cap
     assert curve.main(["--curve", str(tmp_path), "--out", str(tmp_path / "out" / "curve.json")]) == 0
     written = json.loads((tmp_path / "out" / "curve.json").read_text())
     assert [[p["step"] for p in m["points"]] for m in written["models"]] == [[1000], [1000]]
+
+
+def test_an_unreadable_results_file_is_one_line(tmp_path, monkeypatch):
+    import pathlib
+
+    from moep_ds.errors import UserError
+    from moep_ds.evaluation.report import read_json_object
+
+    path = tmp_path / "results.json"
+    path.write_text("{}")
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pathlib.Path, "read_text", denied)
+    with pytest.raises(UserError, match=rf"results file '{path}' cannot be read: Permission denied$"):
+        read_json_object(path, "results file")
