@@ -103,16 +103,16 @@ def atomic_dir(final: str | os.PathLike, *, tmp: Path | None = None) -> Iterator
     except BaseException:
         remove_empty_dirs(created)
         raise
+    done = False
     try:
         yield tmp
         apply_umask(tmp)
         replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        remove_empty_dirs(created)
-        raise
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            remove_empty_dirs(created)  # after tmp is gone, or its parent is not empty
 
 
 def is_empty_dir(path: Path) -> bool:

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from moep_ds.checkpointing.layout import remove_empty_dirs
 from moep_ds.data.builtin import default_cache_dir
 from moep_ds.data.config import MEGATRON, DataConfig
 from moep_ds.data.errors import DataError
@@ -282,19 +283,15 @@ def build_atomically(out: Path, build_into: Callable[[Path], Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     work.mkdir()  # not mkdtemp: the folder is renamed into place and keeps the usual permissions
+    done = False
     try:
         build_into(work)
         publish(work, out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        for parent in created:
-            try:
-                parent.rmdir()
-            except OSError:
-                break
-        raise
+        done = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if not done:
+            remove_empty_dirs(created)  # after work is gone, or its parent is not empty
 
 
 def publish(work: Path, out: Path) -> None:
