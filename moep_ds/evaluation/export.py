@@ -84,9 +84,10 @@ def check_export_dir(out: Path, overwrite: bool) -> None:
     if out.is_symlink():  # replacing it would replace the link, not the folder it names
         raise UserError(f"--out ({str(out)!r}) is a symbolic link (to {os.readlink(out)!r}); give the folder itself")
     layout.check_dir_target("--out", out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    holds_files = out.exists() and any(out.iterdir())
+    if holds_files and not overwrite:
         raise UserError(f"export directory {str(out)!r} exists and is not empty (pass --force to replace it)")
-    if out.exists() and any(out.iterdir()) and not is_model_dir(out):  # --force deletes what it replaces
+    if holds_files and not is_model_dir(out):  # --force deletes what it replaces
         raise UserError(f"--out ({str(out)!r}) holds files but no earlier export (model.safetensors, meta.json and "
                         "a config): --force replaces only an export; give an empty or new folder")
     check_creatable(out)

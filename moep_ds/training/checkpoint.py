@@ -301,12 +301,11 @@ def warn_model_changes(model_cfg: Any, ckpt: pathlib.Path) -> list[str]:
     """Settings of the model that differ from those the checkpoint was trained with, logged as one warning. Shapes
     are checked when the weights load; this names what a shape cannot show (an activation, a router rule, a
     norm's epsilon), e.g. after a flavour's default changed or when a recipe was edited between runs."""
-    from moep_ds.checkpointing.model_dir import CONFIG_FILE
-    from moep_ds.config import config_from_dict, read_yaml
+    from moep_ds.checkpointing.model_dir import CONFIG_FILE, load_recipe
     from moep_ds.schema import to_dict
 
     try:
-        saved = to_dict(config_from_dict(read_yaml(ckpt / CONFIG_FILE)).model)
+        saved = to_dict(load_recipe(ckpt)[1].model)
     except Exception as err:  # noqa: BLE001 - an old or edited config.yaml: the comparison is advice only
         log.warning("could not compare the model with %s: %s", ckpt / CONFIG_FILE, err)
         return []
