@@ -1,4 +1,9 @@
-"""Error types for bad input: command-line entry points report them as one line and exit with status 2."""
+"""Error types for bad input: command-line entry points report them as one line and exit with status 2; and the
+helpers those lines share when they describe values read from files."""
+from __future__ import annotations
+
+import json
+from typing import Any
 
 
 class UserError(Exception):
@@ -7,3 +12,16 @@ class UserError(Exception):
 
 class SharedUserError(UserError):
     """A UserError that every rank of a distributed run raises alike (after agreeing on it): rank 0 reports it."""
+
+
+def is_number(value: Any) -> bool:
+    """A JSON number (bool is an int to Python, not to a JSON reader)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def json_error_reason(err: Exception, *, line: bool = True) -> str:
+    """Why a text did not parse as JSON, as json words it (`line`: with the line number, for a whole file; a line
+    of a JSON-lines file is already named by its caller); UnicodeDecodeError: the byte."""
+    if isinstance(err, json.JSONDecodeError):
+        return f"{err.msg}: line {err.lineno} column {err.colno}" if line else f"{err.msg}: column {err.colno}"
+    return f"not UTF-8 at byte {err.start + 1}" if isinstance(err, UnicodeDecodeError) else str(err)

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moep_ds.errors import UserError
+from moep_ds.errors import UserError, is_number, json_error_reason
 
 # the score a table shows for a task, in this order of preference
 PRIMARY_METRICS = ("acc", "perplexity", "acc_norm", "word_perplexity")
@@ -118,19 +118,14 @@ def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
         text = p.read_text(encoding="utf-8")
         data = json.loads(text)
     except (ValueError, RecursionError) as err:  # also UnicodeDecodeError, and RecursionError when nested deep
-        problem = "is empty" if text is not None and not text.strip() else f"is not valid JSON ({json_reason(err)})"
+        empty = text is not None and not text.strip()
+        problem = "is empty" if empty else f"is not valid JSON ({json_error_reason(err)})"
         raise UserError(f"{what} {str(p)!r} {problem}") from None
     except OSError as err:
         raise UserError(f"{what} {str(p)!r} cannot be read: {err.strerror or err}") from None
     if not isinstance(data, dict):
         raise UserError(f"{what} {str(p)!r} must hold a JSON object, not {show(data)}")
     return data
-
-
-def json_reason(err: Exception) -> str:
-    if isinstance(err, json.JSONDecodeError):
-        return f"{err.msg}: line {err.lineno} column {err.colno}"
-    return f"not UTF-8 at byte {err.start + 1}" if isinstance(err, UnicodeDecodeError) else str(err)
 
 
 def model_list(data: dict[str, Any], what: str, path: str | Path) -> list[Any]:
@@ -151,10 +146,6 @@ def show(value: Any) -> str:
     """A value as an error shows it: JSON, cut to 60 characters (a file's whole content can be huge)."""
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def scores_problem(scores: Any, where: str = "scores", nullable: bool = True) -> str | None:

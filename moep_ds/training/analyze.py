@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from moep_ds.errors import UserError
+from moep_ds.errors import UserError, is_number, json_error_reason
 
 log = logging.getLogger(__name__)
 
@@ -55,20 +55,11 @@ def parse_lines(path: pathlib.Path) -> list[tuple[int, Any]]:
             parsed.append((number, json.loads(raw)))
         except (ValueError, RecursionError) as err:  # also UnicodeDecodeError, and RecursionError when nested deep
             if number < len(lines):
-                raise UserError(f"{path}, line {number}: not valid JSON ({reason(err)}): {show(raw)}") from None
+                why = json_error_reason(err, line=False)  # the line is named already
+                raise UserError(f"{path}, line {number}: not valid JSON ({why}): {show(raw)}") from None
             # no newline after it: the writer was killed mid-line; the rows before it are whole
             log.warning("%s, line %d: skipped a cut-off last line (no newline at its end): %s", path, number, show(raw))
     return parsed
-
-
-def reason(err: Exception) -> str:
-    if isinstance(err, json.JSONDecodeError):
-        return f"{err.msg}: column {err.colno}"  # as json words it, less the line within the line
-    return f"not UTF-8 at byte {err.start + 1}" if isinstance(err, UnicodeDecodeError) else str(err)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def row_problem(row: Any) -> str | None:
