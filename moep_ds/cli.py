@@ -84,8 +84,10 @@ def exit_joined(code: int) -> int:
 def run_guarded(fn, *args) -> int:
     """Run a command body, turning expected failures into one line on stderr and exit status 2.
 
-    Every rank of a launcher reads the same recipe, so a config error is printed by rank 0 only; other bad
-    input (a file one node lacks) may differ between ranks and is printed by each, prefixed with its rank."""
+    Every rank of a launcher gets the same command line, recipe and ds_config, so an error in them (ConfigError,
+    SharedUserError) is printed by rank 0 only; other bad input (a file one node lacks) may differ between ranks
+    and is printed by each, prefixed with its rank. The rank is the launcher's (environment), so this holds before
+    and after the process group is joined."""
     try:
         return fn(*args) or 0
     except UserError as err:

@@ -11,7 +11,9 @@ class UserError(Exception):
 
 
 class SharedUserError(UserError):
-    """A UserError that every rank of a distributed run raises alike (after agreeing on it): rank 0 reports it."""
+    """A UserError that every rank of a distributed run raises alike: from what every rank is given (the command
+    line, the recipe, the ds_config) or after the ranks agree on it. Rank 0 reports it; the others exit with the
+    same status silently (a launch of N processes would print it N times)."""
 
 
 def is_number(value: Any) -> bool:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moep_ds.cli import run_command
-from moep_ds.errors import UserError
+from moep_ds.errors import SharedUserError, UserError
 from moep_ds.evaluation.partitioned import (
     load_eval_model, model_device, run_split, split_over_ranks,
 )
@@ -40,7 +40,7 @@ def parse_device(device: str) -> torch.device:
     try:
         return torch.device(device)
     except RuntimeError:  # torch's own text does not name the option
-        raise UserError(f"--device ({device!r}) is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+        raise SharedUserError(f"--device ({device!r}) is not a torch device (e.g. cpu, cuda, cuda:1)") from None
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -203,15 +203,15 @@ def parser() -> argparse.ArgumentParser:
 
 def check_sampling_args(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
-        raise UserError(f"--max_new_tokens ({args.max_new_tokens}) must be >= 1")
+        raise SharedUserError(f"--max_new_tokens ({args.max_new_tokens}) must be >= 1")
     if not 0 <= args.temperature < math.inf:  # also nan, which would sample from nan probabilities
-        raise UserError(f"--temperature ({args.temperature}) must be a finite number >= 0")
+        raise SharedUserError(f"--temperature ({args.temperature}) must be a finite number >= 0")
     if args.top_k is not None and args.top_k < 1:
-        raise UserError(f"--top_k ({args.top_k}) must be >= 1")
+        raise SharedUserError(f"--top_k ({args.top_k}) must be >= 1")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
-        raise UserError(f"--top_p ({args.top_p}) must be in (0, 1]")
+        raise SharedUserError(f"--top_p ({args.top_p}) must be in (0, 1]")
     if args.num_samples < 1:
-        raise UserError(f"--num_samples ({args.num_samples}) must be >= 1")
+        raise SharedUserError(f"--num_samples ({args.num_samples}) must be >= 1")
 
 
 def check_prompt(prompt: str) -> None:
@@ -224,7 +224,7 @@ def check_prompt(prompt: str) -> None:
             shown = repr(prompt.encode("utf-8", "surrogateescape"))
         except UnicodeEncodeError:  # a surrogate that no argv byte produced (a Python caller's string)
             shown = ascii(prompt)
-        raise UserError(f"--prompt ({shown}) is not UTF-8 text") from None
+        raise SharedUserError(f"--prompt ({shown}) is not UTF-8 text") from None
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -239,7 +239,7 @@ def _main(args: argparse.Namespace) -> int:
         raise UserError(f"{args.checkpoint} has no tokenizer.json; moep-generate needs one to read the prompt")
     max_len = cfg.model.max_seq_len
     if args.max_new_tokens >= max_len:
-        raise UserError(f"--max_new_tokens ({args.max_new_tokens}) must be < max_seq_len ({max_len})")
+        raise SharedUserError(f"--max_new_tokens ({args.max_new_tokens}) must be < max_seq_len ({max_len})")
     ids = [tokenizer.eot_id] + tokenizer.encode(args.prompt)
     keep = max_len - args.max_new_tokens
     if len(ids) > keep:

@@ -129,7 +129,7 @@ class MoepLM(TemplateLM):
         self.engine = None  # a partitioned model's DeepSpeed engine (its hooks gather the parameters)
         if model is None:
             if pretrained is None:
-                raise UserError("moep_ds model needs pretrained=<model or run directory>")
+                raise SharedUserError("moep_ds model needs pretrained=<model or run directory>")
             if isinstance(overrides, str):
                 overrides = overrides.split(";")  # model_args are comma-separated; overrides use ';'
             ep = as_bool("expert_parallel", expert_parallel)  # model_args are strings
@@ -284,7 +284,7 @@ def check_model_args(lm_eval_args: dict[str, Any]) -> None:
     lm-eval passes LM_EVAL_ARGS to every model: they are accepted and, being of no use here, ignored."""
     unknown = sorted(k for k in lm_eval_args if k not in LM_EVAL_ARGS)
     if unknown:
-        raise UserError(f"moep_ds model_args: unknown argument(s) {unknown}; known: {', '.join(MODEL_ARGS)}")
+        raise SharedUserError(f"moep_ds model_args: unknown argument(s) {unknown}; known: {', '.join(MODEL_ARGS)}")
     given = sorted(k for k, v in lm_eval_args.items() if v is not None)
     if given:
         log.warning("moep_ds model ignores arguments %s", given)
@@ -292,20 +292,20 @@ def check_model_args(lm_eval_args: dict[str, Any]) -> None:
 
 def check_dtype(dtype: Any) -> None:
     if dtype not in DTYPES:
-        raise UserError(f"dtype ({dtype!r}) must be one of {', '.join(DTYPES)}")
+        raise SharedUserError(f"dtype ({dtype!r}) must be one of {', '.join(DTYPES)}")
 
 
 def check_max_length(max_length: Any) -> None:
     """None (the model's max_seq_len) or a positive int; model_args arrive as parsed by lm-eval ('12' -> 12)."""
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-        raise UserError(f"max_length ({max_length!r}) must be a positive integer")
+        raise SharedUserError(f"max_length ({max_length!r}) must be a positive integer")
 
 
 def as_bool(name: str, value: bool | str) -> bool:
     if isinstance(value, bool):
         return value
     if str(value).lower() not in ("true", "false", "1", "0"):
-        raise UserError(f"{name} ({value!r}) must be true or false")
+        raise SharedUserError(f"{name} ({value!r}) must be true or false")
     return str(value).lower() in ("true", "1")
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from moep_ds.checkpointing import layout
 from moep_ds.cli import run_command
-from moep_ds.errors import UserError
+from moep_ds.errors import SharedUserError
 
 log = logging.getLogger(__name__)
 
@@ -68,22 +68,22 @@ def split_tasks(values: list[str]) -> list[str]:
 
 def check_eval_args(args: argparse.Namespace) -> None:
     """Refuse bad evaluation options before the checkpoint is read: lm-eval would fail on them after the model
-    is loaded, or run and record them."""
+    is loaded, or run and record them. Every rank of a launch is given the same options: SharedUserError."""
     from moep_ds.evaluation.generate import parse_device
 
     if args.tasks is not None and not split_tasks(args.tasks):
-        raise UserError(f"--tasks ({' '.join(args.tasks)!r}) names no task")
+        raise SharedUserError(f"--tasks ({' '.join(args.tasks)!r}) names no task")
     if args.batch_size is not None and args.batch_size < 1:
-        raise UserError(f"--batch_size ({args.batch_size}) must be >= 1")
+        raise SharedUserError(f"--batch_size ({args.batch_size}) must be >= 1")
     if args.limit is not None and not 0 < args.limit < math.inf:  # also refuses nan
-        raise UserError(f"--limit ({args.limit:g}) must be a number > 0 (a fraction of each task if < 1)")
+        raise SharedUserError(f"--limit ({args.limit:g}) must be a number > 0 (a fraction of each task if < 1)")
     if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise UserError(f"--num_fewshot ({args.num_fewshot}) must be >= 0")
+        raise SharedUserError(f"--num_fewshot ({args.num_fewshot}) must be >= 0")
     if args.num_fewshot and not args.hub:  # lm-eval would draw the examples from the split being scored
-        raise UserError(f"--num_fewshot ({args.num_fewshot}): the local task files hold only the split that is "
-                        "scored, so the examples would come from it; few-shot needs the hub tasks (--hub)")
+        raise SharedUserError(f"--num_fewshot ({args.num_fewshot}): the local task files hold only the split that "
+                              "is scored, so the examples would come from it; few-shot needs the hub tasks (--hub)")
     if args.bootstrap_iters < 0:
-        raise UserError(f"--bootstrap_iters ({args.bootstrap_iters}) must be >= 0 (0: no stderrs)")
+        raise SharedUserError(f"--bootstrap_iters ({args.bootstrap_iters}) must be >= 0 (0: no stderrs)")
     if args.device is not None:
         parse_device(args.device)
     if args.output or Path(args.checkpoint).is_dir():  # else the checkpoint's own error says more
@@ -116,7 +116,7 @@ def task_manager(args: argparse.Namespace, cfg: Any, tasks: list[str], tmp: str)
         names = [HUB_TASKS.get(t, t) for t in tasks]
         unknown = [n for n in names if n not in manager.all_tasks]
         if unknown:
-            raise UserError(f"unknown lm-eval task(s) {unknown}; `lm-eval ls tasks` lists them")
+            raise SharedUserError(f"unknown lm-eval task(s) {unknown}; `lm-eval ls tasks` lists them")
         return manager, names, None
     data_dir = resolve_data_dir(args.data_dir or cfg.eval.data_dir, must_exist=False)
     rendered = render_tasks(data_dir, tmp)
@@ -208,7 +208,7 @@ def _main(args: argparse.Namespace) -> int:
         print(render_tasks(data_dir, args.render_tasks).path)
         return 0
     if not args.checkpoint:
-        raise UserError("moep-eval needs a checkpoint: a model directory or a run directory")
+        raise SharedUserError("moep-eval needs a checkpoint: a model directory or a run directory")
     check_eval_args(args)
     record = evaluate(args)
     if record is None:  # a rank other than 0 of a partitioned evaluation: rank 0 writes

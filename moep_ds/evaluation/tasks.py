@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from moep_ds.data.builtin import pairs_per_phenomenon
-from moep_ds.errors import UserError
+from moep_ds.errors import SharedUserError, UserError
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATES = REPO / "eval" / "tasks"
@@ -71,7 +71,7 @@ class RenderedTasks:
         """Check each name is known and its data files exist; unknown names list the known ones."""
         for name in names:
             if name not in self.specs:
-                raise UserError(
+                raise SharedUserError(
                     f"unknown task {name!r}; known: {', '.join(self.top_level)} "
                     f"(and their sub-tasks, e.g. blimp_filtered_anaphor_gender_agreement)"
                 )

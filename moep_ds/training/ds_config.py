@@ -21,7 +21,7 @@ import json
 import pathlib
 from typing import Any
 
-from moep_ds.errors import UserError
+from moep_ds.errors import SharedUserError
 from moep_ds.training.config import TrainConfig
 
 # recipe field -> DeepSpeed key
@@ -39,8 +39,8 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-class DeepSpeedConfigError(UserError):
-    pass
+class DeepSpeedConfigError(SharedUserError):
+    """A bad --ds_config or a conflict with the recipe: every rank reads the same, so rank 0 reports it."""
 
 
 def read_ds_config(path: str | dict | None) -> dict[str, Any]:

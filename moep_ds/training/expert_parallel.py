@@ -13,15 +13,15 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from moep_ds.errors import UserError
+from moep_ds.errors import SharedUserError
 from moep_ds.moe.all_to_all import AllToAllDispatcher
 from moep_ds.moe.dispatch import ExpertStage
 from moep_ds.registry import ROUTERS
 from moep_ds.training.ds_config import precision, zero_stage
 
 
-class ParallelLayoutError(UserError):
-    pass
+class ParallelLayoutError(SharedUserError):
+    """A recipe whose expert parallelism the world size or ds_config cannot hold: alike on every rank."""
 
 
 def expert_stages(model: nn.Module) -> list[ExpertStage]:

@@ -31,7 +31,7 @@ DS_PRECISION = {"float32": None, "bfloat16": "bf16", "float16": "fp16"}
 def inference_ds_config(dtype: str) -> dict[str, Any]:
     """ZeRO-3 without an optimizer, in `dtype` (a torch dtype name)."""
     if dtype not in DS_PRECISION:
-        raise UserError(f"dtype ({dtype!r}) must be one of {sorted(DS_PRECISION)}")
+        raise SharedUserError(f"dtype ({dtype!r}) must be one of {sorted(DS_PRECISION)}")
     ds: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     if DS_PRECISION[dtype]:
         ds[DS_PRECISION[dtype]] = {"enabled": True}

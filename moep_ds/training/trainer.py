@@ -145,7 +145,7 @@ def total_steps(cfg: Config, num_windows: int, global_batch: int) -> int:
                         cfg.train.max_steps, cfg.train.epochs)
         return cfg.train.max_steps
     if cfg.train.epochs is None:
-        raise UserError("train.max_steps (None) must be set when train.epochs is not")
+        raise SharedUserError("train.max_steps (None) must be set when train.epochs is not")
     return max(1, int(cfg.train.epochs * num_windows // global_batch))
 
 

@@ -1,0 +1,77 @@
+"""One-line errors of the command-line entries under a launcher: rank 0 prints what every rank is given alike."""
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from moep_ds.cli import run_guarded
+from moep_ds.config import config_from_dict
+from moep_ds.errors import SharedUserError
+from moep_ds.evaluation.harness import check_dtype, check_model_args
+from moep_ds.training.ds_config import read_ds_config, reconcile
+from moep_ds.training.expert_parallel import check_parallel_layout
+
+from repo_paths import REPO
+
+
+def launched(rank: int) -> dict:
+    """The environment a launcher gives rank `rank` of 2, without its rendezvous (refused before any)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "SLURM_PROCID")}
+    env.update(RANK=str(rank), WORLD_SIZE="2", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return env
+
+
+MODEL = {"flavour": "llama", "vocab_size": 64, "d_model": 32, "max_seq_len": 16,
+         "layers": [{"type": "dense", "attention": {"num_heads": 4}}]}
+
+
+@pytest.mark.parametrize("command, message", [
+    (["-m", "moep_ds.evaluation.run_eval", "{tmp}", "--batch_size", "0"], "--batch_size (0) must be >= 1"),
+    (["-m", "moep_ds.evaluation.run_eval", "{tmp}", "--device", "gpu0"],
+     "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
+    (["-m", "moep_ds.evaluation.generate", "{tmp}", "--top_p", "2"], "--top_p (2.0) must be in (0, 1]"),
+    (["pretrain.py", "--config", "{tmp}/recipe.yaml", "--dry_run"], "model.d_model (-1) must be > 0"),
+])
+def test_an_argument_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, command, message):
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"model": {**MODEL, "d_model": -1}}))
+    argv = [sys.executable, *(part.replace("{tmp}", str(tmp_path)) for part in command)]
+    procs = [subprocess.Popen(argv, env=launched(rank), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    (out0, err0), (out1, err1) = (p.communicate(timeout=300) for p in procs)
+    assert [p.returncode for p in procs] == [2, 2], (err0, err1)
+    assert err0.startswith(f"error: {message}") and err0.count("\n") == 1, err0
+    assert (out0, out1, err1) == ("", "", "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def ds_config_conflict():
+    cfg = config_from_dict({"model": MODEL, "train": {"micro_batch_size": 4}})
+    reconcile(read_ds_config({"train_micro_batch_size_per_gpu": 8}), cfg.train, 2)
+
+
+def parallel_layout_conflict():
+    check_parallel_layout(SimpleNamespace(train=SimpleNamespace(expert_parallel_size=2)), {}, 3)
+
+
+@pytest.mark.parametrize("body, message", [
+    (lambda: read_ds_config("/nonexistent/ds.json"), "--ds_config '/nonexistent/ds.json' does not exist"),
+    (ds_config_conflict, "train.micro_batch_size (4) conflicts with ds_config train_micro_batch_size_per_gpu (8)"),
+    (parallel_layout_conflict, "train.expert_parallel_size (2) must divide the world size (3)"),
+    (lambda: check_model_args({"dtpye": "bfloat16"}), "moep_ds model_args: unknown argument(s) ['dtpye']"),
+    (lambda: check_dtype("int8"), "dtype ('int8') must be one of float32, bfloat16, float16"),
+])
+def test_errors_in_what_every_rank_is_given_are_shared(monkeypatch, capsys, body, message):
+    """ds_config, parallel layout and model_args errors come after the ranks joined (or inside lm-eval): rank 0
+    reports them by the launcher's rank in the environment, as it does the command line's."""
+    with pytest.raises(SharedUserError) as err:
+        body()
+    assert str(err.value).startswith(message)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert run_guarded(body) == 2
+        err = capsys.readouterr().err
+        assert (err.startswith(f"error: {message}") and err.count("\n") == 1) if printed else err == "", rank
