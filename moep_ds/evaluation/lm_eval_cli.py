@@ -6,7 +6,10 @@
 Under `torchrun -m` or `deepspeed --module` the model is split over the ranks (evaluation/partitioned.py); only
 rank 0 writes `--output_path` (lm-eval would write on every node's first rank). lm-eval's `--use_cache` is
 refused there: it gives each rank its own cache, so ranks could skip requests the others compute.
+
+A task name lm-eval does not know is one line naming it (lm-eval raises it as a ValueError with a traceback).
 """
+import re
 import sys
 
 import moep_ds.evaluation.harness  # noqa: F401 - registers the model under the name moep_ds
@@ -16,6 +19,9 @@ from moep_ds.evaluation.partitioned import launched_world_size, run_split
 
 OUTPUT_FLAGS = ("--output_path", "-o")
 CACHE_FLAGS = ("--use_cache", "-c")
+# lm-eval's error for --tasks names that no task folder defines, raised before the model is loaded (in older 0.4.x
+# releases followed by ". Try `lm-eval --tasks list` ...")
+TASKS_NOT_FOUND = re.compile(r"Tasks not found: (.+?)(?:\. Try .*)?", re.DOTALL)
 
 
 def is_flag(arg: str, flags: tuple[str, ...]) -> bool:
@@ -37,6 +43,18 @@ def launched_argv(argv: list[str], rank: int) -> list[str]:
     return out
 
 
+def unknown_tasks_error(err: ValueError) -> SharedUserError | None:
+    """lm-eval's error for unknown task names as one line naming them; None for any other ValueError. Matching its
+    text is the exact check: lm-eval resolves --tasks (names, patterns, YAML files) with --include_path itself,
+    and indexing its ~15,000 tasks again beforehand would cost as long as its own look-up."""
+    found = TASKS_NOT_FOUND.fullmatch(str(err))
+    if found is None:
+        return None
+    names = found.group(1).split(", ")
+    return SharedUserError(f"--tasks: unknown lm-eval task(s) {names}; `lm-eval ls tasks` lists them "
+                           "(--include_path DIR adds task YAMLs, e.g. those of moep-eval --render_tasks DIR)")
+
+
 def main() -> int:
     from lm_eval.__main__ import cli_evaluate
 
@@ -47,7 +65,13 @@ def main() -> int:
                 raise SharedUserError(f"{cached[0]} is not supported under a launcher (each rank would keep its own "
                                       "cache and skip requests the other ranks compute)")
             sys.argv = [sys.argv[0], *launched_argv(sys.argv[1:], launcher_rank())]
-        cli_evaluate()
+        try:
+            cli_evaluate()
+        except ValueError as err:
+            error = unknown_tasks_error(err)
+            if error is None:
+                raise
+            raise error from None
         return 0
 
     return run_split(run_guarded, body)

@@ -346,3 +346,37 @@ def test_lm_eval_cli_reports_bad_model_args_in_one_line(tmp_path, tokenizer_dir,
     assert_one_line_error(code, capsys.readouterr().err,
                           f"moep_ds model_args: unknown argument(s) ['dtpye']; known: {KNOWN_ARGS}")
     assert snapshot(tmp_path) == before
+
+
+UNKNOWN_TASKS = ("--tasks: unknown lm-eval task(s) {}; `lm-eval ls tasks` lists them (--include_path DIR adds task "
+                 "YAMLs, e.g. those of moep-eval --render_tasks DIR)")
+
+
+def test_lm_eval_cli_refuses_an_unknown_task_in_one_line_before_loading(tmp_path, capsys, monkeypatch):
+    """lm-eval's own "Tasks not found" ValueError ended the command in a traceback."""
+    import sys
+
+    import moep_ds.evaluation.harness as harness
+    from moep_ds.evaluation import lm_eval_cli
+    from moep_ds.evaluation.tasks import render_tasks
+    from test_export import assert_one_line_error, snapshot
+
+    tasks = render_tasks(tmp_path / "nowhere", tmp_path / "tasks").path
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(harness, "load_eval_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(sys, "argv", ["lm_eval_cli", "--model", "moep_ds", "--model_args", f"pretrained={tmp_path}",
+                                      "--include_path", str(tasks), "--tasks", "grammar_pairs,grammar_pairz,nope",
+                                      "--device", "cpu", "--output_path", str(tmp_path / "results")])
+    code = lm_eval_cli.main()
+    assert_one_line_error(code, capsys.readouterr().err, UNKNOWN_TASKS.format(['grammar_pairz', 'nope']))
+    assert snapshot(tmp_path) == before
+
+
+def test_lm_eval_cli_reads_the_unknown_tasks_of_either_lm_eval_wording():
+    from moep_ds.evaluation.lm_eval_cli import unknown_tasks_error
+
+    older = ValueError("Tasks not found: a, b_c. Try `lm-eval --tasks {list_groups,list_subtasks,list_tags,list}` "
+                       "to list out all available names for task groupings; only (sub)tasks; tags; or all of the above")
+    for err, names in ((ValueError("Tasks not found: a, b_c"), ["a", "b_c"]), (older, ["a", "b_c"])):
+        assert str(unknown_tasks_error(err)) == UNKNOWN_TASKS.format(names)
+    assert unknown_tasks_error(ValueError("No tasks specified")) is None  # other errors stay lm-eval's
