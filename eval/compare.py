@@ -107,6 +107,20 @@ def equal_token_records(runs: list[dict[str, Any]], curve_path: str | Path,
     return out
 
 
+def check_run_names(paths: list[str], runs: list[dict[str, Any]]) -> None:
+    """Runs are told apart by name (--baseline, the report's rows): two results files of one name are refused,
+    else --baseline would pick the first of them and the rows could not be told apart."""
+    twice = [p for i, p in enumerate(paths) if p in paths[:i]]
+    if twice:
+        raise UserError(f"results file {twice[0]!r} is given twice")
+    seen: dict[str, str] = {}
+    for path, run in zip(paths, runs):
+        earlier = seen.setdefault(run["name"], path)
+        if earlier != path:
+            raise UserError(f"results file {path!r}: name ({run['name']!r}) is also that of {earlier!r}; runs need "
+                            "names of their own (moep-eval --name)")
+
+
 def check_baseline(runs: list[dict[str, Any]], baseline: str | None) -> None:
     names = [r["name"] for r in runs]
     if baseline is not None and baseline not in names:
@@ -137,6 +151,7 @@ def compare(args: argparse.Namespace) -> int:
     if missing:
         raise UserError(f"results file(s) not found: {', '.join(missing)}")
     runs = load_records(args.results)
+    check_run_names(args.results, runs)
     check_baseline(runs, args.baseline)
     records = runs + (equal_token_records(runs, args.curve) if args.curve else [])
     records += load_reference(args.reference) if args.reference else []

@@ -129,12 +129,14 @@ def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
 
 
 def model_list(data: dict[str, Any], what: str, path: str | Path) -> list[Any]:
-    """The file's "models" list (a reference file and the curve file both hold one)."""
+    """The file's "models" list (a reference file and the curve file both hold one), not empty: an empty one
+    would give a report without its rows and no word why."""
     if "models" not in data:
         raise UserError(f"{what} {str(path)!r}: no 'models' (a list of models with their scores)")
-    check(None if isinstance(data["models"], list) else f"models ({show(data['models'])}) must be a list",
-          what, path)
-    return data["models"]
+    models = data["models"]
+    check(None if isinstance(models, list) else f"models ({show(models)}) must be a list", what, path)
+    check(None if models else f"models ([]) lists no model ({what} '' leaves the file out)", what, path)
+    return models
 
 
 def check(problem: str | None, what: str, path: str | Path) -> None:

@@ -180,6 +180,16 @@ CURVE_POINT = {"step": 1, "tokens": STEP_TOKENS, "scores": {"piqa": {"acc": 0.5}
      f"--curve '{{c.json}}': models[0].points[1].tokens ({STEP_TOKENS}) must exceed the previous point's "
      f"({STEP_TOKENS})"),
     ({"r.json": GOOD}, ["--baseline", "nosuchrun"], "--baseline ('nosuchrun') names no run; the runs are 'dense'"),
+    # two runs of one name: --baseline took the first of them, and their rows could not be told apart
+    ({"r.json": GOOD, "r2.json": GOOD}, ["{r2.json}"],
+     "results file '{r2.json}': name ('dense') is also that of '{r.json}'; runs need names of their own "
+     "(moep-eval --name)"),
+    ({"r.json": GOOD}, ["{r.json}"], "results file '{r.json}' is given twice"),
+    # an empty list gave a report without the rows and no word why
+    ({"r.json": GOOD, "ref.json": '{"models": []}'}, ["--reference", "{ref.json}"],
+     "--reference '{ref.json}': models ([]) lists no model (--reference '' leaves the file out)"),
+    ({"r.json": GOOD, "c.json": '{"models": []}'}, ["--curve", "{c.json}"],
+     "--curve '{c.json}': models ([]) lists no model (--curve '' leaves the file out)"),
     ({"r.json": GOOD, "afile": "x"}, ["--out", "{afile}"], "--out ('{afile}') exists and is not a directory"),
     ({"r.json": GOOD, "afile": "x"}, ["--out", "{afile}/sub"],
      "--out ('{afile}/sub') cannot be created: '{afile}' is not a directory"),
