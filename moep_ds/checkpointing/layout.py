@@ -2,6 +2,9 @@
 
     RUN_DIR/checkpoints/step_00000100/    a checkpoint; it counts once it holds the empty file COMPLETE
     RUN_DIR/checkpoints/.tmp-step_.../    one being written (never read; removed by the next save)
+    RUN_DIR/checkpoints/.step_00000100.old-<12 hex digits>/
+                                          a replaced one, set aside until the new one is in (replace_dir; left
+                                          by a process killed in between: the next replacement removes it)
 
 Every directory and file written here gets the permissions the user's umask gives (tempfile.mkdtemp and some
 writers create private files; a checkpoint should read like any other file of the run).
@@ -9,7 +12,9 @@ writers create private files; a checkpoint should read like any other file of th
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -17,6 +22,8 @@ from pathlib import Path
 from typing import Iterator
 
 from moep_ds.errors import UserError
+
+log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 CHECKPOINTS = "checkpoints"
@@ -70,21 +77,39 @@ def apply_umask(path: Path) -> None:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
 
 
+ASIDE_HEX = 12  # hex digits after ".old-" in the name of a folder set aside by replace_dir
+
+
 def replace_dir(tmp: Path, final: Path) -> None:
     """Put the finished directory `tmp` at `final`. An old `final` is renamed aside first (a hidden sibling that
     no reader lists) and deleted once the new one is in place: a crash leaves the old or the new one whole,
-    where deleting it first could leave it half gone."""
-    if not final.exists():
-        os.replace(tmp, final)
-        return
-    old = final.with_name(f".{final.name}.old-{secrets.token_hex(6)}")  # a pid can repeat after a crash
-    os.replace(final, old)
+    where deleting it first could leave it half gone. Old copies of `final` that an earlier call, killed before
+    deleting them, left aside are removed once the new one is in place (never before: one may be the only copy)."""
+    old = None
+    if final.exists():
+        # random, not the pid: a pid can repeat after a crash
+        old = final.with_name(f".{final.name}.old-{secrets.token_hex(ASIDE_HEX // 2)}")
+        os.replace(final, old)
     try:
         os.replace(tmp, final)
     except BaseException:
-        os.replace(old, final)
+        if old is not None:
+            os.replace(old, final)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    remove_left_aside(final, keep=old)
+
+
+def remove_left_aside(final: Path, keep: Path | None = None) -> None:
+    """Remove the folders named as replace_dir sets `final` aside (`.NAME.old-` and 12 hex digits; `keep`, the
+    current call's own, excepted), with a warning each: only a replacement killed between its rename and its
+    delete leaves one. Links and files of such a name, and any other name, are left alone."""
+    aside = re.compile(rf"\.{re.escape(final.name)}\.old-[0-9a-f]{{{ASIDE_HEX}}}")
+    for path in final.parent.iterdir():
+        if aside.fullmatch(path.name) and path != keep and path.is_dir() and not path.is_symlink():
+            log.warning("removing %s: an old copy of %s that an interrupted replacement left", path, final.name)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -45,6 +45,54 @@ def test_replace_dir_keeps_the_old_folder_whole_until_the_new_one_is_in(tmp_path
     assert (tmp_path / "final" / "f").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["final"]
 
 
+def folder(path, text):
+    path.mkdir()
+    (path / "f").write_text(text)
+    return path
+
+
+def test_replace_dir_removes_what_a_killed_replacement_left_aside_and_nothing_else(tmp_path, caplog):
+    """A process killed between replace_dir's rename aside and its delete left `.final.old-*` for good."""
+    final, new = folder(tmp_path / "final", "old"), folder(tmp_path / "new", "new")
+    left = folder(tmp_path / ".final.old-0123456789ab", "older")
+    (left / "sub").mkdir()
+    other_names = [".final.old-0123456789a", ".final.old-0123456789abc", ".final.old-0123456789AB",
+                   ".final.old-0123456789ab.tmp", "final.old-0123456789ab", ".other.old-0123456789ab",
+                   ".xfinal.old-0123456789ab", ".final.tmp"]
+    for name in other_names:
+        folder(tmp_path / name, "not replace_dir's")
+    (tmp_path / ".final.old-aaaaaaaaaaaa").write_text("a file of that name")
+    elsewhere = folder(tmp_path / "elsewhere", "linked")
+    (tmp_path / ".final.old-bbbbbbbbbbbb").symlink_to(elsewhere)
+    with caplog.at_level("WARNING", logger=layout.__name__):
+        layout.replace_dir(new, final)
+    assert (final / "f").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*other_names, ".final.old-aaaaaaaaaaaa", ".final.old-bbbbbbbbbbbb", "elsewhere", "final"])
+    assert all((tmp_path / name / "f").read_text() == "not replace_dir's" for name in other_names)
+    assert (elsewhere / "f").read_text() == "linked"
+    assert caplog.messages == [f"removing {left}: an old copy of final that an interrupted replacement left"]
+
+
+def test_a_left_aside_copy_stays_until_a_new_folder_is_in_place(tmp_path, monkeypatch, caplog):
+    """Killed between its two renames, a replacement leaves no `final`: the copy aside is the only one."""
+    left = folder(tmp_path / ".final.old-0123456789ab", "the only copy")
+    new = folder(tmp_path / "new", "new")
+    real_replace = layout.os.replace
+
+    def failing(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(layout.os, "replace", failing)
+    with pytest.raises(OSError, match="disk gone"):
+        layout.replace_dir(new, tmp_path / "final")
+    assert (left / "f").read_text() == "the only copy" and not caplog.messages
+    monkeypatch.setattr(layout.os, "replace", real_replace)
+    layout.replace_dir(new, tmp_path / "final")
+    assert [p.name for p in tmp_path.iterdir()] == ["final"] and (tmp_path / "final" / "f").read_text() == "new"
+    assert caplog.messages == [f"removing {left}: an old copy of final that an interrupted replacement left"]
+
+
 def test_output_dir_writes_an_empty_folder_in_place_and_empties_it_on_error(tmp_path, monkeypatch):
     """An existing empty folder (a mount point; a folder whose parent this process cannot write) is filled in
     place: no sibling is made, so the parent is never written."""
