@@ -133,6 +133,26 @@ def test_warmup_then_cosine_to_floor():
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
 
 
+def naive_multiplier(step: int, kind: str, warmup: int, floor: float, max_steps: int) -> float:
+    """Piecewise-linear interpolation through the schedule's corners (linear warmup reaching 1 at step
+    warmup - 1; then 1 for constant, or a straight line from 1 at step `warmup` to `floor` at `max_steps`)."""
+    import numpy as np
+
+    if step < warmup:
+        return float(np.interp(step, [-1, warmup - 1], [0.0, 1.0]))
+    if kind == "constant":
+        return 1.0
+    return float(np.interp(step, [warmup, max_steps], [1.0, floor]))
+
+
+@pytest.mark.parametrize("kind", ["linear", "constant"])
+def test_linear_and_constant_schedules_warm_up_then_follow_their_shape(kind):
+    cfg = ScheduleConfig(kind=kind, warmup_steps=3, min_lr_ratio=0.2)
+    got = [lr_multiplier(s, cfg, 13) for s in range(16)]
+    assert got == pytest.approx([naive_multiplier(s, kind, 3, 0.2, 13) for s in range(16)], abs=1e-12)
+    assert got[0] < got[1] < got[2] == 1.0  # warmup for every kind
+
+
 DENSE = [{"type": "dense", "attention": {"num_heads": 2}}]
 
 
