@@ -98,6 +98,15 @@ def test_state_errors(dataset):
         BatchLoader(dataset, micro_batch_size=8, grad_accum=4, dp_rank=1, dp_size=2, seed=0)
 
 
+def test_a_state_at_the_end_of_an_epoch_resumes_at_the_start_of_the_next(dataset):
+    """{"epoch": e, "global_batch": batches_per_epoch} (the position after an epoch's last step, as a checkpoint of
+    another writer may hold it) continues with epoch e + 1's first batches, as the uninterrupted run does."""
+    full, _ = run(dataset, 18, micro=2, accum=2, dp_size=1)  # 15 global batches per epoch
+    tail, state = run(dataset, 3, micro=2, accum=2, dp_size=1, state={"epoch": 0, "global_batch": 15})
+    assert tail == full[15:18]
+    assert state == {"epoch": 1, "global_batch": 3}
+
+
 @pytest.mark.parametrize("dp_size", [1, 2, 3])
 def test_eval_batches_cover_equal_contiguous_shards(dataset, dp_size):
     per_rank = [[window_ids(x) for x, _ in eval_batches(dataset, micro_batch_size=4, dp_rank=r, dp_size=dp_size)]
