@@ -62,6 +62,18 @@ def test_splits_decode_to_the_source_documents(tmp_path, corpus_file):
     assert meta["dtype"] == "uint16" and meta["mask_id"] == 299 and meta["invalid_utf8_bytes"] == 0
 
 
+def test_bins_do_not_depend_on_the_write_batch(tmp_path, corpus_file, monkeypatch):
+    """Documents are streamed into the bins in batches of WRITE_BATCH: each batch must use its own documents'
+    train/validation draws, so that a corpus of many batches is split as one of a single batch is."""
+    import moep_ds.data.prepare as prep
+
+    whole = prepare(config(corpus_file, tmp_path / "one_batch"))
+    monkeypatch.setattr(prep, "WRITE_BATCH", 7)
+    batched = prepare(config(corpus_file, tmp_path / "batches_of_7"))
+    for name in ("train.bin", "val.bin"):
+        assert (batched / name).read_bytes() == (whole / name).read_bytes(), name
+
+
 def test_reuse_is_fast_and_source_edits_rebuild(tmp_path, corpus_file, caplog):
     cfg = config(corpus_file, tmp_path / "prep")
     out = prepare(cfg)
