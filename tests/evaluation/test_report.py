@@ -38,6 +38,26 @@ def test_flat_scores_drop_filters_and_non_numbers():
     assert scores["lambada_openai"] == {"perplexity": 40.5, "perplexity_stderr": 2.0, "acc": 0.25}
 
 
+def test_flat_scores_keep_a_group_score_reported_under_groups_only():
+    """lm-eval puts a group's aggregate (BLiMP over its 67 sub-tasks) under "groups"; it is the score the report
+    shows for the group."""
+    out = {"results": {"blimp_filtered_x": {"acc,none": 0.5}, "blimp_filtered_y": {"acc,none": 0.7}},
+           "groups": {"blimp_filtered": {"acc,none": 0.6, "acc_stderr,none": 0.01}}}
+    assert flat_scores(out) == {"blimp_filtered_x": {"acc": 0.5}, "blimp_filtered_y": {"acc": 0.7},
+                                "blimp_filtered": {"acc": 0.6, "acc_stderr": 0.01}}
+
+
+def test_comparison_against_a_named_baseline_that_is_not_the_first_run():
+    dense, moe = record("dense", 1.0, 1000), record("moe", 1.1, 250)
+    md = comparison_markdown([dense, moe], baseline="moe")
+    assert "## Against moe" in md
+    cols = [("blimp_filtered", "acc"), ("lambada_openai", "acc"), ("lambada_openai", "perplexity"), ("piqa", "acc")]
+    diffs = [(1 if m == "perplexity" else 100) * (dense["scores"][t][m] - moe["scores"][t][m]) for t, m in cols]
+    row = "| dense | 1.000 | 4.000 | " + " | ".join(f"{d:+.2f}" for d in diffs) + " |"
+    assert row in md.splitlines()
+    assert all(d < 0 for d in diffs)  # the baseline scores 10% higher everywhere
+
+
 def test_results_markdown_lists_every_metric_with_the_routing_mode():
     md = results_markdown(record("run", 1.0, 1000))
     assert "routing eval mode: threshold" in md
