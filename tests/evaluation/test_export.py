@@ -53,6 +53,18 @@ def test_hf_export_ties_embeddings_and_runs_padded_rows_alone(tmp_path):
     torch.testing.assert_close(out[1, :9], ours, rtol=0, atol=1e-5)
 
 
+def test_hf_export_of_an_untied_model_says_so_and_keeps_its_own_head(tmp_path):
+    """config.json's tie_word_embeddings is the recipe's tie_embeddings: transformers ties the head to the
+    embedding when it says true (4.x always; 5.x unless both differ in the file, with a warning)."""
+    model, cfg = tiny_model("dense_pythia")
+    assert not cfg.model.tie_embeddings
+    out = export_hf(model, cfg, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    hf = load_hf(out)
+    assert hf.model.head.weight is not hf.model.embed.weight
+    torch.testing.assert_close(hf.model.head.weight, model.head.weight, rtol=0, atol=0)
+
+
 def test_hf_generate_matches_moep_generate(tmp_path):
     model, cfg = tiny_model("msit")
     hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))

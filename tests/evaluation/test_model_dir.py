@@ -1,5 +1,6 @@
 """Model directories: save/load round trip, run-directory resolution, routing eval modes, one-line errors."""
 import json
+import math
 import os
 
 import pytest
@@ -132,3 +133,39 @@ def test_hf_export_with_a_malformed_config_json_names_it(tmp_path, text, cause):
     with pytest.raises(UserError) as err:
         load_model_dir(out)
     assert str(err.value) == f"'{out}/config.json' is not valid JSON: {cause}"
+
+
+@pytest.mark.parametrize("hf", [False, True])
+def test_a_bf16_model_is_stored_in_fp32(tmp_path, hf):
+    """A model directory (and a Hugging Face export) holds fp32 weights whatever precision the model ran in."""
+    from moep_ds.evaluation.export import export_hf
+
+    model, cfg = tiny_model("dense_gpt2")
+    model = model.to(torch.bfloat16)
+    out = export_hf(model, cfg, tmp_path / "hf") if hf else save_model_dir(model, cfg, tmp_path / "m")
+    stored = load_file(str(out / "model.safetensors"))
+    prefix = "model." if hf else ""
+    for key, value in model.state_dict().items():
+        if key not in stored and prefix + key not in stored:
+            continue  # the tied head
+        got = stored[prefix + key]
+        assert got.dtype == (torch.float32 if value.is_floating_point() else value.dtype), key
+        torch.testing.assert_close(got, value.float() if value.is_floating_point() else value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 6), (3, 4, 5)])
+def test_read_flat_range_matches_slicing_the_flattened_tensor(tmp_path, shape):
+    """Each [offset, offset + numel) range of a stored tensor (a ZeRO-3 partition, an expert shard) reads as the
+    flattened tensor's elements, whatever rows it starts and ends in."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from moep_ds.checkpointing.model_dir import read_flat_range
+
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    save_file({"w": t}, str(tmp_path / "w.safetensors"))
+    flat = t.reshape(-1)
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        for offset in range(flat.numel()):
+            for numel in range(1, flat.numel() - offset + 1):
+                assert torch.equal(read_flat_range(f, "w", offset, numel), flat[offset:offset + numel]), (offset, numel)
