@@ -24,3 +24,52 @@ def test_epochs_give_the_steps_and_max_steps_overrides_them_with_a_warning(caplo
     assert "train.max_steps (5) overrides train.epochs (8), as max_steps does in HF's Trainer" in caplog.text
     with pytest.raises(UserError, match=r"train.max_steps \(None\) must be set when train.epochs is not"):
         total_steps(cfg(), num_windows=100, global_batch=8)
+
+
+MOE_MODEL = {"vocab_size": 64, "d_model": 32, "max_seq_len": 16, "layers": [
+    {"type": "ffn_moe", "attention": {"num_heads": 2},
+     "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 32},
+             "router": {"type": "topk", "k": 2, "load_balancing_weight": 0.5}}}]}
+
+
+def test_validation_loss_is_the_mean_token_loss_over_every_ranks_windows(tmp_path, monkeypatch):
+    """Trainer.evaluate on 2 simulated ranks (the all-reduce stubbed out: rank r's share is total_r / (n x world),
+    so the shares add up to the mean): rank r scores validation windows r, r + 2, ... (wrapping), the mean next-token
+    cross-entropy without the auxiliary losses, with the routers in eval mode, and leaves the model training."""
+    import json
+    import types
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from moep_ds.models.causal_lm import build_model
+    from moep_ds.training import trainer as trainer_mod
+    from moep_ds.training.trainer import Trainer
+
+    seq_len, num_windows, n = 8, 5, 3
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
+    tokens = np.random.default_rng(0).integers(0, 64, num_windows * seq_len + 1).astype(np.uint16)
+    tokens.tofile(tmp_path / "val.bin")
+    cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": seq_len}, "train": {"max_steps": 1, "eval_batches": n}})
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    model.train()
+    monkeypatch.setattr(trainer_mod.dist, "all_reduce", lambda tensor: None)
+    shares = []
+    for rank in range(2):
+        fake = types.SimpleNamespace(prepared=tmp_path, cfg=cfg, engine=model, rank=rank, world=2,
+                                     device=torch.device("cpu"))
+        shares.append(Trainer.evaluate(fake))
+        assert model.training
+    windows = torch.from_numpy(tokens.astype(np.int64))
+    model.eval()
+    with torch.no_grad():
+        naive = []
+        for w in [0, 2, 4, 1, 3, 0]:  # rank 0: 0, 2, 4; rank 1: 1, 3, 5 % 5
+            x = windows[w * seq_len:(w + 1) * seq_len + 1]
+            logits = model(x[None, :-1]).logits[0]
+            naive.append(F.cross_entropy(logits.double(), x[1:]).item())
+        aux = model(windows[None, :seq_len], labels=windows[None, 1:seq_len + 1])
+    assert float(aux.loss) != pytest.approx(float(aux.ce_loss), abs=1e-6)  # the auxiliary loss is not nothing
+    assert sum(shares) == pytest.approx(sum(naive) / len(naive), abs=1e-5)
