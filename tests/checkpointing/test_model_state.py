@@ -146,3 +146,22 @@ def test_metadata_may_name_only_stored_tensors_in_the_checkpoints_own_files(tmp_
     with pytest.raises(pickle.UnpicklingError, match="stored as bytes, not as a tensor"):
         sharded.ShardLoadPlanner().load_bytes(type("Item", (), {"dest_index": index})(), None)
     assert info.relative_path == "__0_0.distcp"
+
+
+@pytest.mark.parametrize("numel, world", [(10, 3), (9, 3), (7, 4), (2, 4), (1, 1)])
+def test_zero3_partitions_tile_the_parameter_without_the_padding(monkeypatch, numel, world):
+    """DeepSpeed's ZeRO-3 layout: `world` equal partitions of ceil(numel / world) elements, the last padded; the
+    valid parts (what a rank saves and loads) cover the flattened parameter once, in rank order."""
+    import types
+
+    import torch.distributed as dist
+
+    part = -(-numel // world)
+    p = types.SimpleNamespace(ds_tensor=torch.empty(part), ds_numel=numel, ds_process_group=None)
+    covered = []
+    for rank in range(world):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, r=rank: r)
+        start, valid = model_state.zero3_partition(p)
+        assert start == rank * part and 0 <= valid <= part
+        covered += range(start, start + valid)
+    assert covered == list(range(numel))
