@@ -146,7 +146,10 @@ def total_steps(cfg: Config, num_windows: int, global_batch: int) -> int:
         return cfg.train.max_steps
     if cfg.train.epochs is None:
         raise SharedUserError("train.max_steps (None) must be set when train.epochs is not")
-    return max(1, int(cfg.train.epochs * num_windows // global_batch))
+    # an epoch is the full global batches only (BatchLoader drops the incomplete last one): 2 epochs of 12.5
+    # batches are 24 steps, not 25 (the 25th would be the first batch of a third epoch); round() keeps e.g.
+    # 0.29 x 100 = 28.999999999999996 at 29
+    return max(1, math.floor(round(cfg.train.epochs * (num_windows // global_batch), 9)))
 
 
 def peak_flops(cfg: Config, device: torch.device) -> float | None:

@@ -16,7 +16,7 @@ def cfg(**train):
 
 def test_epochs_give_the_steps_and_max_steps_overrides_them_with_a_warning(caplog, monkeypatch):
     monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
-    assert total_steps(cfg(epochs=2), num_windows=100, global_batch=8) == 25
+    assert total_steps(cfg(epochs=2), num_windows=100, global_batch=8) == 24  # 2 x 12 full global batches
     assert total_steps(cfg(epochs=0.01), num_windows=100, global_batch=8) == 1
     assert total_steps(cfg(max_steps=7), num_windows=100, global_batch=8) == 7 and "overrides" not in caplog.text
     with caplog.at_level(logging.WARNING, logger="moep_ds"):
@@ -25,6 +25,27 @@ def test_epochs_give_the_steps_and_max_steps_overrides_them_with_a_warning(caplo
     with pytest.raises(UserError, match=r"train.max_steps \(None\) must be set when train.epochs is not"):
         total_steps(cfg(), num_windows=100, global_batch=8)
 
+
+@pytest.mark.parametrize("num_windows, global_batch", [(100, 8), (96, 8), (61, 4), (7, 7)])
+def test_whole_epochs_end_where_the_sampler_starts_the_next_epoch(num_windows, global_batch):
+    """`epochs: k` trains exactly the k epochs the BatchLoader serves (each its full global batches only), and a
+    fraction of an epoch the whole batches of that fraction."""
+    import numpy as np
+
+    from moep_ds.data.sampler import BatchLoader
+
+    loader = BatchLoader(np.zeros(num_windows), micro_batch_size=global_batch, grad_accum=1, dp_rank=0, dp_size=1,
+                         seed=0)
+    served = 0  # optimizer steps the sampler has served since the start
+    for epochs in (1, 2, 3):
+        while loader.epoch < epochs:
+            loader.next_indices()
+            served += 1
+        assert total_steps(cfg(epochs=epochs), num_windows=num_windows, global_batch=global_batch) == served
+    per_epoch = served // 3
+    for fraction in (0.5, 0.29, 1.5):
+        assert total_steps(cfg(epochs=fraction), num_windows=num_windows, global_batch=global_batch) == \
+            max(1, int(round(fraction * 100)) * per_epoch // 100)
 
 MOE_MODEL = {"vocab_size": 64, "d_model": 32, "max_seq_len": 16, "layers": [
     {"type": "ffn_moe", "attention": {"num_heads": 2},
