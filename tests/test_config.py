@@ -82,6 +82,9 @@ BAD = [
      "data.seq_len (32) must be <= model.max_seq_len (16)"),
     ("group with empty layers", with_change("model/layers/0", {"type": "group", "layers": []}),
      "model.layers[0].layers ([]) must not be empty"),
+    ("beta of one", with_change("train/optimizer", {"betas": [0.9, 1.0]}),
+     "train.optimizer.betas[1] (1.0) must be in [0.0, 1.0)"),
+    ("quoted number", with_change("train/optimizer", {"lr": "1e-3"}), "train.optimizer.lr ('1e-3') must be a number"),
 ]
 
 
@@ -214,6 +217,8 @@ BAD_OVERRIDES = [
     ("model.layers[0].repeat.x=2", None),  # a scalar replaced by a mapping: the schema names it (below)
     ("model.layers[4].repeat=2",
      "override 'model.layers[4].repeat': index 4 is out of range (model.layers has 1 item(s))"),
+    ("model.layers[1].repeat=2",
+     "override 'model.layers[1].repeat': index 1 is out of range (model.layers has 1 item(s))"),
     ("model.d_model=[64", "override 'model.d_model=[64': the value is not valid YAML: line 1, column 4: expected "
                           "',' or ']', but got '<stream end>' (while parsing a flow sequence at line 1, column 1)"),
 ]

@@ -22,6 +22,21 @@ def write_run(run, steps=20):
     (run / "expert_utilization.jsonl").write_text("".join(json.dumps(u) + "\n" for u in util))
 
 
+
+def test_dead_means_below_a_tenth_of_the_uniform_share_and_the_last_val_loss_is_final(tmp_path):
+    """With 4 experts the uniform share is 25%: an expert at 5% (a fifth of it) is alive, one at 2% dead; the
+    summary's val_loss_final is the last evaluation's, not the first."""
+    metrics = [{"step": s, "loss": 5.0 - 0.1 * s} for s in range(1, 11)]
+    metrics += [{"step": 5, "val_loss": 4.5}, {"step": 10, "val_loss": 4.0}]
+    util = [{"step": s, "layers.0.tokens_per_expert": [40.0, 33.0, 25.0, 2.0],
+             "layers.1.tokens_per_expert": [40.0, 30.0, 25.0, 5.0]} for s in range(1, 11)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (tmp_path / "expert_utilization.jsonl").write_text("".join(json.dumps(u) + "\n" for u in util))
+    summary = analyze(tmp_path)
+    assert summary["layers"]["layers.0"]["dead_experts"] == [3]
+    assert summary["layers"]["layers.1"]["dead_experts"] == []
+    assert summary["val_loss_final"] == 4.0
+
 def test_summary_drop_rates_loads_and_dead_experts(tmp_path):
     write_run(tmp_path)
     summary = analyze(tmp_path)
