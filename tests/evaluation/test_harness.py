@@ -118,6 +118,10 @@ def test_continuations_longer_than_the_window_match_the_naive_rule(name, tokeniz
         assert score == pytest.approx(expected, abs=1e-4) and score5 == pytest.approx(expected, abs=1e-4)
         assert greedy == greedy5 == expected_greedy
     assert longest > 3 * max_len  # at least four chunks
+    # a max_length beyond the model's window is capped at it (model_args max_length=...)
+    capped = MoepLM(model=model, tokenizer=tokenizer, batch_size=5, max_length=10 * max_len)
+    assert capped.max_length == max_len
+    assert [s for s, _ in capped.loglikelihood(requests, disable_tqdm=True)] == pytest.approx([s for s, _ in one], abs=1e-4)
 
 
 def test_continuation_windows_fit_and_cover_the_continuation():

@@ -25,6 +25,18 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
 
 
+
+def test_each_rendered_subtask_reads_its_own_phenomenon(tmp_path):
+    """_each.yaml is rendered once per line of subtasks.txt: task <family>_<line> reads <line>.jsonl, and the
+    group lists the sub-tasks in that file's order."""
+    rendered = render_tasks(tmp_path / "data", tmp_path / "tasks")
+    for family in ("blimp_filtered", "blimp_supplement", "grammar_pairs"):
+        lines = (TEMPLATES / family / "subtasks.txt").read_text().split()
+        assert list(rendered.specs[family].subtasks) == [f"{family}_{line}" for line in lines]
+        for line in lines:
+            (data_file,) = rendered.specs[f"{family}_{line}"].data_files
+            assert data_file.name == f"{line}.jsonl", (family, line, data_file)
+
 def test_render_gives_every_task_absolute_data_paths(tmp_path):
     rendered = render_tasks(tmp_path / "data", tmp_path / "tasks")
     assert rendered.top_level == TOP_LEVEL
