@@ -63,6 +63,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     log_every: PositiveInt = 10
     eval_every: PositiveInt | None = None
+    # global batches of validation windows per evaluation (Megatron's eval_iters): the same at any number of ranks
     eval_batches: PositiveInt = 8
     peak_tflops: PositiveFloat | None = None  # per device, for the MFU estimate; null: known GPUs only
     # recompute each block's activations in backward (torch non-reentrant checkpoint; training/blocks.py)

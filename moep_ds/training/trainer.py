@@ -24,7 +24,8 @@ from moep_ds.config import Config
 from moep_ds.data.dataset import open_split
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.data.prepare import check_meta, prepare
-from moep_ds.data.sampler import BatchLoader
+from moep_ds.data.errors import DataError
+from moep_ds.data.sampler import BatchLoader, eval_batches
 from moep_ds.models.accounting import meta_param_report
 from moep_ds.models.causal_lm import build_model
 from moep_ds.moe.shard import expert_shard
@@ -204,6 +205,7 @@ class Trainer:
         self.engine, self.model, self.ep_group = self.build_engine()
         self.callbacks = step_callbacks(self.engine, self.ep_group)
         self.accum = ds["gradient_accumulation_steps"]
+        self.val = self.open_validation()
         self.loader = BatchLoader(self.dataset, micro_batch_size=ds["train_micro_batch_size_per_gpu"],
                                   grad_accum=self.accum, dp_rank=self.rank, dp_size=self.world, seed=cfg.train.seed,
                                   shuffle=cfg.data.order == "shuffled")
@@ -365,21 +367,37 @@ class Trainer:
             out["mfu"] = self.report.flops_per_token * tokens_per_s / (peak * self.world)
         return out
 
+    def open_validation(self):
+        """The validation windows, when the recipe evaluates; checked now, not at the first evaluation."""
+        if not self.cfg.train.eval_every:
+            return None
+        val = open_split(self.prepared, "val", self.cfg.data.seq_len)
+        per_step = self.ds["train_micro_batch_size_per_gpu"] * self.world
+        if len(val) < per_step:
+            raise DataError(f"train.eval_every ({self.cfg.train.eval_every}): {len(val)} validation windows (seq_len "
+                            f"{self.cfg.data.seq_len}) in {str(self.prepared)!r} are fewer than one "
+                            f"evaluation step ({per_step}: micro-batch x ranks); hold out more (data.val_fraction) "
+                            "or give a data.val_source")
+        return val
+
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over `eval_batches` windows per rank (routers in their eval mode)."""
-        val = open_split(self.prepared, "val", self.cfg.data.seq_len)
-        if len(val) == 0:
-            return math.nan
+        """Mean validation token loss over the first `eval_batches` global batches of validation windows in file
+        order (Megatron's eval_iters x global batch size: the same windows at any number of ranks; all of them when
+        fewer, cut to whole evaluation steps), each rank scoring its contiguous share in micro-batches (routers in
+        their eval mode)."""
         self.engine.eval()
         total = torch.zeros((), device=self.device)
-        n = self.cfg.train.eval_batches
-        for i in range(n):
-            window = val[(self.rank + i * self.world) % len(val)][None].to(self.device)
-            total += self.engine(window[:, :-1], labels=window[:, 1:]).ce_loss.float()
+        windows = 0
+        for inputs, labels in eval_batches(self.val, micro_batch_size=self.ds["train_micro_batch_size_per_gpu"],
+                                           dp_rank=self.rank, dp_size=self.world,
+                                           max_windows=self.cfg.train.eval_batches * self.ds["train_batch_size"]):
+            out = self.engine(inputs.to(self.device), labels=labels.to(self.device))
+            total += out.ce_loss.float() * len(inputs)  # windows are of equal length: the token mean's share
+            windows += len(inputs)
         self.engine.train()
         dist.all_reduce(total)
-        return float(total) / (n * self.world)
+        return float(total) / (windows * self.world)  # every rank scores as many windows
 
     def fit(self) -> int:
         cfg = self.cfg.train

@@ -90,9 +90,13 @@ def expert_parallel_runs(tmp_path_factory):
             out = tmp / f"zero{stage}_ep{ep}"
             ckpt = {"every_steps": 5 if stage == 2 else None, "at_end": False}
             recipe = write_recipe(tmp / f"zero{stage}_ep{ep}.yaml", EP_LAYERS, out, max_steps=8, global_batch_size=8,
-                                  expert_parallel_size=ep, grad_clip=0.05, checkpoint=ckpt)
+                                  expert_parallel_size=ep, grad_clip=0.05, checkpoint=ckpt, eval_every=4)
             jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_fp32.json")})
             runs[stage, ep] = (recipe, out)
+    out = tmp / "top2_2p"  # validation on 1 and 2 processes (test_one_process_trains_and_validates_as_two)
+    recipe = write_recipe(tmp / "top2_2p.yaml", "top2", out, max_steps=4, global_batch_size=8, eval_every=2)
+    jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")})
+    runs["top2"] = (recipe, out)
     for ep in (1, 2):  # the MoEP paths block: three routed stages (projection experts, paths) sharded alike
         out = tmp / f"paths_ep{ep}"
         recipe = write_recipe(tmp / f"paths_ep{ep}.yaml", "paths", out, max_steps=6, global_batch_size=8,
@@ -113,6 +117,40 @@ def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs, stage)
     assert sorted(ep1) == sorted(ep2) == list(range(1, 9))
     for step in range(1, 9):
         assert ep2[step] == pytest.approx(ep1[step], abs=1e-5), (step, ep1, ep2)
+    val1, val2 = val_losses(runs[stage, 1][1]), val_losses(runs[stage, 2][1])
+    assert sorted(val1) == [4, 8] and val2 == pytest.approx(val1, abs=1e-5), (val1, val2)
+
+
+def val_losses(run) -> dict[int, float]:
+    return {m["step"]: m["val_loss"] for m in metrics(run) if "val_loss" in m}
+
+
+@pytest.fixture(scope="module")
+def one_process_reference(expert_parallel_runs):
+    """The ZeRO-2 expert-parallel-1 MSIT run and the top-2 run of expert_parallel_runs on 1 process."""
+    tmp, runs = expert_parallel_runs
+    out = tmp / "ref_1p"
+    recipe = write_recipe(tmp / "ref_1p.yaml", EP_LAYERS, out, max_steps=8, global_batch_size=8, grad_clip=0.05,
+                          checkpoint={"every_steps": 5, "at_end": False}, eval_every=4)
+    top2 = tmp / "top2_1p"
+    top2_recipe = write_recipe(tmp / "top2_1p.yaml", "top2", top2, max_steps=4, global_batch_size=8, eval_every=2)
+    launch(1, SCRIPTS / "run_many.py", jobs_file(tmp, [
+        {"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
+        {"recipe": str(top2_recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")}]))
+    return {"msit": (recipe, out), "top2": (top2_recipe, top2)}
+
+
+def test_one_process_trains_and_validates_as_two(expert_parallel_runs, one_process_reference):
+    """The same global batches, and validation on the same windows (eval_batches global batches, not per rank).
+    Validation is compared on top-2 routing: MSIT's expert choice evaluates with thresholds averaged over the
+    ranks' estimates, which differ from one estimate over the whole batch."""
+    _, runs = expert_parallel_runs
+    for name, two in (("msit", runs[2, 1][1]), ("top2", runs["top2"][1])):
+        one = one_process_reference[name][1]
+        assert losses(one) == pytest.approx(losses(two), abs=1e-5), name
+        assert sorted(val_losses(one)) == ([4, 8] if name == "msit" else [2, 4])
+    one, two = val_losses(one_process_reference["top2"][1]), val_losses(runs["top2"][1])
+    assert one == pytest.approx(two, abs=1e-5), (one, two)
 
 
 def test_moep_paths_expert_parallel_2_equals_1(expert_parallel_runs):
@@ -144,19 +182,15 @@ def resume_job(recipe, out, ckpt, **overrides):
             "overrides": sets}
 
 
-def test_checkpoints_move_between_expert_parallel_and_single_process(expert_parallel_runs):
+def test_checkpoints_move_between_expert_parallel_and_single_process(expert_parallel_runs, one_process_reference):
     tmp, runs = expert_parallel_runs
     recipe_ep2, out_ep2 = runs[2, 2]
     # an expert-parallel-2 checkpoint (2 processes) resumes on 1 process
     one = tmp / "ep2_on_1p"
     ckpt = out_ep2 / "checkpoints" / "step_00000005"
-    one_ref = tmp / "ref_1p"
-    recipe_1p = write_recipe(tmp / "ref_1p.yaml", EP_LAYERS, one_ref, max_steps=8, global_batch_size=8,
-                             grad_clip=0.05, checkpoint={"every_steps": 5, "at_end": False})
+    recipe_1p, one_ref = one_process_reference["msit"]
     launch(1, SCRIPTS / "run_many.py", jobs_file(tmp, [
-        resume_job(recipe_1p, one, ckpt, exit_at_step=6, expert_parallel_size=1),
-        {"recipe": str(recipe_1p), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
-    ]))
+        resume_job(recipe_1p, one, ckpt, exit_at_step=6, expert_parallel_size=1)]))
     assert losses(one)[6] == pytest.approx(losses(out_ep2)[6], abs=1e-5)
     # and a 1-process checkpoint resumes on 2 processes at expert parallel 2
     two = tmp / "1p_on_ep2"

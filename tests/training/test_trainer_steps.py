@@ -53,10 +53,14 @@ MOE_MODEL = {"vocab_size": 64, "d_model": 32, "max_seq_len": 16, "layers": [
              "router": {"type": "topk", "k": 2, "load_balancing_weight": 0.5}}}]}
 
 
-def test_validation_loss_is_the_mean_token_loss_over_every_ranks_windows(tmp_path, monkeypatch):
-    """Trainer.evaluate on 2 simulated ranks (the all-reduce stubbed out: rank r's share is total_r / (n x world),
-    so the shares add up to the mean): rank r scores validation windows r, r + 2, ... (wrapping), the mean next-token
-    cross-entropy without the auxiliary losses, with the routers in eval mode, and leaves the model training."""
+@pytest.mark.parametrize("eval_batches, scored", [(1, 4), (8, 8)])
+def test_validation_loss_is_the_mean_token_loss_over_the_same_windows_at_any_rank_count(
+        tmp_path, monkeypatch, eval_batches, scored):
+    """Trainer.evaluate on 1 and 2 simulated ranks (the all-reduce stubbed out: rank r's share is total_r / all
+    windows, so the shares add up to the mean), micro-batches of 2, a global batch of 4 (on 1 rank: 2 accumulation
+    steps): the first eval_batches x 4 of the 9 validation windows (all, cut to whole steps of micro-batch x ranks,
+    when fewer), in file order, the mean next-token cross-entropy without the auxiliary loss, routers in eval mode;
+    the model is back in train mode after."""
     import json
     import types
 
@@ -64,33 +68,61 @@ def test_validation_loss_is_the_mean_token_loss_over_every_ranks_windows(tmp_pat
     import torch
     import torch.nn.functional as F
 
+    from moep_ds.data.dataset import open_split
     from moep_ds.models.causal_lm import build_model
     from moep_ds.training import trainer as trainer_mod
     from moep_ds.training.trainer import Trainer
 
-    seq_len, num_windows, n = 8, 5, 3
+    seq_len, num_windows = 8, 9
     (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
     tokens = np.random.default_rng(0).integers(0, 64, num_windows * seq_len + 1).astype(np.uint16)
     tokens.tofile(tmp_path / "val.bin")
-    cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": seq_len}, "train": {"max_steps": 1, "eval_batches": n}})
+    cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": seq_len},
+                            "train": {"max_steps": 1, "eval_every": 1, "eval_batches": eval_batches}})
     torch.manual_seed(0)
     model = build_model(cfg.model)
     model.train()
     monkeypatch.setattr(trainer_mod.dist, "all_reduce", lambda tensor: None)
-    shares = []
-    for rank in range(2):
-        fake = types.SimpleNamespace(prepared=tmp_path, cfg=cfg, engine=model, rank=rank, world=2,
-                                     device=torch.device("cpu"))
-        shares.append(Trainer.evaluate(fake))
+
+    def evaluate(rank, world):
+        fake = types.SimpleNamespace(prepared=tmp_path, cfg=cfg, engine=model, rank=rank, world=world,
+                                     device=torch.device("cpu"),
+                                     ds={"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4})
+        fake.val = Trainer.open_validation(fake)
+        value = Trainer.evaluate(fake)
         assert model.training
+        return value
+
+    one, two = evaluate(0, 1), evaluate(0, 2) + evaluate(1, 2)
     windows = torch.from_numpy(tokens.astype(np.int64))
     model.eval()
     with torch.no_grad():
         naive = []
-        for w in [0, 2, 4, 1, 3, 0]:  # rank 0: 0, 2, 4; rank 1: 1, 3, 5 % 5
+        for w in range(scored):
             x = windows[w * seq_len:(w + 1) * seq_len + 1]
             logits = model(x[None, :-1]).logits[0]
             naive.append(F.cross_entropy(logits.double(), x[1:]).item())
         aux = model(windows[None, :seq_len], labels=windows[None, 1:seq_len + 1])
     assert float(aux.loss) != pytest.approx(float(aux.ce_loss), abs=1e-6)  # the auxiliary loss is not nothing
-    assert sum(shares) == pytest.approx(sum(naive) / len(naive), abs=1e-5)
+    assert one == pytest.approx(sum(naive) / len(naive), abs=1e-5)
+    assert two == pytest.approx(one, abs=1e-5)
+
+
+def test_too_few_validation_windows_for_one_evaluation_step_are_refused_at_start(tmp_path):
+    import json
+    import types
+
+    import numpy as np
+
+    from moep_ds.data.errors import DataError
+    from moep_ds.training.trainer import Trainer
+
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
+    np.zeros(3 * 8 + 1, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": 8}, "train": {"max_steps": 1, "eval_every": 5}})
+    fake = types.SimpleNamespace(prepared=tmp_path, cfg=cfg, world=2, ds={"train_micro_batch_size_per_gpu": 2})
+    with pytest.raises(DataError, match=r"^train.eval_every \(5\): 3 validation windows \(seq_len 8\) in '.*' are "
+                                        r"fewer than one evaluation step \(4: micro-batch x ranks\); hold out more"):
+        Trainer.open_validation(fake)
+    fake.cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": 8}, "train": {"max_steps": 1}})
+    assert Trainer.open_validation(fake) is None  # no evaluation: the split is not read
