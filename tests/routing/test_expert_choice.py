@@ -134,6 +134,35 @@ def test_thresholds_track_kth_affinity_in_training_only():
     assert torch.equal(fresh.threshold, before)
 
 
+def test_sequence_scope_statistics_average_over_sequences():
+    """scope sequence: the threshold is the mean over sequences of each one's k-th affinity and log_norm the mean
+    over sequences of log sum_t exp(l[t, i]) (what threshold mode divides by for one sequence's tokens)."""
+    decay, B, T = 0.9, 3, 8
+    r = router(score="softmax_tokens", scope="sequence", threshold_ema_decay=decay, capacity_factor=1.0)
+    k = expert_choice_capacity(T, E, 1.0, "nearest")
+
+    def naive(x):
+        kth, log_norm = torch.zeros(E, dtype=torch.float64), torch.zeros(E, dtype=torch.float64)
+        for b in range(B):
+            logits = x[b] @ r.weight.T
+            for i in range(E):
+                z = sum(torch.exp(logits[t, i]) for t in range(T))
+                kth[i] += sorted((torch.exp(logits[t, i]) / z).item() for t in range(T))[-k] / B
+                log_norm[i] += torch.log(z) / B
+        return kth, log_norm
+
+    x1, x2 = torch.randn(2, B, T, D, dtype=torch.float64) * 3
+    r.train()
+    r(x1)
+    kth1, norm1 = naive(x1)
+    torch.testing.assert_close(r.threshold.double(), kth1, check_dtype=False)
+    torch.testing.assert_close(r.log_norm.double(), norm1, check_dtype=False)
+    r(x2)
+    kth2, norm2 = naive(x2)
+    torch.testing.assert_close(r.threshold.double(), decay * kth1 + (1 - decay) * kth2, check_dtype=False)
+    torch.testing.assert_close(r.log_norm.double(), decay * norm1 + (1 - decay) * norm2, check_dtype=False)
+
+
 def test_thresholds_stay_fp32_when_the_model_is_cast():
     r = router()
     r.train()
