@@ -101,6 +101,20 @@ def test_capacity_drops_lowest_probability(k, renormalize):
     torch.testing.assert_close(plan.weight_S, table[plan.token_idx_S, plan.expert_idx_S()])
 
 
+@pytest.mark.parametrize(
+    "t, e, k, cf, expected",
+    [
+        (9, 4, 1, 1.0, 3),  # 2.25 rounds up (ceil, not nearest)
+        (10, 8, 2, 1.25, 4),  # 3.125
+        (10, 11, 1, 1.1, 1),  # exactly 1: no float error pushing ceil to 2
+        (3, 8, 1, 0.5, 1),  # at least one token
+        (5, 2, 2, 4.0, 5),  # at most T: a token picks an expert at most once
+    ],
+)
+def test_capacity_is_ceil_of_cf_t_k_over_e(t, e, k, cf, expected):
+    assert topk_capacity(t, e, k, cf) == expected
+
+
 def test_jitter_only_in_training():
     torch.manual_seed(0)
     r = TopKRouter(TopKConfig(k=2, jitter=0.5), d_model=8, num_experts=4)
