@@ -140,6 +140,15 @@ def test_best_expert_is_never_replaced():
     assert best == 1 and 1 not in dead
 
 
+def test_the_best_expert_is_the_one_of_largest_value_not_score():
+    """A newborn's birth boost can lift its score above every other; the best expert (protected, and the source
+    of clones) is still the one of largest value."""
+    value = torch.tensor([0.2, 0.9, 0.05, 0.6])
+    score = value + torch.tensor([0.0, 0.0, 0.0, 0.35])  # expert 3 is young: boosted above expert 1
+    dead, best = select_dead_experts(score, value, torch.full((4,), 10**6), threshold=1.0, min_tokens=5000)
+    assert best == 1 and dead == [2, 0]
+
+
 @pytest.mark.parametrize("num_experts", [8, 5])
 def test_at_most_half_the_experts_per_check(num_experts):
     value = torch.linspace(1.0, 0.0, num_experts)
@@ -237,6 +246,23 @@ def test_exploration_bias_decays_by_099_per_step_and_enters_the_logits():
     torch.testing.assert_close(lifecycle.logit_bias_E, torch.tensor([0.0, 0.0, 3.0 * 0.99**7, 0.0]))
     logits = torch.randn(5, E)
     torch.testing.assert_close(lifecycle.bias_logits(logits), logits + lifecycle.logit_bias_E)
+
+
+def test_impact_of_a_shard_goes_to_its_global_experts_and_is_unscaled_at_the_step():
+    """Under expert parallelism a rank holds experts [first, first + L): track_impact adds their -(dL/dy . y) to
+    those global experts; end_step multiplies the impact sums by impact_scale (1 / fp16 loss scale)."""
+    model = tiny_model({"ema_decay": 0.5})
+    lifecycle = moe_of(model).router.lifecycle
+    y = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(5, 3, dtype=torch.float64)
+    lifecycle.track_impact(y, [2, 3], first_expert=2).backward(grad)
+    impact = -(grad * y.detach()).sum(-1)
+    expected_sums = torch.tensor([0.0, 0.0, impact[:2].sum(), impact[2:].sum()], dtype=torch.float64)
+    torch.testing.assert_close(lifecycle.step_sums[E:], expected_sums)
+    lifecycle.step_sums[:E] = torch.tensor([0.0, 0.0, 2.0, 3.0], dtype=torch.float64)
+    lifecycle.end_step(impact_scale=0.25)
+    means = torch.tensor([0.0, 0.0, impact[:2].sum() / 2, impact[2:].sum() / 3], dtype=torch.float64)
+    torch.testing.assert_close(lifecycle.impact_ema_E, (0.5 * 0.25 * means).float())
 
 
 def test_starved_expert_is_replaced_and_then_receives_tokens():
