@@ -47,6 +47,32 @@ def test_exact_parameter_counts_on_meta_device():
         assert meta_param_report(load_config(CONFIGS / f"{recipe}.yaml").model).params_total == expected
 
 
+def test_init_scales_every_residual_output_projection_in_every_block_type():
+    """GPT-2 init over dense, FFN-MoE and MoEP-paths blocks: every matrix (routers, stacked experts and paths
+    included) is Normal(0, 0.02); the outputs added to the residual stream (attention w_o, FFN w2, expert w2,
+    path layers' w_o / w2, the expansion experts) get 0.02 / sqrt(2 x blocks); norms start at 1."""
+    raw = {"model": {"flavour": "llama", "vocab_size": 256, "d_model": 128, "max_seq_len": 16, "layers": [
+        {"type": "dense", "attention": {"num_heads": 4}},
+        {"type": "ffn_moe", "attention": {"num_heads": 4},
+         "moe": {"num_experts": 4, "expert": {"hidden_size": 256}, "router": {"type": "topk", "k": 2}}},
+        {"type": "paths", "attention": {"num_heads": 4}, "d_path": 64, "num_paths": 2, "num_projection_experts": 2}]}}
+    torch.manual_seed(0)
+    model = build_model(config_from_dict(raw).model)
+    residual_outputs = ("w_o.weight", "w2.weight", "w2_EFD", "expand.w_EOI")
+    std, out_std = 0.02, 0.02 / 6**0.5
+    checked = set()
+    for name, p in model.named_parameters():
+        p = p.detach()
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+            continue
+        expected = out_std if name.endswith(residual_outputs) else std
+        assert float(p.std()) == pytest.approx(expected, rel=0.1), name
+        assert abs(float(p.mean())) < 5 * expected / p.numel() ** 0.5, name  # zero mean, within 5 sigma
+        checked.add(name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1])
+    assert {"router", "contract_router", "w2_EFD", "w_EOI", "w2", "w_o"} <= checked
+
+
 def test_dry_run_prints_one_json_line_for_1b_recipe():
     proc = subprocess.run([sys.executable, "pretrain.py", "--config", "configs/pythia_1b_dense.yaml", "--dry_run"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
@@ -59,6 +85,37 @@ def test_dry_run_prints_one_json_line_for_1b_recipe():
     # 6N for the matmuls (embedding lookup excluded, untied head included) + 12 * L * H * Dh * T attention
     matmul = 1_011_781_632 - 50304 * 2048
     assert report["flops_per_token"] == 6 * matmul + 12 * 16 * 2048 * 2048
+
+
+def test_flops_of_a_tied_head_count_the_head_matmul():
+    """Tied embeddings: the lookup is free but the LM head (the same table) is a [D, V] matmul per token."""
+    report = count_params(build_model(tiny("llama")))  # tied: the embedding is counted once in params_total
+    attention = 2 * 12 * 4 * 8 * 32  # 2 layers, 12 H Dh T with T = max_seq_len
+    lookup = head = 64 * 32  # the one table: subtract the lookup, add the head matmul
+    assert report.flops_per_token == 6 * (report.params_total - lookup + head) + attention
+
+
+def test_flavours_fill_in_their_architecture():
+    """gpt2: LayerNorm, tanh-GELU MLP with biases, learned positions; llama: RMSNorm, SwiGLU, RoPE; gemma: (1+w)
+    RMSNorm, GeGLU, RoPE, embeddings x sqrt(d); pythia: parallel residual, 25% rotary, tanh-GELU, untied."""
+    from moep_ds.layers.ffn import GeGLU, GeluTanhMLP, SwiGLU
+    from moep_ds.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm
+
+    expected = {  # norm, ffn, rotary share of the head dim (8), learned positions, tied, embedding scale, parallel
+        "gpt2": (LayerNorm, GeluTanhMLP, 0, True, True, False, False),
+        "llama": (RMSNorm, SwiGLU, 8, False, True, False, False),
+        "gemma": (GemmaRMSNorm, GeGLU, 8, False, True, True, False),
+        "pythia": (LayerNorm, GeluTanhMLP, 2, False, False, False, True),
+    }
+    for flavour, (norm, ffn, rot, learned, tied, scale, parallel) in expected.items():
+        model = build_model(tiny(flavour))
+        block = model.blocks[0]
+        assert type(block.attention.norm) is norm and type(model.norm) is norm, flavour
+        assert type(block.ffn) is ffn and block.attention.attn.rot_dim == rot, flavour
+        assert (model.pos_embed is not None, model.head.weight is model.embed.weight) == (learned, tied), flavour
+        assert (model.cfg.embedding_scale, block.parallel_residual) == (scale, parallel), flavour
+        if flavour in ("gpt2", "pythia"):
+            assert block.ffn.w_in.bias is not None and block.attention.attn.w_qkv.bias is not None, flavour
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
