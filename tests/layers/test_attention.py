@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -94,6 +96,25 @@ def test_rope_dot_product_depends_only_on_offset(fraction, base):
     torch.testing.assert_close(dot(5, 2), dot(103, 100))
     torch.testing.assert_close(dot(0, 7), dot(40, 47))
     assert not torch.allclose(dot(5, 2), dot(5, 3))
+
+
+@pytest.mark.parametrize("rot,base", [(16, 10000.0), (4, 500.0)])
+def test_rope_rotates_pairs_i_and_i_plus_half_by_position_times_base_power(rot, base):
+    """GPT-NeoX / Llama rotate_half, written out: (x_i, x_{i+R/2}) turns by theta = pos * base^(-2i/R),
+    counter-clockwise (a sign or frequency error would still give offset-only dot products)."""
+    torch.manual_seed(3)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    positions = torch.tensor([0, 1, 37])
+    cos, sin = rope_cos_sin(positions, rot, base, torch.float64)
+    out = apply_rope(x, cos, sin)
+    expected = x.clone()
+    for row, pos in enumerate(positions.tolist()):
+        for i in range(rot // 2):
+            theta = pos * base ** (-2 * i / rot)
+            a, b = x[row, i].item(), x[row, i + rot // 2].item()
+            expected[row, i] = a * math.cos(theta) - b * math.sin(theta)
+            expected[row, i + rot // 2] = a * math.sin(theta) + b * math.cos(theta)
+    torch.testing.assert_close(out, expected)
 
 
 def test_partial_rotary_leaves_tail_dims_untouched():

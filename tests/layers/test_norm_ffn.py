@@ -16,6 +16,15 @@ def test_rmsnorm_matches_formula_and_gemma_scale_is_one_plus_w():
     torch.testing.assert_close(gemma(x), ref)
 
 
+def test_norms_use_the_configured_eps():
+    x = torch.randn(3, 8, dtype=torch.float64) * 0.3  # small activations: a large eps changes the output
+    layer = build_norm(NormConfig(type="layernorm", eps=0.5), 8).double()
+    centred = x - x.mean(-1, keepdim=True)
+    torch.testing.assert_close(layer(x), centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + 0.5))
+    rms = build_norm(NormConfig(type="rmsnorm", eps=0.5), 8).double()
+    torch.testing.assert_close(rms(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 0.5))
+
+
 def test_layernorm_without_bias():
     norm = build_norm(NormConfig(type="layernorm", bias=False), 8)
     assert norm.bias is None
