@@ -55,6 +55,8 @@ CASES = [  # B, T, window, density, chunk (None = default)
     (3, 17, 4, 0.5, 3),  # chunk smaller than the window
     (2, 33, 8, 0.3, 5),
     (4, 40, 6, 0.9, 8),
+    (2, 30, 2, 0.9, 3),  # w - 1 = 1 earlier key: one aligned block of history, not none
+    (2, 40, 10, 0.9, 4),  # w - 1 = 9 earlier keys: two aligned blocks of history, not one
     (2, 24, 64, 0.6, None),  # window larger than the sequence
     (3, 20, None, 0.5, None),  # unbounded (MoEP paths)
     (5, 12, None, 0.2, None),  # some sequences have no routed token
@@ -138,19 +140,24 @@ def test_empty_selection():
     assert ra.routed_attention(q, q, q, idx, idx, None).shape == (0, 2, 4)
 
 
-@pytest.mark.parametrize("window,num_kv_heads", [(3, None), (None, 1)])
-def test_module_applies_rope_at_original_positions(window, num_kv_heads):
-    cfg = AttentionConfig(num_heads=2, num_kv_heads=num_kv_heads, window=window, rope=RopeConfig(fraction=0.5))
-    attn = ra.RoutedSelfAttention(cfg, d_model=16)
+@pytest.mark.parametrize("window,num_heads,num_kv_heads,base,D", [(3, 2, None, 10000.0, 16), (None, 2, 1, 10000.0, 16),
+                                                                  (4, 4, 2, 500.0, 32)])
+def test_module_applies_rope_at_original_positions(window, num_heads, num_kv_heads, base, D):
+    """The projections, RoPE (the configured base, original positions) and GQA (query head h uses key/value head
+    h // (H / G)) of the routed module against the dense masked reference."""
+    cfg = AttentionConfig(num_heads=num_heads, num_kv_heads=num_kv_heads, window=window,
+                          rope=RopeConfig(fraction=0.5, base=base))
+    attn = ra.RoutedSelfAttention(cfg, d_model=D)
     B, T = 3, 14
     sel_BT, pos_BT = random_case(B, T, 0.5, seed=3)
-    x_BTD = torch.randn(B, T, 16)
+    x_BTD = torch.randn(B, T, D)
     b_N, t_N, pos_N = compact(sel_BT, pos_BT)
     out_ND = attn(x_BTD[b_N, t_N], b_N, pos_N)
 
-    H, G, Dh = 2, num_kv_heads or 2, 8
+    H, G = num_heads, num_kv_heads or num_heads
+    Dh = D // H
     q, k, v = attn.w_qkv(x_BTD).split([H * Dh, G * Dh, G * Dh], -1)
-    cos, sin = rope_cos_sin(pos_BT, attn.rot_dim, 10000.0)
+    cos, sin = rope_cos_sin(pos_BT, attn.rot_dim, base)
     q = apply_rope(q.view(B, T, H, Dh), cos[:, :, None], sin[:, :, None])
     k = apply_rope(k.view(B, T, G, Dh), cos[:, :, None], sin[:, :, None]).repeat_interleave(H // G, 2)
     v = v.view(B, T, G, Dh).repeat_interleave(H // G, 2)
