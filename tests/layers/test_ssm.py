@@ -71,6 +71,24 @@ def tiny_ssm(chunk_size=4, seed=0):
     return SSM(cfg, d_model=8).double()
 
 
+def test_module_matches_its_equations():
+    """SSM(x) written out from the module docstring: u, gate = in_proj(x); [dt_in, B, C] = x_proj(u) in that order;
+    dt = softplus(dt_proj(dt_in) + dt_bias); decay rate exp(A_log); out = w_out(scan(u) * silu(gate))."""
+    ssm = tiny_ssm()
+    with torch.no_grad():
+        ssm.dt_bias.uniform_(-1.0, 1.0)  # steps well inside softplus's curved part
+    x = torch.randn(2, 7, 8, dtype=torch.float64)
+    C, N, R = ssm.D.numel(), ssm.cfg.state_size, ssm.dt_rank
+    proj = x @ ssm.in_proj.weight.T
+    u, gate = proj[..., :C], proj[..., C:]
+    xp = u @ ssm.x_proj.weight.T
+    dt_in, B, Cm = xp[..., :R], xp[..., R : R + N], xp[..., R + N :]
+    dt = torch.log1p(torch.exp(dt_in @ ssm.dt_proj.weight.T + ssm.dt_bias))
+    y, _ = naive_scan(u, dt, torch.exp(ssm.A_log), B, Cm, ssm.D)
+    expected = (y * gate * torch.sigmoid(gate)) @ ssm.w_out.weight.T
+    torch.testing.assert_close(ssm(x), expected)
+
+
 def test_module_step_mode_matches_parallel_mode():
     ssm = tiny_ssm()
     x = torch.randn(2, 10, 8, dtype=torch.float64)
