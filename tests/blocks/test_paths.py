@@ -67,7 +67,11 @@ def naive_path_layer(layer, z: dict[int, torch.Tensor], pos_T: torch.Tensor, T: 
         scores = torch.stack([(a[t][0] * a[s][1]).sum(-1) for s in keys], -1) / Dh**0.5
         att = torch.einsum("hs,shd->hd", scores.softmax(-1), torch.stack([a[s][2] for s in keys]))
         attn_out = att.reshape(-1) @ attn.w_o.weight.T
-        out[t] = layer.residual(z[t], attn_out)
+        if layer.parallel_residual:  # x + Attn(N1(x)) + FFN(N2(x))
+            out[t] = z[t] + attn_out + layer.ffn(layer.ffn_norm(z[t]))
+        else:  # h = x + Attn(N1(x)); h + FFN(N2(h))
+            h = z[t] + attn_out
+            out[t] = h + layer.ffn(layer.ffn_norm(h))
     return out
 
 

@@ -187,7 +187,7 @@ def test_forward_output_and_loss(flavour):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_gemma_scales_embeddings_and_pythia_uses_parallel_residual():
+def test_gemma_scales_embeddings_pythia_uses_parallel_residual_and_llama_sequential():
     gemma = build_model(tiny("gemma"))
     ids = torch.randint(0, 64, (1, 4))
     pos = torch.arange(4)[None]
@@ -197,3 +197,6 @@ def test_gemma_scales_embeddings_and_pythia_uses_parallel_residual():
     x = torch.randn(1, 4, 32)
     expected = x + block.attention(x, pos, None) + block.ffn(block.ffn_norm(x))
     torch.testing.assert_close(block(x, positions_BT=pos).x, expected)
+    llama = build_model(tiny("llama")).blocks[0]  # sequential: the FFN reads the attention's output
+    h = x + llama.attention(x, pos, None)
+    torch.testing.assert_close(llama(x, positions_BT=pos).x, h + llama.ffn(llama.ffn_norm(h)))
