@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import copy
 import pathlib
 
 import pytest
@@ -15,6 +16,7 @@ from moep_ds.blocks.msit import MSITBlock, MSITBlockConfig, MSITExpertConfig
 from moep_ds.layers.attention import AttentionConfig
 from moep_ds.layers.rope import RopeConfig, apply_rope, rope_cos_sin
 from moep_ds.models.accounting import meta_param_report
+from moep_ds.moe.dispatch import shard_experts
 from moep_ds.routing.expert_choice import ExpertChoiceConfig
 from moep_ds.schema import ConfigError
 
@@ -142,6 +144,33 @@ def test_cached_generation_matches_full_recompute():
     steps = [model(ids[:, :6], cache=cache).logits]
     steps += [model(ids[:, t : t + 1], cache=cache).logits for t in range(6, 14)]
     torch.testing.assert_close(torch.cat(steps, 1), full)
+
+
+def test_branches_split_over_two_ranks_decode_with_their_own_windows():
+    """Decoding with the branches sharded over 2 expert-parallel ranks (the trainer's split, here in one process):
+    each rank runs its branches against caches with their windows; the ranks' shares (which the dispatcher sums)
+    give the unsharded output, token by token."""
+    block = tiny_block(windows=(1, 6, 2, 4))
+    with torch.no_grad():
+        for _ in range(3):  # thresholds that select a real subset
+            block(torch.randn(2, 20, 16, dtype=torch.float64), positions_BT=torch.arange(20).expand(2, 20))
+    block.eval()
+    x_BTD = torch.randn(2, 12, 16, dtype=torch.float64)
+    pos_BT = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        g_BTD = block.global_block(x_BTD, positions_BT=pos_BT).x
+        plan = block.router(block.router_norm(g_BTD))
+        stages = [block.experts]
+        for rank in range(2):
+            stages.append(copy.deepcopy(block.experts))
+            shard_experts(stages[-1], rank, 2)
+        assert [c.window for s in stages[1:] for c in s.new_caches()] == [1, 6, 2, 4]
+        caches = [s.new_caches() for s in stages]
+        outs = [[s.forward_cached(g_BTD[:, t : t + 1], block.router(block.router_norm(g_BTD[:, t : t + 1])),
+                                  pos_BT[:, t : t + 1], c) for t in range(12)] for s, c in zip(stages, caches)]
+    full, rank0, rank1 = (torch.cat(o, 1) for o in outs)
+    torch.testing.assert_close(rank0 + rank1, full)
+    torch.testing.assert_close(full, block.experts(g_BTD, plan, pos_BT))  # decoding = the routed forward
 
 
 def test_cache_requires_threshold_routing():
