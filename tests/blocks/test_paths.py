@@ -5,6 +5,7 @@ causality / batch invariance / caching of the recipes, and their parameter budge
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pathlib
 
@@ -16,7 +17,7 @@ from moep_ds.blocks.paths import LinearExperts, PathsBlock, PathsBlockConfig
 from moep_ds.layers.attention import AttentionConfig
 from moep_ds.layers.rope import RopeConfig, apply_rope, rope_cos_sin
 from moep_ds.models.accounting import meta_param_report
-from moep_ds.moe.dispatch import ExpertBatch
+from moep_ds.moe.dispatch import ExpertBatch, shard_experts
 from moep_ds.routing.topk import TopKConfig
 from moep_ds.schema import ConfigError
 
@@ -29,13 +30,13 @@ MOEP_RECIPES = ["moep_gpt2", "moep_llama", "moep_gemma", "pythia_1b_moep"]
 ALPHA = 0.01
 
 
-def tiny_block(k=2, parallel=False, full_layer=True) -> PathsBlock:
+def tiny_block(k=2, parallel=False, full_layer=True, num_paths=3) -> PathsBlock:
     cfg = PathsBlockConfig(
         attention=AttentionConfig(num_heads=3, rope=RopeConfig()),
         parallel_residual=parallel,
         full_layer=full_layer,
         d_path=16,
-        num_paths=3,
+        num_paths=num_paths,
         path_depth=2,
         num_projection_experts=3,
         path_router=TopKConfig(k=k, load_balancing_weight=ALPHA),
@@ -200,6 +201,37 @@ def test_paths_do_not_depend_on_the_plan_order_within_an_expert():
     weights = [w[p] for w, p in zip(plan.weight_S.split(plan.counts()), perms)]
     reordered = dataclasses.replace(plan, token_idx_S=torch.cat(idx), weight_S=torch.cat(weights))
     torch.testing.assert_close(block.paths(z_BTP, reordered, pos_BT), block.paths(z_BTP, plan, pos_BT))
+
+
+def test_paths_split_over_two_ranks_decode_like_the_whole_block():
+    """Decoding with the paths sharded over 2 expert-parallel ranks (the trainer's split, here in one process):
+    each rank adds its paths' gated deltas (which the dispatcher sums) to z, token by token."""
+    block = tiny_block(k=2, num_paths=4).eval()
+    z_BTP = torch.randn(2, 10, 16, dtype=torch.float64)
+    pos_BT = torch.arange(10).expand(2, 10)
+    stages = [block.paths]
+    for rank in range(2):
+        stages.append(copy.deepcopy(block.paths))
+        shard_experts(stages[-1], rank, 2)
+    outs = []
+    with torch.no_grad():
+        for stage in stages:
+            caches = stage.new_caches()
+            steps = [z_BTP[:, t : t + 1] for t in range(10)]
+            outs.append(torch.cat([stage.forward_cached(z, block.path_router(block.path_norm(z)), pos_BT[:, t : t + 1],
+                                                        caches) for t, z in enumerate(steps)], 1))
+        full, rank0, rank1 = outs
+        torch.testing.assert_close(rank0 + rank1 - z_BTP, full)  # each rank's output carries z once
+        torch.testing.assert_close(full, block.paths(z_BTP, block.path_router(block.path_norm(z_BTP)), pos_BT))
+
+
+@pytest.mark.parametrize("heads,kv_heads,d_path,expected", [(8, 2, 32, (4, 1)), (8, 4, 32, (4, 2)), (8, None, 16, (2, 2))])
+def test_path_attention_keeps_the_head_dim_and_the_query_to_kv_ratio(heads, kv_heads, d_path, expected):
+    """path_attention null: the full-width attention's head dim (8 here) at d_path, with as many query heads per
+    key/value head as the full-width layer (GQA stays GQA; at least one key/value head)."""
+    cfg = PathsBlockConfig(attention=AttentionConfig(num_heads=heads, num_kv_heads=kv_heads), d_path=d_path)
+    path = cfg.resolved_path_attention(64)
+    assert (path.num_heads, path.kv_heads) == expected and path.resolved_head_dim(d_path) == 8
 
 
 def test_every_path_and_projection_expert_gets_gradients():
