@@ -214,6 +214,17 @@ def test_dropless_topk_layer_keeps_its_counts_on_the_device():
     torch._dynamo.reset()
 
 
+def test_expert_choice_counts_reach_the_experts_as_known_ints():
+    """Expert choice knows its counts in advance (static_counts): the dispatcher hands them to the experts as
+    Python ints, so the layer waits for no device-to-host copy of the counts."""
+    layer = make_layer(ExpertChoiceConfig(capacity_factor=1.5))
+    seen = []
+    forward = layer.experts.forward
+    layer.experts.forward = lambda x, counts: seen.append(counts) or forward(x, counts)
+    layer(torch.randn(2, 6, D, dtype=torch.float64))
+    assert seen == [(expert_choice_capacity(12, E, 1.5, "nearest"),) * E]
+
+
 def test_aux_losses_and_stats_are_returned():
     layer = make_layer(TopKConfig(k=2, z_loss_weight=1e-3))
     out = layer(torch.randn(2, 5, D, dtype=torch.float64))
