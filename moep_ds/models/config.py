@@ -25,9 +25,9 @@ FLAVOURS: dict[str, dict[str, dict[str, Any]]] = {
         "model": {"final_norm": {"type": "rmsnorm"}},
         "block": {"norm": {"type": "rmsnorm"}, "ffn": {"type": "swiglu"}, "attention": {"rope": {}}},
     },
-    "gemma": {
-        "model": {"final_norm": {"type": "gemma_rmsnorm"}, "embedding_scale": True},
-        "block": {"norm": {"type": "gemma_rmsnorm"}, "ffn": {"type": "geglu"}, "attention": {"rope": {}}},
+    "gemma": {  # Gemma's rms_norm_eps is 1e-6 (the others' 1e-5)
+        "model": {"final_norm": {"type": "gemma_rmsnorm", "eps": 1e-6}, "embedding_scale": True},
+        "block": {"norm": {"type": "gemma_rmsnorm", "eps": 1e-6}, "ffn": {"type": "geglu"}, "attention": {"rope": {}}},
     },
     "pythia": {
         "model": {"final_norm": {"type": "layernorm"}, "tie_embeddings": False},

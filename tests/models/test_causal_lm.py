@@ -97,7 +97,8 @@ def test_flops_of_a_tied_head_count_the_head_matmul():
 
 def test_flavours_fill_in_their_architecture():
     """gpt2: LayerNorm, tanh-GELU MLP with biases, learned positions; llama: RMSNorm, SwiGLU, RoPE; gemma: (1+w)
-    RMSNorm, GeGLU, RoPE, embeddings x sqrt(d); pythia: parallel residual, 25% rotary, tanh-GELU, untied."""
+    RMSNorm of eps 1e-6, GeGLU, RoPE, embeddings x sqrt(d); pythia: parallel residual, 25% rotary, tanh-GELU,
+    untied; norms' eps 1e-5 but Gemma's."""
     from moep_ds.layers.ffn import GeGLU, GeluTanhMLP, SwiGLU
     from moep_ds.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm
 
@@ -114,6 +115,8 @@ def test_flavours_fill_in_their_architecture():
         assert type(block.ffn) is ffn and block.attention.attn.rot_dim == rot, flavour
         assert (model.pos_embed is not None, model.head.weight is model.embed.weight) == (learned, tied), flavour
         assert (model.cfg.embedding_scale, block.parallel_residual) == (scale, parallel), flavour
+        eps = 1e-6 if flavour == "gemma" else 1e-5
+        assert block.attention.norm.eps == model.norm.eps == block.ffn_norm.eps == eps, flavour
         if flavour in ("gpt2", "pythia"):
             assert block.ffn.w_in.bias is not None and block.attention.attn.w_qkv.bias is not None, flavour
 
