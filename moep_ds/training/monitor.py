@@ -56,8 +56,9 @@ def reduce_over_ranks(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def tensorboard_events(metrics: dict[str, float], scalars: dict[str, float],
                        vectors: dict[str, list[float]]) -> dict[str, float]:
-    """Tags and values: `train/<metric>`, `moe/<stat>`, `moe/<layer>.tokens_per_expert/expert_<e>` as shares."""
-    events = {f"train/{k}": v for k, v in metrics.items()}
+    """Tags and values: `train/<metric>`, `val/loss` (metric `val_loss`), `moe/<stat>`,
+    `moe/<layer>.tokens_per_expert/expert_<e>` as shares."""
+    events = {"val/loss" if k == "val_loss" else f"train/{k}": v for k, v in metrics.items()}
     events.update({f"moe/{k}": v for k, v in scalars.items()})
     for key, values in vectors.items():
         total = sum(values) if is_count(key) else 1.0

@@ -56,7 +56,7 @@ def test_statistics_are_summed_over_ranks_and_shown_as_shares(tmp_path):
         assert events[f"moe/layers.1.tokens_per_expert/expert_{e}"] == (pytest.approx(count / 13), 10)
     assert events["moe/layers.1.dropped_fraction"] == (pytest.approx(0.125), 10)
     assert events["moe/layers.1.router_entropy"] == (pytest.approx(1.5), 10)
-    assert events["train/loss"] == (2.0, 10) and events["train/val_loss"] == (1.5, 10)
+    assert events["train/loss"] == (2.0, 10) and events["val/loss"] == (1.5, 10) and "train/val_loss" not in events
     rows = [json.loads(line) for line in (tmp_path / "expert_utilization.jsonl").read_text().splitlines()]
     assert rows == [{"step": 10, "layers.1.dropped_fraction": 0.125, "layers.1.router_entropy": 1.5,
                      "layers.1.tokens_per_expert": counts}]
