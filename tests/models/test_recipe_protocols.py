@@ -29,6 +29,7 @@ def test_pythia_recipes_carry_pythias_protocol(recipe):
     assert (train.max_steps, train.global_batch_size, train.micro_batch_size, train.grad_clip) == \
         (143_000, 1024, 16, 1.0)
     assert train.activation_checkpointing is True  # Pythia's checkpoint-activations
+    assert train.eval_batches == 10  # eval-iters
     assert (data.seq_len, data.order, data.tokenizer.path) == (2048, "sequential", "hf:EleutherAI/pythia-1b")
     assert data.source == "megatron:shared:pile-standard-pythia-preshuffled/document"
     assert (cfg.model.vocab_size, data.tokenizer.vocab_size) == (50304, 50277)
