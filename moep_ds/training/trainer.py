@@ -189,11 +189,14 @@ class Trainer:
 
     def set_up(self, cfg: Config, ds_config_path: str | None, resume: str | None) -> None:
         self.cfg = cfg
+        raw_ds = read_ds_config(ds_config_path)
+        # a bad file fails before the ranks meet (init_distributed waits for all of them and compiles an op)
+        reconcile(raw_ds, cfg.train, int(os.environ.get("WORLD_SIZE", "1")))
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         setup_logging(self.rank)
         self.run_dir = pathlib.Path(cfg.train.output_dir)
-        ds = reconcile(read_ds_config(ds_config_path), cfg.train, self.world)
+        ds = reconcile(raw_ds, cfg.train, self.world)
         ds.setdefault("tensorboard", {"enabled": True, "output_path": str(self.run_dir), "job_name": "tensorboard"})
         check_with_deepspeed(ds)
         self.ds = ds

@@ -253,3 +253,28 @@ def test_expert_parallel_zero12_refuses_settings_that_mix_experts_gradients(stag
 def test_shipped_configs_resolve_to_the_fast_settings(name):
     ds = reconcile(read_ds_config(str(DS_CONFIGS / f"{name}.json")), train(micro_batch_size=2), world_size=1)
     assert ds["zero_optimization"]["contiguous_gradients"] is False
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "is not valid JSON"),
+    ('{"train_micro_batch_size_per_gpu": 3}', "train_micro_batch_size_per_gpu"),
+    ('{"optimizer": {"type": "AdamW"}}', "ds_config 'optimizer': the recipe's"),
+])
+def test_a_bad_ds_config_fails_before_the_ranks_meet(tmp_path, monkeypatch, text, message):
+    """The Trainer reads and reconciles the file (at the launcher's WORLD_SIZE) before init_distributed, which waits
+    for every rank; nothing is created."""
+    from moep_ds.training import trainer as trainer_mod
+
+    def joined():
+        raise AssertionError("init_distributed was called")
+
+    monkeypatch.setattr(trainer_mod, "init_distributed", joined)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    cfg = config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "max_seq_len": 16,
+                                      "layers": [{"type": "dense", "attention": {"num_heads": 2}}]},
+                            "train": {"max_steps": 1, "micro_batch_size": 2, "output_dir": str(tmp_path / "run")}})
+    with pytest.raises(DeepSpeedConfigError, match=message):
+        trainer_mod.Trainer(cfg, str(path), None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
