@@ -189,9 +189,11 @@ class Trainer:
 
     def set_up(self, cfg: Config, ds_config_path: str | None, resume: str | None) -> None:
         self.cfg = cfg
+        # a bad file fails before the ranks meet (init_distributed waits for all of them and compiles an op);
+        # the batch arithmetic needs the world size, known beforehand where a launcher sets WORLD_SIZE (not mpirun)
         raw_ds = read_ds_config(ds_config_path)
-        # a bad file fails before the ranks meet (init_distributed waits for all of them and compiles an op)
-        reconcile(raw_ds, cfg.train, int(os.environ.get("WORLD_SIZE", "1")))
+        if os.environ.get("WORLD_SIZE", "").isdigit():
+            reconcile(raw_ds, cfg.train, int(os.environ["WORLD_SIZE"]))
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         setup_logging(self.rank)
