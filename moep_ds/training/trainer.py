@@ -423,7 +423,7 @@ class Trainer:
                 log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s", self.step, self.max_steps,
                          metrics["loss"], metrics["lr"], metrics["tokens_per_s"])
             self.monitor.log_events(self.step, events)
-            if cfg.eval_every and self.step % cfg.eval_every == 0:
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == self.max_steps):  # and the end
                 val_loss = self.evaluate()
                 self.monitor.log_step(self.step, {"val_loss": val_loss}, {})
                 log.info("step %d val_loss %.4f", self.step, val_loss)

@@ -94,7 +94,7 @@ def expert_parallel_runs(tmp_path_factory):
             jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_fp32.json")})
             runs[stage, ep] = (recipe, out)
     out = tmp / "top2_2p"  # validation on 1 and 2 processes (test_one_process_trains_and_validates_as_two)
-    recipe = write_recipe(tmp / "top2_2p.yaml", "top2", out, max_steps=4, global_batch_size=8, eval_every=2)
+    recipe = write_recipe(tmp / "top2_2p.yaml", "top2", out, max_steps=4, global_batch_size=8, eval_every=3)
     jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")})
     runs["top2"] = (recipe, out)
     for ep in (1, 2):  # the MoEP paths block: three routed stages (projection experts, paths) sharded alike
@@ -133,7 +133,7 @@ def one_process_reference(expert_parallel_runs):
     recipe = write_recipe(tmp / "ref_1p.yaml", EP_LAYERS, out, max_steps=8, global_batch_size=8, grad_clip=0.05,
                           checkpoint={"every_steps": 5, "at_end": False}, eval_every=4)
     top2 = tmp / "top2_1p"
-    top2_recipe = write_recipe(tmp / "top2_1p.yaml", "top2", top2, max_steps=4, global_batch_size=8, eval_every=2)
+    top2_recipe = write_recipe(tmp / "top2_1p.yaml", "top2", top2, max_steps=4, global_batch_size=8, eval_every=3)
     launch(1, SCRIPTS / "run_many.py", jobs_file(tmp, [
         {"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
         {"recipe": str(top2_recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")}]))
@@ -148,7 +148,7 @@ def test_one_process_trains_and_validates_as_two(expert_parallel_runs, one_proce
     for name, two in (("msit", runs[2, 1][1]), ("top2", runs["top2"][1])):
         one = one_process_reference[name][1]
         assert losses(one) == pytest.approx(losses(two), abs=1e-5), name
-        assert sorted(val_losses(one)) == ([4, 8] if name == "msit" else [2, 4])
+        assert sorted(val_losses(one)) == ([4, 8] if name == "msit" else [3, 4])  # and at the last step
     one, two = val_losses(one_process_reference["top2"][1]), val_losses(runs["top2"][1])
     assert one == pytest.approx(two, abs=1e-5), (one, two)
 
