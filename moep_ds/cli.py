@@ -42,9 +42,19 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser for the commands a launcher starts on every rank: every rank gets the same command line, so
+    a usage error is printed by rank 0 only (the others exit with argparse's status 2 silently)."""
+
+    def error(self, message: str):
+        if launcher_rank() == 0:
+            super().error(message)
+        sys.exit(2)
+
+
 def pretrain_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Pre-train a moep_ds model under DeepSpeed.", epilog=STOPPING,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description="Pre-train a moep_ds model under DeepSpeed.", epilog=STOPPING,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
     p.add_argument("--ds_config", help="DeepSpeed JSON config (ds_configs/*.json)")
     p.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",

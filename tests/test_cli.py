@@ -47,6 +47,21 @@ def test_an_argument_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 
+@pytest.mark.parametrize("command", [
+    [str(REPO / "pretrain.py"), "--config", "r.yaml", "--bogus"],
+    ["-m", "moep_ds.evaluation.run_eval", "ckpt", "--batch_size", "two"],
+    ["-m", "moep_ds.evaluation.generate", "ckpt", "--max_new_tokens", "x"],
+])
+def test_a_usage_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, command):
+    """argparse's own refusals (unknown option, wrong type): usage and the error on rank 0, exit 2 on both."""
+    procs = [subprocess.Popen([sys.executable, *command], env=launched(rank), cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    (out0, err0), (out1, err1) = (p.communicate(timeout=300) for p in procs)
+    assert [p.returncode for p in procs] == [2, 2], (err0, err1)
+    assert err0.startswith("usage: ") and "error: " in err0, err0
+    assert (out0, out1, err1) == ("", "", "")
+
+
 def ds_config_conflict():
     cfg = config_from_dict({"model": MODEL, "train": {"micro_batch_size": 4}})
     reconcile(read_ds_config({"train_micro_batch_size_per_gpu": 8}), cfg.train, 2)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moep_ds.cli import run_command
+from moep_ds.cli import ArgumentParser, run_command
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.evaluation.partitioned import (
     load_eval_model, model_device, run_split, split_over_ranks,
@@ -180,7 +180,7 @@ def generate(
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moep-generate", description="Sample text from a moep_ds checkpoint.")
+    p = ArgumentParser(prog="moep-generate", description="Sample text from a moep_ds checkpoint.")
     p.add_argument("checkpoint", help="model directory, or run directory (newest complete checkpoint)")
     p.add_argument("--prompt", default="", help="text to continue (the prompt starts a new document)")
     p.add_argument("--max_new_tokens", type=int, default=64)

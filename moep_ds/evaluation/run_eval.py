@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moep_ds.checkpointing import layout
-from moep_ds.cli import run_command
+from moep_ds.cli import ArgumentParser, run_command
 from moep_ds.errors import SharedUserError
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,8 @@ DEFAULT_TASKS = ["blimp_filtered", "blimp_supplement"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moep-eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = ArgumentParser(prog="moep-eval", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("checkpoint", nargs="?", help="model directory, or run directory (newest complete checkpoint)")
     p.add_argument("--tasks", nargs="+", help="task or group names, space or comma separated")
     p.add_argument("--data_dir", help="data directory (default: eval.data_dir, $MOEP_DATA_DIR, ../shared/data)")
