@@ -1,0 +1,192 @@
+"""Each dense flavour against the architecture it names, as transformers implements it: an independent reference
+(GPT2LMHeadModel, LlamaForCausalLM, GemmaForCausalLM, GPTNeoXForCausalLM), not our HF export, which wraps our own
+code. Our weights, copied over by a name/layout map written here, must give the same logits.
+
+# B batch, T tokens, D model dim, H query heads, G key/value heads, Dh head dim, F FFN hidden dim, V vocabulary
+
+The reference configs state each architecture's own choices (activation, norm eps, rotary share and base,
+residual form, tying) as constants here, never read from our model, so a flavour that drifts from them fails.
+Only sizes come from the case. Every parameter is moved off its initial value first (norm scales off 1, biases
+off 0, Gemma's (1 + w) offsets off 0), so a mapping that drops or swaps a norm, a bias or a projection fails too.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from moep_ds import build_model
+from moep_ds.config import config_from_dict
+from moep_ds.layers.ffn import ffn_hidden_size
+from moep_ds.models.causal_lm import CausalLM
+
+transformers = pytest.importorskip("transformers")
+
+V, D, T, B, NUM_LAYERS, NUM_HEADS = 97, 64, 16, 2, 2, 4
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # float32; a real difference (GELU variant, rotary layout) is far above
+NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}  # ids beyond a tiny vocab
+
+
+def moep_model(flavour: str, attention: dict[str, Any], model: dict[str, Any]) -> CausalLM:
+    raw = {"model": {"flavour": flavour, "vocab_size": V, "d_model": D, "max_seq_len": T, **model,
+                     "layers": [{"type": "dense", "repeat": NUM_LAYERS,
+                                 "attention": {"num_heads": NUM_HEADS, **attention}}]}}
+    torch.manual_seed(0)
+    ours = build_model(config_from_dict(raw).model)
+    with torch.no_grad():
+        for p in ours.parameters():  # tied embeddings are one parameter: perturbed once
+            p.add_(0.05 * torch.randn_like(p))
+    return ours.eval()
+
+
+def sizes(ours: CausalLM) -> dict[str, int]:
+    """The sizes the case asked for, from our config (not our modules, so a block that ignored one would fail)."""
+    layer = ours.cfg.layers[0]
+    return {"num_heads": layer.attention.num_heads, "num_kv_heads": layer.attention.kv_heads,
+            "head_dim": layer.attention.resolved_head_dim(D), "hidden": ffn_hidden_size(layer.ffn, D)}
+
+
+def build_reference(class_name: str, config: Any, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The transformers model with our weights; strict loading: every reference tensor mapped, nothing left over."""
+    if not hasattr(transformers, class_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    config._attn_implementation = "eager"  # the plain softmax(q k^T * scale + mask) v, not SDPA
+    reference = getattr(transformers, class_name)(config).float().eval()
+    reference.load_state_dict(state_dict, strict=True)
+    return reference
+
+
+def qkv_rows(ours: CausalLM, i: int) -> tuple[dict[str, torch.Tensor], ...]:
+    """Our fused w_qkv of block i split into q [H*Dh, ...], k and v [G*Dh, ...] (weight and, if any, bias)."""
+    s = sizes(ours)
+    split = [s["num_heads"] * s["head_dim"]] + [s["num_kv_heads"] * s["head_dim"]] * 2
+    parts = {name: t.split(split, 0) for name, t in ours.blocks[i].attention.attn.w_qkv.named_parameters()}
+    return tuple({name: parts[name][j] for name in parts} for j in range(3))
+
+
+def gpt2_state_dict(ours: CausalLM) -> dict[str, torch.Tensor]:
+    """GPT-2's Conv1D stores weights as [in, out]: our Linear weights transposed; c_attn is [q | k | v] as ours."""
+    sd = {"transformer.wte.weight": ours.embed.weight, "transformer.wpe.weight": ours.pos_embed.weight,
+          "transformer.ln_f.weight": ours.norm.weight, "transformer.ln_f.bias": ours.norm.bias,
+          "lm_head.weight": ours.head.weight}
+    for i, block in enumerate(ours.blocks):
+        h = f"transformer.h.{i}"
+        for theirs, linear in [("attn.c_attn", block.attention.attn.w_qkv), ("attn.c_proj", block.attention.attn.w_o),
+                               ("mlp.c_fc", block.ffn.w_in), ("mlp.c_proj", block.ffn.w_out)]:
+            sd[f"{h}.{theirs}.weight"], sd[f"{h}.{theirs}.bias"] = linear.weight.t(), linear.bias
+        for theirs, norm in [("ln_1", block.attention.norm), ("ln_2", block.ffn_norm)]:
+            sd[f"{h}.{theirs}.weight"], sd[f"{h}.{theirs}.bias"] = norm.weight, norm.bias
+    return sd
+
+
+def gpt2_reference(ours: CausalLM) -> torch.nn.Module:
+    """GPT-2: learned positions, pre-LN, LayerNorm eps 1e-5, gelu_new (tanh GELU) MLP with biases, tied head."""
+    s = sizes(ours)
+    config = transformers.GPT2Config(
+        vocab_size=V, n_positions=T, n_embd=D, n_layer=NUM_LAYERS, n_head=s["num_heads"], n_inner=s["hidden"],
+        activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=True, **NO_SPECIAL_TOKENS)
+    return build_reference("GPT2LMHeadModel", config, gpt2_state_dict(ours))
+
+
+def llama_state_dict(ours: CausalLM) -> dict[str, torch.Tensor]:
+    """Llama and Gemma: separate q/k/v projections; both rotate dim i with i + Dh/2 (rotate_half), as ours does,
+    so q and k rows copy unpermuted. Gate = our w1, up = w3, down = w2."""
+    sd = {"model.embed_tokens.weight": ours.embed.weight, "model.norm.weight": ours.norm.weight,
+          "lm_head.weight": ours.head.weight}
+    for i, block in enumerate(ours.blocks):
+        layer = f"model.layers.{i}"
+        q, k, v = qkv_rows(ours, i)
+        sd |= {f"{layer}.self_attn.q_proj.weight": q["weight"], f"{layer}.self_attn.k_proj.weight": k["weight"],
+               f"{layer}.self_attn.v_proj.weight": v["weight"],
+               f"{layer}.self_attn.o_proj.weight": block.attention.attn.w_o.weight,
+               f"{layer}.mlp.gate_proj.weight": block.ffn.w1.weight, f"{layer}.mlp.up_proj.weight": block.ffn.w3.weight,
+               f"{layer}.mlp.down_proj.weight": block.ffn.w2.weight,
+               f"{layer}.input_layernorm.weight": block.attention.norm.weight,
+               f"{layer}.post_attention_layernorm.weight": block.ffn_norm.weight}
+    return sd
+
+
+def llama_like_config(ours: CausalLM, rope_theta: float, tie_word_embeddings: bool) -> dict[str, Any]:
+    s = sizes(ours)
+    return dict(vocab_size=V, hidden_size=D, intermediate_size=s["hidden"], num_hidden_layers=NUM_LAYERS,
+                num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"], head_dim=s["head_dim"],
+                max_position_embeddings=T, attention_bias=False, tie_word_embeddings=tie_word_embeddings,
+                rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **NO_SPECIAL_TOKENS)
+
+
+def llama_reference(ours: CausalLM, *, rope_theta: float = 10000.0, tie_word_embeddings: bool) -> torch.nn.Module:
+    """Llama: RMSNorm (eps 1e-5, Llama 2's), SiLU-gated MLP, no biases, RoPE on every head dim. Tying is the
+    recipe's choice (the flavour leaves it to `tie_embeddings`), so each case states it."""
+    config = transformers.LlamaConfig(hidden_act="silu", mlp_bias=False, rms_norm_eps=1e-5,
+                                      **llama_like_config(ours, rope_theta, tie_word_embeddings))
+    return build_reference("LlamaForCausalLM", config, llama_state_dict(ours))
+
+
+def gemma_reference(ours: CausalLM) -> torch.nn.Module:
+    """Gemma: (1 + w) RMSNorm of eps 1e-6 (our norms hold the same offset w), tanh-GELU gated MLP, embeddings
+    times sqrt(D), tied head."""
+    config = transformers.GemmaConfig(hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                                      **llama_like_config(ours, rope_theta=10000.0, tie_word_embeddings=True))
+    return build_reference("GemmaForCausalLM", config, llama_state_dict(ours))
+
+
+def gpt_neox_state_dict(ours: CausalLM) -> dict[str, torch.Tensor]:
+    """GPT-NeoX's query_key_value rows are [H, 3, Dh] (q, k, v interleaved per head); ours are [q | k | v]."""
+    s = sizes(ours)
+    sd = {"gpt_neox.embed_in.weight": ours.embed.weight, "gpt_neox.final_layer_norm.weight": ours.norm.weight,
+          "gpt_neox.final_layer_norm.bias": ours.norm.bias, "lm_head.weight": ours.head.weight}
+    for i, block in enumerate(ours.blocks):
+        layer = f"gpt_neox.layers.{i}"
+        for name, qkv in zip(("weight", "bias"), zip(*(t.values() for t in qkv_rows(ours, i)))):
+            per_head = [t.unflatten(0, (s["num_heads"], s["head_dim"])) for t in qkv]
+            sd[f"{layer}.attention.query_key_value.{name}"] = torch.stack(per_head, 1).flatten(0, 2)
+        for theirs, module in [("attention.dense", block.attention.attn.w_o), ("mlp.dense_h_to_4h", block.ffn.w_in),
+                               ("mlp.dense_4h_to_h", block.ffn.w_out), ("input_layernorm", block.attention.norm),
+                               ("post_attention_layernorm", block.ffn_norm)]:
+            sd[f"{layer}.{theirs}.weight"], sd[f"{layer}.{theirs}.bias"] = module.weight, module.bias
+    return sd
+
+
+def gpt_neox_reference(ours: CausalLM) -> torch.nn.Module:
+    """Pythia (GPT-NeoX): rotary on 25 % of each head's dims, base 10000, parallel residual, LayerNorm eps 1e-5,
+    biases everywhere, untied head; gelu_new is the tanh formula of the fused bias-GELU Pythia trained with
+    (docs/FIDELITY.md; the released HF config says exact "gelu", for inference)."""
+    s = sizes(ours)
+    config = transformers.GPTNeoXConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=s["hidden"], num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=s["num_heads"], hidden_act="gelu_new", max_position_embeddings=T, layer_norm_eps=1e-5,
+        use_parallel_residual=True, attention_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        hidden_dropout=0.0, attention_dropout=0.0, **NO_SPECIAL_TOKENS)
+    return build_reference("GPTNeoXForCausalLM", config, gpt_neox_state_dict(ours))
+
+
+# id: (flavour, attention overrides, model overrides, reference builder with this case's stated choices)
+CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], Callable[[CausalLM], torch.nn.Module]]] = {
+    "gpt2": ("gpt2", {}, {}, gpt2_reference),
+    "llama": ("llama", {}, {}, lambda ours: llama_reference(ours, tie_word_embeddings=True)),
+    # grouped-query attention, untied head, a non-default rotary base (as Mixtral's)
+    "llama_gqa_untied": ("llama", {"num_kv_heads": 2, "rope": {"base": 1e6}}, {"tie_embeddings": False},
+                         lambda ours: llama_reference(ours, rope_theta=1e6, tie_word_embeddings=False)),
+    "gemma_mqa": ("gemma", {"num_kv_heads": 1}, {}, gemma_reference),  # one key/value head, as Gemma-2B
+    "gemma_wide_heads": ("gemma", {"head_dim": 32}, {}, gemma_reference),  # H * Dh = 2D, as Gemma-7B (16 x 256)
+    "pythia": ("pythia", {}, {}, gpt_neox_reference),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_transformers_implementation_of_the_flavour(case):
+    flavour, attention, model, reference_of = CASES[case]
+    ours = moep_model(flavour, attention, model)
+    reference = reference_of(ours)
+    ids_BT = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours_BTV, reference_BTV = ours(ids_BT).logits, reference(ids_BT).logits
+    assert ours_BTV.shape == reference_BTV.shape == (B, T, V)
+    # equal weights would hide a tied head where the architecture has an untied one
+    tied = reference.get_output_embeddings().weight is reference.get_input_embeddings().weight
+    assert (ours.head.weight is ours.embed.weight) == tied
+    assert float(ours_BTV.std()) > 0.1  # logits far from constant: the tolerance below is a real constraint
+    torch.testing.assert_close(ours_BTV, reference_BTV, **TOLERANCE)
