@@ -77,7 +77,8 @@ class CausalLM(nn.Module):
     def embed_tokens(self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids_BT)
         if self.cfg.embedding_scale:
-            x = x * math.sqrt(self.cfg.d_model)
+            # sqrt(d) in the embeddings' dtype, as Gemma's releases round it (bf16: sqrt(3072) = 55.43 -> 55.5)
+            x = x * torch.tensor(math.sqrt(self.cfg.d_model), dtype=x.dtype)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions_BT)
         return x

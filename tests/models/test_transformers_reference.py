@@ -190,3 +190,25 @@ def test_logits_match_transformers_implementation_of_the_flavour(case):
     assert (ours.head.weight is ours.embed.weight) == tied
     assert float(ours_BTV.std()) > 0.1  # logits far from constant: the tolerance below is a real constraint
     torch.testing.assert_close(ours_BTV, reference_BTV, **TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemma_embedding_scale_is_rounded_to_the_activation_dtype(dtype):
+    """Gemma multiplies embeddings by sqrt(D) cast to their dtype (bf16: sqrt(512) = 22.627 -> 22.625, and at
+    Gemma-7B's D 3072, 55.43 -> 55.5), as its JAX and PyTorch releases and transformers do. At D 512 (our
+    gemma recipes' width) sqrt(D) is not representable in half precision, unlike the D of the test above."""
+    d_model = 512
+    raw = {"model": {"flavour": "gemma", "vocab_size": V, "d_model": d_model, "max_seq_len": T,
+                     "layers": [{"type": "dense", "attention": {"num_heads": NUM_HEADS}}]}}
+    torch.manual_seed(0)
+    ours = build_model(config_from_dict(raw).model).to(dtype)
+    modeling_gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    reference_class = getattr(modeling_gemma, "GemmaTextScaledWordEmbedding", None)
+    if reference_class is None:  # older releases scale inside GemmaModel.forward
+        pytest.skip(f"transformers {transformers.__version__} has no GemmaTextScaledWordEmbedding")
+    reference = reference_class(V, d_model, padding_idx=0, embed_scale=d_model**0.5).to(dtype)
+    reference.weight.data.copy_(ours.embed.weight)
+    ids_BT = torch.arange(V)[None]
+    with torch.no_grad():
+        ours_BTD = ours.embed_tokens(ids_BT, positions_BT=torch.zeros_like(ids_BT))
+        torch.testing.assert_close(ours_BTD, reference(ids_BT), rtol=0, atol=0)
