@@ -11,6 +11,7 @@ from moep_ds.cli import run_guarded
 from moep_ds.config import config_from_dict
 from moep_ds.errors import SharedUserError
 from moep_ds.evaluation.harness import check_dtype, check_model_args
+from moep_ds.evaluation.lm_eval_cli import unknown_tasks_error
 from moep_ds.training.ds_config import read_ds_config, reconcile
 from moep_ds.training.expert_parallel import check_parallel_layout
 
@@ -28,6 +29,7 @@ MODEL = {"flavour": "llama", "vocab_size": 64, "d_model": 32, "max_seq_len": 16,
          "layers": [{"type": "dense", "attention": {"num_heads": 4}}]}
 
 
+@pytest.mark.slow  # two processes per case
 @pytest.mark.parametrize("command, message", [
     (["-m", "moep_ds.evaluation.run_eval", "{tmp}", "--batch_size", "0"], "--batch_size (0) must be >= 1"),
     (["-m", "moep_ds.evaluation.run_eval", "{tmp}", "--device", "gpu0"],
@@ -47,6 +49,7 @@ def test_an_argument_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 
+@pytest.mark.slow  # two processes per case
 @pytest.mark.parametrize("command", [
     [str(REPO / "pretrain.py"), "--config", "r.yaml", "--bogus"],
     ["-m", "moep_ds.evaluation.run_eval", "ckpt", "--batch_size", "two"],
@@ -62,6 +65,26 @@ def test_a_usage_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, comm
     assert (out0, out1, err1) == ("", "", "")
 
 
+@pytest.mark.parametrize("body, message", [
+    (lambda: read_ds_config("/nonexistent/ds.json"), "--ds_config '/nonexistent/ds.json' does not exist"),
+    (lambda: unknown_tasks_error(ValueError("Tasks not found: my_task")), "--tasks: unknown lm-eval task(s) ['my_task']"),
+])
+def test_errors_about_files_a_node_may_lack_are_printed_by_every_rank(monkeypatch, capsys, body, message):
+    """A path that is missing on one node fails on its ranks only: were rank 0 the only printer, that node's ranks
+    would exit silently while rank 0 waits for them."""
+    def raise_it():
+        error = body()
+        if error is not None:
+            raise error
+
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    for rank, prefix in (("1", "[rank 1] "), ("0", "")):
+        monkeypatch.setenv("RANK", rank)
+        assert run_guarded(raise_it) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"{prefix}error: {message}") and err.count("\n") == 1, (rank, err)
+
+
 def ds_config_conflict():
     cfg = config_from_dict({"model": MODEL, "train": {"micro_batch_size": 4}})
     reconcile(read_ds_config({"train_micro_batch_size_per_gpu": 8}), cfg.train, 2)
@@ -72,15 +95,14 @@ def parallel_layout_conflict():
 
 
 @pytest.mark.parametrize("body, message", [
-    (lambda: read_ds_config("/nonexistent/ds.json"), "--ds_config '/nonexistent/ds.json' does not exist"),
     (ds_config_conflict, "train.micro_batch_size (4) conflicts with ds_config train_micro_batch_size_per_gpu (8)"),
     (parallel_layout_conflict, "train.expert_parallel_size (2) must divide the world size (3)"),
     (lambda: check_model_args({"dtpye": "bfloat16"}), "moep_ds model_args: unknown argument(s) ['dtpye']"),
     (lambda: check_dtype("int8"), "dtype ('int8') must be one of float32, bfloat16, float16"),
 ])
 def test_errors_in_what_every_rank_is_given_are_shared(monkeypatch, capsys, body, message):
-    """ds_config, parallel layout and model_args errors come after the ranks joined (or inside lm-eval): rank 0
-    reports them by the launcher's rank in the environment, as it does the command line's."""
+    """ds_config content, parallel layout and model_args errors (before or after the ranks join, or inside lm-eval):
+    rank 0 reports them by the launcher's rank in the environment, as it does the command line's."""
     with pytest.raises(SharedUserError) as err:
         body()
     assert str(err.value).startswith(message)

@@ -14,7 +14,7 @@ import sys
 
 import moep_ds.evaluation.harness  # noqa: F401 - registers the model under the name moep_ds
 from moep_ds.cli import launcher_rank, run_guarded
-from moep_ds.errors import SharedUserError
+from moep_ds.errors import SharedUserError, UserError
 from moep_ds.evaluation.partitioned import launched_world_size, run_split
 
 OUTPUT_FLAGS = ("--output_path", "-o")
@@ -43,15 +43,16 @@ def launched_argv(argv: list[str], rank: int) -> list[str]:
     return out
 
 
-def unknown_tasks_error(err: ValueError) -> SharedUserError | None:
+def unknown_tasks_error(err: ValueError) -> UserError | None:
     """lm-eval's error for unknown task names as one line naming them; None for any other ValueError. Matching its
     text is the exact check: lm-eval resolves --tasks (names, patterns, YAML files) with --include_path itself,
-    and indexing its ~15,000 tasks again beforehand would cost as long as its own look-up."""
+    and indexing its ~15,000 tasks again beforehand would cost as long as its own look-up. Printed by every rank
+    that hits it: a task YAML or --include_path folder one node lacks fails there only."""
     found = TASKS_NOT_FOUND.fullmatch(str(err))
     if found is None:
         return None
     names = found.group(1).split(", ")
-    return SharedUserError(f"--tasks: unknown lm-eval task(s) {names}; `lm-eval ls tasks` lists them "
+    return UserError(f"--tasks: unknown lm-eval task(s) {names}; `lm-eval ls tasks` lists them "
                            "(--include_path DIR adds task YAMLs, e.g. those of moep-eval --render_tasks DIR)")
 
 

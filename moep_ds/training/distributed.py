@@ -14,6 +14,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def world_size_to_be() -> int:
+    """The world init_distributed will join, known before it does: the launcher's WORLD_SIZE, or 1 for a process
+    started without one (no RANK; init_distributed makes it a world of one)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
 def init_distributed() -> torch.device:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU) and return this rank's device."""
     import deepspeed

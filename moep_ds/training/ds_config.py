@@ -21,7 +21,7 @@ import json
 import pathlib
 from typing import Any
 
-from moep_ds.errors import SharedUserError
+from moep_ds.errors import SharedUserError, UserError
 from moep_ds.training.config import TrainConfig
 
 # recipe field -> DeepSpeed key
@@ -43,6 +43,11 @@ class DeepSpeedConfigError(SharedUserError):
     """A bad --ds_config or a conflict with the recipe: every rank reads the same, so rank 0 reports it."""
 
 
+class DeepSpeedConfigFileError(UserError):
+    """--ds_config cannot be read as a JSON object here: a path one node lacks (or holds another file at) fails on
+    that node's ranks only, so each rank reports it."""
+
+
 def read_ds_config(path: str | dict | None) -> dict[str, Any]:
     if path is None:
         return {}
@@ -50,16 +55,16 @@ def read_ds_config(path: str | dict | None) -> dict[str, Any]:
         return copy.deepcopy(path)
     p = pathlib.Path(path)
     if not p.is_file():
-        raise DeepSpeedConfigError(f"--ds_config {path!r} does not exist")
+        raise DeepSpeedConfigFileError(f"--ds_config {path!r} does not exist")
     try:
         cfg = json.loads(p.read_text(), object_pairs_hook=no_duplicate_keys)
     except json.JSONDecodeError as err:
-        raise DeepSpeedConfigError(f"--ds_config {path!r} is not valid JSON: {err}") from None
+        raise DeepSpeedConfigFileError(f"--ds_config {path!r} is not valid JSON: {err}") from None
     except DuplicateKey as err:
-        raise DeepSpeedConfigError(f"--ds_config {path!r}: key {err.args[0]!r} is given twice in one object "
+        raise DeepSpeedConfigFileError(f"--ds_config {path!r}: key {err.args[0]!r} is given twice in one object "
                                    "(JSON readers keep the last silently)") from None
     if not isinstance(cfg, dict):
-        raise DeepSpeedConfigError(f"--ds_config {path!r} must hold a JSON object")
+        raise DeepSpeedConfigFileError(f"--ds_config {path!r} must hold a JSON object")
     return cfg
 
 

@@ -32,7 +32,7 @@ from moep_ds.moe.shard import expert_shard
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.blocks import apply_block_options
-from moep_ds.training.distributed import init_distributed, leave_process_group, setup_logging
+from moep_ds.training.distributed import init_distributed, leave_process_group, setup_logging, world_size_to_be
 from moep_ds.training.ds_config import check_with_deepspeed, precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import (
     check_parallel_layout, expert_parallel_group, moe_layer_classes, setup_expert_parallel, shard_of,
@@ -176,6 +176,18 @@ def build_rank_model(model_cfg, ds: dict, seed: int, ep_group=None):
     return model
 
 
+def scored_windows(num_windows: int, train, ds: dict, path) -> int:
+    """How many validation windows an evaluation scores: the first `train.eval_batches` global batches, or all whole
+    global batches of a smaller split. Whole global batches, so the same windows at any number of ranks (a global
+    batch divides into micro-batches x ranks for any split of it); fewer than one is refused."""
+    batch = ds["train_batch_size"]
+    if num_windows < batch:
+        raise DataError(f"train.eval_every ({train.eval_every}): {num_windows} validation windows in {str(path)!r} "
+                        f"are fewer than one global batch ({batch}); hold out more (data.val_fraction) or give a "
+                        "data.val_source")
+    return min(train.eval_batches, num_windows // batch) * batch
+
+
 class Trainer:
     def __init__(self, cfg: Config, ds_config_path: str | None, resume: str | None):
         """Everything up to the first step. A start-up that fails removes train.output_dir if it created it: each
@@ -189,11 +201,9 @@ class Trainer:
 
     def set_up(self, cfg: Config, ds_config_path: str | None, resume: str | None) -> None:
         self.cfg = cfg
-        # a bad file fails before the ranks meet (init_distributed waits for all of them and compiles an op);
-        # the batch arithmetic needs the world size, known beforehand where a launcher sets WORLD_SIZE (not mpirun)
+        # a bad file fails before the ranks meet (init_distributed waits for all of them and compiles an op)
         raw_ds = read_ds_config(ds_config_path)
-        if os.environ.get("WORLD_SIZE", "").isdigit():
-            reconcile(raw_ds, cfg.train, int(os.environ["WORLD_SIZE"]))
+        reconcile(raw_ds, cfg.train, world_size_to_be())
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         setup_logging(self.rank)
@@ -207,10 +217,10 @@ class Trainer:
         self.prepared, self.meta = prepare_data(cfg, self.rank)
         self.resume = resume
         self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
+        self.val = self.open_validation()
         self.engine, self.model, self.ep_group = self.build_engine()
         self.callbacks = step_callbacks(self.engine, self.ep_group)
         self.accum = ds["gradient_accumulation_steps"]
-        self.val = self.open_validation()
         self.loader = BatchLoader(self.dataset, micro_batch_size=ds["train_micro_batch_size_per_gpu"],
                                   grad_accum=self.accum, dp_rank=self.rank, dp_size=self.world, seed=cfg.train.seed,
                                   shuffle=cfg.data.order == "shuffled")
@@ -373,30 +383,24 @@ class Trainer:
         return out
 
     def open_validation(self):
-        """The validation windows, when the recipe evaluates; checked now, not at the first evaluation."""
+        """The validation windows, when the recipe evaluates: checked now, not at the first evaluation."""
         if not self.cfg.train.eval_every:
             return None
         val = open_split(self.prepared, "val", self.cfg.data.seq_len)
-        per_step = self.ds["train_micro_batch_size_per_gpu"] * self.world
-        if len(val) < per_step:
-            raise DataError(f"train.eval_every ({self.cfg.train.eval_every}): {len(val)} validation windows (seq_len "
-                            f"{self.cfg.data.seq_len}) in {str(self.prepared)!r} are fewer than one "
-                            f"evaluation step ({per_step}: micro-batch x ranks); hold out more (data.val_fraction) "
-                            "or give a data.val_source")
+        scored_windows(len(val), self.cfg.train, self.ds, path=self.prepared)
         return val
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation token loss over the first `eval_batches` global batches of validation windows in file
-        order (Megatron's eval_iters x global batch size: the same windows at any number of ranks; all of them when
-        fewer, cut to whole evaluation steps), each rank scoring its contiguous share in micro-batches (routers in
-        their eval mode)."""
+        order (all whole global batches when fewer): the same windows at any number of ranks, each rank scoring
+        its contiguous share in micro-batches (routers in their eval mode)."""
         self.engine.eval()
         total = torch.zeros((), device=self.device)
         windows = 0
+        scored = scored_windows(len(self.val), self.cfg.train, self.ds, path=self.prepared)
         for inputs, labels in eval_batches(self.val, micro_batch_size=self.ds["train_micro_batch_size_per_gpu"],
-                                           dp_rank=self.rank, dp_size=self.world,
-                                           max_windows=self.cfg.train.eval_batches * self.ds["train_batch_size"]):
+                                           dp_rank=self.rank, dp_size=self.world, max_windows=scored):
             out = self.engine(inputs.to(self.device), labels=labels.to(self.device))
             total += out.ce_loss.float() * len(inputs)  # windows are of equal length: the token mean's share
             windows += len(inputs)

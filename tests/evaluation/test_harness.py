@@ -384,3 +384,7 @@ def test_lm_eval_cli_reads_the_unknown_tasks_of_either_lm_eval_wording():
     for err, names in ((ValueError("Tasks not found: a, b_c"), ["a", "b_c"]), (older, ["a", "b_c"])):
         assert str(unknown_tasks_error(err)) == UNKNOWN_TASKS.format(names)
     assert unknown_tasks_error(ValueError("No tasks specified")) is None  # other errors stay lm-eval's
+    from moep_ds.errors import SharedUserError
+
+    # a task file or --include_path folder one node lacks fails on that node's ranks: each prints it
+    assert not isinstance(unknown_tasks_error(ValueError("Tasks not found: a")), SharedUserError)

@@ -25,7 +25,6 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
 
 
-
 def test_each_rendered_subtask_reads_its_own_phenomenon(tmp_path):
     """_each.yaml is rendered once per line of subtasks.txt: task <family>_<line> reads <line>.jsonl, and the
     group lists the sub-tasks in that file's order."""
@@ -36,6 +35,7 @@ def test_each_rendered_subtask_reads_its_own_phenomenon(tmp_path):
         for line in lines:
             (data_file,) = rendered.specs[f"{family}_{line}"].data_files
             assert data_file.name == f"{line}.jsonl", (family, line, data_file)
+
 
 def test_render_gives_every_task_absolute_data_paths(tmp_path):
     rendered = render_tasks(tmp_path / "data", tmp_path / "tasks")
@@ -123,7 +123,6 @@ def test_moep_eval_errors_are_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"error: data directory '{tmp_path / 'nowhere'}' does not exist")
     assert eval_main([]) == 2
     assert "moep-eval needs a checkpoint" in capsys.readouterr().err
-
 
 
 def files_under(root):

@@ -22,7 +22,6 @@ def write_run(run, steps=20):
     (run / "expert_utilization.jsonl").write_text("".join(json.dumps(u) + "\n" for u in util))
 
 
-
 def test_dead_means_below_a_tenth_of_the_uniform_share_and_the_last_val_loss_is_final(tmp_path):
     """With 4 experts the uniform share is 25%: an expert at 5% (a fifth of it) is alive, one at 2% dead; the
     summary's val_loss_final is the last evaluation's, not the first."""
@@ -36,6 +35,7 @@ def test_dead_means_below_a_tenth_of_the_uniform_share_and_the_last_val_loss_is_
     assert summary["layers"]["layers.0"]["dead_experts"] == [3]
     assert summary["layers"]["layers.1"]["dead_experts"] == []
     assert summary["val_loss_final"] == 4.0
+
 
 def test_summary_drop_rates_loads_and_dead_experts(tmp_path):
     write_run(tmp_path)

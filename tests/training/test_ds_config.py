@@ -8,7 +8,9 @@ from moep_ds import build_model
 from moep_ds.config import config_from_dict
 from moep_ds.schema import ConfigError
 from moep_ds.training.config import ScheduleConfig, TrainConfig
-from moep_ds.training.ds_config import DeepSpeedConfigError, check_with_deepspeed, read_ds_config, reconcile
+from moep_ds.training.ds_config import (
+    DeepSpeedConfigError, DeepSpeedConfigFileError, check_with_deepspeed, read_ds_config, reconcile,
+)
 from moep_ds.training.expert_parallel import ParallelLayoutError, check_parallel_layout
 from moep_ds.training.optim import lr_multiplier, param_groups
 from repo_paths import REPO
@@ -112,7 +114,7 @@ def test_deepspeeds_own_cross_field_checks_are_one_line():
 def test_a_key_given_twice_is_refused(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1, "stage": 2}}')
-    with pytest.raises(DeepSpeedConfigError) as info:
+    with pytest.raises(DeepSpeedConfigFileError) as info:
         read_ds_config(str(path))
     assert str(info.value) == (f"--ds_config {str(path)!r}: key 'stage' is given twice in one object (JSON readers "
                                "keep the last silently)")
@@ -275,6 +277,6 @@ def test_a_bad_ds_config_fails_before_the_ranks_meet(tmp_path, monkeypatch, text
     cfg = config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "max_seq_len": 16,
                                       "layers": [{"type": "dense", "attention": {"num_heads": 2}}]},
                             "train": {"max_steps": 1, "micro_batch_size": 2, "output_dir": str(tmp_path / "run")}})
-    with pytest.raises(DeepSpeedConfigError, match=message):
+    with pytest.raises((DeepSpeedConfigError, DeepSpeedConfigFileError), match=message):
         trainer_mod.Trainer(cfg, str(path), None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]

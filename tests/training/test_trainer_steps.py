@@ -47,19 +47,20 @@ def test_whole_epochs_end_where_the_sampler_starts_the_next_epoch(num_windows, g
         assert total_steps(cfg(epochs=fraction), num_windows=num_windows, global_batch=global_batch) == \
             max(1, int(round(fraction * 100)) * per_epoch // 100)
 
+
 MOE_MODEL = {"vocab_size": 64, "d_model": 32, "max_seq_len": 16, "layers": [
     {"type": "ffn_moe", "attention": {"num_heads": 2},
      "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 32},
              "router": {"type": "topk", "k": 2, "load_balancing_weight": 0.5}}}]}
 
 
-@pytest.mark.parametrize("eval_batches, scored", [(1, 4), (8, 8)])
+@pytest.mark.parametrize("num_windows, eval_batches, scored", [(9, 1, 4), (9, 8, 8), (10, 8, 8)])
 def test_validation_loss_is_the_mean_token_loss_over_the_same_windows_at_any_rank_count(
-        tmp_path, monkeypatch, eval_batches, scored):
+        tmp_path, monkeypatch, num_windows, eval_batches, scored):
     """Trainer.evaluate on 1 and 2 simulated ranks (the all-reduce stubbed out: rank r's share is total_r / all
     windows, so the shares add up to the mean), micro-batches of 2, a global batch of 4 (on 1 rank: 2 accumulation
-    steps): the first eval_batches x 4 of the 9 validation windows (all, cut to whole steps of micro-batch x ranks,
-    when fewer), in file order, the mean next-token cross-entropy without the auxiliary loss, routers in eval mode;
+    steps): the first eval_batches x 4 validation windows (all whole global batches when fewer: 10 windows are 8 on
+    1 rank too, where whole micro-batch steps would be 10), in file order, the mean next-token cross-entropy without the auxiliary loss, routers in eval mode;
     the model is back in train mode after."""
     import json
     import types
@@ -73,7 +74,7 @@ def test_validation_loss_is_the_mean_token_loss_over_the_same_windows_at_any_ran
     from moep_ds.training import trainer as trainer_mod
     from moep_ds.training.trainer import Trainer
 
-    seq_len, num_windows = 8, 9
+    seq_len = 8
     (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
     tokens = np.random.default_rng(0).integers(0, 64, num_windows * seq_len + 1).astype(np.uint16)
     tokens.tofile(tmp_path / "val.bin")
@@ -120,9 +121,11 @@ def test_too_few_validation_windows_for_one_evaluation_step_are_refused_at_start
     (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
     np.zeros(3 * 8 + 1, dtype=np.uint16).tofile(tmp_path / "val.bin")
     cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": 8}, "train": {"max_steps": 1, "eval_every": 5}})
-    fake = types.SimpleNamespace(prepared=tmp_path, cfg=cfg, world=2, ds={"train_micro_batch_size_per_gpu": 2})
-    with pytest.raises(DataError, match=r"^train.eval_every \(5\): 3 validation windows \(seq_len 8\) in '.*' are "
-                                        r"fewer than one evaluation step \(4: micro-batch x ranks\); hold out more"):
+    fake = types.SimpleNamespace(prepared=tmp_path, cfg=cfg, world=2,
+                                 ds={"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4})
+    with pytest.raises(DataError, match=r"^train.eval_every \(5\): 3 validation windows in '.*' are fewer than one "
+                                        r"global batch \(4\); hold out more \(data.val_fraction\) or give a "
+                                        r"data.val_source$"):
         Trainer.open_validation(fake)
     fake.cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": 8}, "train": {"max_steps": 1}})
     assert Trainer.open_validation(fake) is None  # no evaluation: the split is not read
