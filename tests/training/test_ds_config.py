@@ -271,6 +271,7 @@ def test_a_bad_ds_config_fails_before_the_ranks_meet(tmp_path, monkeypatch, text
         raise AssertionError("init_distributed was called")
 
     monkeypatch.setattr(trainer_mod, "init_distributed", joined)
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     path = tmp_path / "ds.json"
     path.write_text(text)
@@ -280,3 +281,14 @@ def test_a_bad_ds_config_fails_before_the_ranks_meet(tmp_path, monkeypatch, text
     with pytest.raises((DeepSpeedConfigError, DeepSpeedConfigFileError), match=message):
         trainer_mod.Trainer(cfg, str(path), None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
+
+
+def test_the_world_before_joining_is_the_launchers_or_one(monkeypatch):
+    """As init_distributed decides: a process without RANK is a world of one whatever WORLD_SIZE says."""
+    from moep_ds.training.distributed import world_size_to_be
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert world_size_to_be() == 1
+    monkeypatch.setenv("RANK", "3")
+    assert world_size_to_be() == 4
