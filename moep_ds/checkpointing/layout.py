@@ -4,7 +4,7 @@
     RUN_DIR/checkpoints/.tmp-step_.../    one being written (never read; removed by the next save)
     RUN_DIR/checkpoints/.step_00000100.old-<12 hex digits>/
                                           a replaced one, set aside until the new one is in (replace_dir; left
-                                          by a process killed in between: the next replacement removes it)
+                                          by a process killed in between: the next save removes it)
 
 Every directory and file written here gets the permissions the user's umask gives (tempfile.mkdtemp and some
 writers create private files; a checkpoint should read like any other file of the run).
@@ -97,18 +97,20 @@ def replace_dir(tmp: Path, final: Path) -> None:
             os.replace(old, final)
         raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    remove_left_aside(final, keep=old)
+        old.unlink() if old.is_symlink() else shutil.rmtree(old, ignore_errors=True)
+    remove_left_aside(final.parent, re.escape(final.name), keep=old)
 
 
-def remove_left_aside(final: Path, keep: Path | None = None) -> None:
-    """Remove the folders named as replace_dir sets `final` aside (`.NAME.old-` and 12 hex digits; `keep`, the
-    current call's own, excepted), with a warning each: only a replacement killed between its rename and its
-    delete leaves one. Links and files of such a name, and any other name, are left alone."""
-    aside = re.compile(rf"\.{re.escape(final.name)}\.old-[0-9a-f]{{{ASIDE_HEX}}}")
-    for path in final.parent.iterdir():
-        if aside.fullmatch(path.name) and path != keep and path.is_dir() and not path.is_symlink():
-            log.warning("removing %s: an old copy of %s that an interrupted replacement left", path, final.name)
+def remove_left_aside(parent: Path, name: str, keep: Path | None = None) -> None:
+    """Remove the folders in `parent` named as replace_dir sets a folder whose name matches the regular expression
+    `name` aside (`.NAME.old-` and 12 hex digits; `keep`, the current call's own, excepted), with a warning each:
+    only a replacement killed between its rename and its delete leaves one. Links and files of such a name, and
+    any other name, are left alone."""
+    aside = re.compile(rf"\.({name})\.old-[0-9a-f]{{{ASIDE_HEX}}}")
+    for path in parent.iterdir():
+        found = aside.fullmatch(path.name)
+        if found and path != keep and path.is_dir() and not path.is_symlink():
+            log.warning("removing %s: an old copy of %s that an interrupted replacement left", path, found.group(1))
             shutil.rmtree(path, ignore_errors=True)
 
 

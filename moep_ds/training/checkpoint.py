@@ -147,6 +147,7 @@ class CheckpointWriter:
                 for stale in self.root.glob(".tmp-*"):
                     shutil.rmtree(stale, ignore_errors=True)
                 tmp.mkdir(parents=True)
+                layout.remove_left_aside(self.root, rf"{layout.STEP_PREFIX}\d+")  # of a killed replacement
         except OSError as err:
             error = err
         self.check(sharded.agree(error is None), error, tmp, final)

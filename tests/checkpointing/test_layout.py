@@ -115,3 +115,23 @@ def test_output_dir_writes_an_empty_folder_in_place_and_empties_it_on_error(tmp_
         assert target != out
         (target / "g").write_text("new")
     assert [p.name for p in out.iterdir()] == ["g"]
+
+
+def test_a_replaced_link_goes_and_its_target_stays(tmp_path):
+    target = folder(tmp_path / "target", "kept")
+    (tmp_path / "final").symlink_to(target)
+    layout.replace_dir(folder(tmp_path / "new", "new"), tmp_path / "final")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "target"]
+    assert (tmp_path / "final" / "f").read_text() == "new" and (target / "f").read_text() == "kept"
+
+
+def test_a_save_sweeps_any_checkpoint_left_aside(tmp_path, caplog):
+    """CheckpointWriter.save removes what any step's killed replacement left (that step is rarely replaced again)."""
+    left = [folder(tmp_path / f".step_0000000{i}.old-0123456789ab", "left") for i in (1, 2)]
+    kept = [folder(tmp_path / name, "kept") for name in (".tmp-step_00000003.old-0123456789ab", "step_00000002",
+                                                          ".stepx_00000001.old-0123456789ab")]
+    with caplog.at_level("WARNING", logger=layout.__name__):
+        layout.remove_left_aside(tmp_path, rf"{layout.STEP_PREFIX}\d+")
+    assert sorted(tmp_path.iterdir()) == sorted(kept)
+    assert sorted(caplog.messages) == [f"removing {path}: an old copy of {path.name[1:14]} that an interrupted "
+                                       "replacement left" for path in left]

@@ -228,10 +228,11 @@ def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, monkeypatc
     root = out / "checkpoints"
     assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000002"]
     assert (root / ".tmp-step_00000004").is_dir()  # the half-written one is not a checkpoint
+    (root / ".step_00000001.old-0123456789ab").mkdir()  # as a replacement killed between its renames leaves one
     resumed = launch(2, REPO / "pretrain.py", *args, "--resume", "auto")
     assert "resumed from" in resumed.stderr and "step_00000002" in resumed.stderr
     assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000004", "step_00000006"]
-    assert not list(root.glob(".tmp-*"))
+    assert not list(root.glob(".tmp-*")) and not list(root.glob(".step_*"))
     steps = [m["step"] for m in metrics(out)]
     assert steps == [1, 2, 3, 4, 5, 6]  # rows 3-4 of the crashed run were dropped on resume from step 2
 
