@@ -110,7 +110,8 @@ def equal_token_records(runs: list[dict[str, Any]], curve_path: str | Path,
 def check_run_names(paths: list[str], runs: list[dict[str, Any]]) -> None:
     """Runs are told apart by name (--baseline, the report's rows): two results files of one name are refused,
     else --baseline would pick the first of them and the rows could not be told apart."""
-    twice = [p for i, p in enumerate(paths) if p in paths[:i]]
+    real = [os.path.realpath(p) for p in paths]  # a.json and ./a.json are one file
+    twice = [p for i, p in enumerate(paths) if real[i] in real[:i]]
     if twice:
         raise UserError(f"results file {twice[0]!r} is given twice")
     seen: dict[str, str] = {}

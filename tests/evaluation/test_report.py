@@ -205,6 +205,7 @@ CURVE_POINT = {"step": 1, "tokens": STEP_TOKENS, "scores": {"piqa": {"acc": 0.5}
      "results file '{r2.json}': name ('dense') is also that of '{r.json}'; runs need names of their own "
      "(moep-eval --name)"),
     ({"r.json": GOOD}, ["{r.json}"], "results file '{r.json}' is given twice"),
+    ({"r.json": GOOD}, ["{tmp}/./r.json"], "results file '{tmp}/./r.json' is given twice"),  # one file, two spellings
     # an empty list gave a report without the rows and no word why
     ({"r.json": GOOD, "ref.json": '{"models": []}'}, ["--reference", "{ref.json}"],
      "--reference '{ref.json}': models ([]) lists no model (--reference '' leaves the file out)"),
