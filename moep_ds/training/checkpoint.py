@@ -317,6 +317,17 @@ def warn_model_changes(model_cfg: Any, ckpt: pathlib.Path) -> list[str]:
     return changes
 
 
+def warn_length_change(state: dict[str, Any], max_steps: int, ckpt: pathlib.Path) -> bool:
+    """Warn when the run's length differs from the one the checkpoint was saved in (a longer run, an edited recipe,
+    epochs counted anew): the lr schedule follows the new length from the checkpoint's step on."""
+    saved = state.get("max_steps")  # absent in checkpoints of before 2026-12-02
+    if saved is None or saved == max_steps:
+        return False
+    log.warning("the run is %d steps long now, %d when %s was saved: the lr schedule follows %d from step %d on",
+                max_steps, saved, ckpt, max_steps, state["step"])
+    return True
+
+
 def differences(saved: Any, now: Any, path: str) -> list[str]:
     """'path (saved there, now here)' for every leaf that differs between two nested dict/list trees."""
     if isinstance(saved, dict) and isinstance(now, dict):

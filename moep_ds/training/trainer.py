@@ -232,6 +232,7 @@ class Trainer:
             self.loader.load_state_dict(state["data"])
             self.step = state["step"]
             log.info("resumed from %s at step %d", self.resume_from, self.step)
+            ckpt_io.warn_length_change(state, self.max_steps, self.resume_from)
             if self.rank == 0:
                 ckpt_io.warn_model_changes(cfg.model, self.resume_from)
                 drop_rows_after(self.run_dir, self.step)
@@ -349,6 +350,7 @@ class Trainer:
         scheduler = self.engine.lr_scheduler
         state = {
             "step": self.step,
+            "max_steps": self.max_steps,
             "global_samples": self.engine.global_samples,
             "skipped_steps": self.engine.skipped_steps,
             "data": self.loader.state_dict(),

@@ -152,6 +152,10 @@ def test_sharded_checkpoint_files_and_model_dir(matrix):
     assert all(p.stat().st_mode & 0o777 == mode for p in ckpt.iterdir())  # the user's umask, as any file
     model, cfg, tokenizer, meta = load_model_dir(sources[3][1])  # a run directory: its newest checkpoint
     assert meta["step"] == 6 and tokenizer is not None
+    from moep_ds.training.checkpoint import TRAINER_STATE_FILE
+
+    state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
+    assert (state["step"], state["max_steps"]) == (6, cfg.train.max_steps)
     from moep_ds.evaluation.export import main as export
 
     assert export([str(sources[3][1]), "--out", str(tmp / "export")]) == 0  # one process, weights only
@@ -215,3 +219,19 @@ def test_resume_names_model_settings_that_changed_since_the_checkpoint(tmp_path,
     assert changes == ["model.layers[0].ffn.type ('gelu_tanh' there, 'gelu' now)",
                        "model.layers[0].norm.eps (1e-05 there, 1e-06 now)"]
     assert f"the model differs from the one {ckpt} was trained with: {'; '.join(changes)}" in caplog.text
+
+
+def test_resume_warns_when_the_run_length_changed(tmp_path, caplog, monkeypatch):
+    import logging
+
+    from moep_ds.training.checkpoint import warn_length_change
+
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
+
+    ckpt = tmp_path / "step_00000003"
+    with caplog.at_level("WARNING", logger="moep_ds"):
+        assert not warn_length_change({"step": 3, "max_steps": 6}, 6, ckpt)
+        assert not warn_length_change({"step": 3}, 6, ckpt)  # saved before the length was kept
+        assert warn_length_change({"step": 3, "max_steps": 6}, 8, ckpt)
+    assert caplog.messages == [f"the run is 8 steps long now, 6 when {ckpt} was saved: the lr schedule follows 8 "
+                               "from step 3 on"]
