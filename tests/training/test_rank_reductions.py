@@ -1,0 +1,106 @@
+"""The trainer's per-step reductions over data-parallel ranks, on 2 ranks simulated in one process: each rank's
+all-reduce is answered with the element-wise SUM of what both ranks contribute (recorded first from the other
+rank), as gloo/NCCL's all_reduce(SUM) would. Expert-choice thresholds are averaged (training/hooks.py); the step's
+losses are averaged and a stop request or a due time-based checkpoint of ANY rank stops / checkpoints every rank
+(Trainer.reduce_step)."""
+import copy
+import types
+
+import pytest
+import torch
+
+from moep_ds.routing.expert_choice import ExpertChoiceConfig, ExpertChoiceRouter
+from moep_ds.training import hooks
+from moep_ds.training import trainer as trainer_mod
+from moep_ds.training.trainer import Trainer
+
+WORLD = 2
+
+
+class SimulatedSum:
+    """all_reduce(SUM) over WORLD ranks run one after another: `record(rank)` keeps what a rank sends without
+    changing it; `reduce(rank)` adds the other ranks' recorded tensors into the caller's."""
+
+    def __init__(self):
+        self.sent: dict[int, torch.Tensor] = {}
+        self.rank = 0
+        self.recording = True
+
+    def __call__(self, tensor: torch.Tensor, *args, **kwargs) -> None:
+        if self.recording:
+            self.sent[self.rank] = tensor.detach().clone()
+            return
+        for rank, other in self.sent.items():
+            if rank != self.rank:
+                tensor.add_(other.to(tensor.dtype))
+
+
+def router(seed: int) -> ExpertChoiceRouter:
+    torch.manual_seed(seed)
+    r = ExpertChoiceRouter(ExpertChoiceConfig(score="softmax_tokens"), d_model=8, num_experts=4)
+    with torch.no_grad():
+        r.threshold.copy_(torch.rand(4))
+        r.log_norm.copy_(torch.randn(4))
+        r.num_threshold_updates.fill_(3)
+    return r
+
+
+def test_expert_choice_thresholds_are_averaged_over_the_ranks(monkeypatch):
+    """Each rank's EMA saw only its tokens; after the sync every rank holds the mean (not the sum) of the ranks'
+    thresholds and normalisers, so that evaluation routes alike whichever rank's copy is saved."""
+    reduce = SimulatedSum()
+    monkeypatch.setattr(hooks.dist, "get_world_size", lambda group=None: WORLD)
+    monkeypatch.setattr(hooks.dist, "all_reduce", reduce)
+    ranks = [torch.nn.ModuleList([router(10 + r), router(20 + r)]) for r in range(WORLD)]
+    before = [{n: b.clone() for n, b in m.named_buffers()} for m in ranks]
+    for rank, model in enumerate(ranks):
+        reduce.rank = rank
+        hooks.sync_router_thresholds(copy.deepcopy(model))  # what the rank sends
+    reduce.recording = False
+    for rank, model in enumerate(ranks):
+        reduce.rank = rank
+        hooks.sync_router_thresholds(model)
+    for rank, model in enumerate(ranks):
+        for name, b in model.named_buffers():
+            if b.is_floating_point():
+                want = sum(before[r][name].double() for r in range(WORLD)) / WORLD
+                torch.testing.assert_close(b.double(), want, rtol=1e-6, atol=1e-7, msg=f"rank {rank} {name}")
+                assert b.dtype == torch.float32
+            else:  # update counters are the same on every rank and are not averaged
+                assert torch.equal(b, before[rank][name]), name
+
+
+def fake_trainer(rank: int, requested: bool, minutes: float | None):
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(checkpoint=types.SimpleNamespace(every_minutes=minutes)))
+    return types.SimpleNamespace(cfg=cfg, world=WORLD, rank=rank, device=torch.device("cpu"),
+                                 stop=types.SimpleNamespace(requested=requested))
+
+
+@pytest.mark.parametrize("stopping_rank", [None, 0, 1])
+@pytest.mark.parametrize("due_rank", [None, 0, 1])
+def test_reduce_step_averages_losses_and_any_ranks_flag_stops_or_checkpoints_every_rank(
+        monkeypatch, stopping_rank, due_rank):
+    """A signal reaches one rank (SLURM preemption sends it to one task; the launcher watch fires on one node) and
+    clocks differ between ranks: every rank must then checkpoint and stop together at the same step, or the ranks
+    would leave each other in mismatched collectives."""
+    import time
+
+    reduce = SimulatedSum()
+    monkeypatch.setattr(trainer_mod.dist, "all_reduce", reduce)
+    now = time.time()
+    sums = [{"loss": torch.tensor(2.0 + r), "ce_loss": torch.tensor(1.5 * (r + 1)), "aux/x": torch.tensor(0.25 * r)}
+            for r in range(WORLD)]
+    fakes = [fake_trainer(r, requested=r == stopping_rank, minutes=1.0) for r in range(WORLD)]
+    last_saves = [now - (120 if r == due_rank else 0) for r in range(WORLD)]  # 2 minutes ago: a save is due
+    results = []
+    for phase in ("record", "reduce"):
+        reduce.recording = phase == "record"
+        for rank in range(WORLD):
+            reduce.rank = rank
+            results.append(Trainer.reduce_step(fakes[rank], sums[rank], last_saves[rank]))
+    for rank, (losses, stop, time_due) in enumerate(results[WORLD:]):
+        assert sorted(losses) == ["aux/x", "ce_loss", "loss"]
+        for key, value in losses.items():
+            assert float(value) == pytest.approx(sum(float(s[key]) for s in sums) / WORLD), (rank, key)
+        assert stop is (stopping_rank is not None), (rank, stopping_rank)
+        assert time_due is (due_rank is not None), (rank, due_rank)
