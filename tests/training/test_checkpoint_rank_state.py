@@ -24,17 +24,21 @@ def draws() -> tuple:
 
 
 def test_rng_streams_continue_at_the_same_world_size_and_are_reseeded_per_rank_at_another(tmp_path, monkeypatch):
-    torch.manual_seed(3), random.seed(3), np.random.seed(3)
-    draws()  # somewhere in the middle of the streams
-    for rank in (0, 1):
+    nexts = []
+    for rank in (0, 1):  # each rank's streams somewhere in the middle, different per rank
+        torch.manual_seed(3 + rank), random.seed(3 + rank), np.random.seed(3 + rank)
+        draws()
         torch.save(ckpt_io.rng_state(), tmp_path / f"rng_rank{rank}.pt")
-    expected = draws()  # what the uninterrupted run draws next
+        nexts.append(draws())  # what this rank of the uninterrupted run draws next
+    expected = nexts[0]
+    assert nexts[0] != nexts[1]
     state = {"world_size": 2, "step": 7, "seed": 5}
 
     monkeypatch.setattr(ckpt_io.dist, "get_world_size", lambda group=None: 2)
-    torch.manual_seed(99), random.seed(99), np.random.seed(99)
-    ckpt_io.restore_rng(tmp_path, 0, state)
-    assert draws() == expected
+    for rank in (1, 0):  # each rank continues its own streams, not rank 0's
+        torch.manual_seed(99), random.seed(99), np.random.seed(99)
+        ckpt_io.restore_rng(tmp_path, rank, state)
+        assert draws() == nexts[rank], rank
 
     monkeypatch.setattr(ckpt_io.dist, "get_world_size", lambda group=None: 3)  # resumed at another world size
     reseeded = {}
