@@ -81,14 +81,14 @@ EP_LAYERS = "msit"
 @pytest.fixture(scope="module")
 def expert_parallel_runs(tmp_path_factory):
     """2 processes: expert parallel 1 and 2 on the same global batch under ZeRO 0, 1 and 2 (fp32, clipping on
-    every step), ZeRO-2's with checkpoints at step 5. MSIT: its experts' share of the gradient norm is large enough
+    every step), ZeRO-0's and ZeRO-2's with checkpoints at step 5. MSIT: its experts' share of the gradient norm is large enough
     that clipping by anything but the norm over all experts shows in the losses."""
     tmp = tmp_path_factory.mktemp("ep")
     runs, jobs = {}, []
     for stage in (0, 1, 2):
         for ep in (1, 2):
             out = tmp / f"zero{stage}_ep{ep}"
-            ckpt = {"every_steps": 5 if stage == 2 else None, "at_end": False}
+            ckpt = {"every_steps": 5 if stage in (0, 2) else None, "at_end": False}
             recipe = write_recipe(tmp / f"zero{stage}_ep{ep}.yaml", EP_LAYERS, out, max_steps=8, global_batch_size=8,
                                   expert_parallel_size=ep, grad_clip=0.05, checkpoint=ckpt, eval_every=4)
             jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_fp32.json")})
@@ -176,9 +176,9 @@ def test_expert_parallel_2_and_4_equal_1_on_four_processes(tmp_path):
         assert losses(out) == pytest.approx(losses(runs[0, 1]), abs=1e-5), (stage, ep)
 
 
-def resume_job(recipe, out, ckpt, **overrides):
+def resume_job(recipe, out, ckpt, stage=2, **overrides):
     sets = [f"train.output_dir={out}"] + [f"train.{k}={v}" for k, v in overrides.items()]
-    return {"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json"), "resume": str(ckpt),
+    return {"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_fp32.json"), "resume": str(ckpt),
             "overrides": sets}
 
 
@@ -189,9 +189,18 @@ def test_checkpoints_move_between_expert_parallel_and_single_process(expert_para
     one = tmp / "ep2_on_1p"
     ckpt = out_ep2 / "checkpoints" / "step_00000005"
     recipe_1p, one_ref = one_process_reference["msit"]
+    # and ZeRO-0's (no partitioned optimizer: each rank writes a share of its experts' rows, replicated over its
+    # expert-data-parallel group), two steps: the second shows the Adam moments
+    zero0 = tmp / "zero0_ep2_on_1p"
+    _, out_zero0 = runs[0, 2]
     launch(1, SCRIPTS / "run_many.py", jobs_file(tmp, [
-        resume_job(recipe_1p, one, ckpt, exit_at_step=6, expert_parallel_size=1)]))
+        resume_job(recipe_1p, one, ckpt, exit_at_step=6, expert_parallel_size=1),
+        resume_job(recipe_1p, zero0, out_zero0 / "checkpoints" / "step_00000005", stage=0, exit_at_step=7,
+                   expert_parallel_size=1)]))
     assert losses(one)[6] == pytest.approx(losses(out_ep2)[6], abs=1e-5)
+    assert sorted(losses(zero0)) == [6, 7]
+    for step in (6, 7):
+        assert losses(zero0)[step] == pytest.approx(losses(out_zero0)[step], abs=1e-5), (step, losses(zero0))
     # and a 1-process checkpoint resumes on 2 processes at expert parallel 2
     two = tmp / "1p_on_ep2"
     launch(2, SCRIPTS / "run_many.py", jobs_file(tmp, [
