@@ -1,4 +1,5 @@
-"""Shared test setup: offline hubs, one thread per process, paths to the repository and the shared data."""
+"""Shared test setup: offline hubs, one thread per process, a shorter collective timeout, paths to the repository
+and the shared data."""
 import os
 
 import pytest
@@ -6,6 +7,9 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# a collective that waits for a rank which never comes fails after 5 minutes (DeepSpeed's default is 10, as long as a
+# launch's timeout here): the error names the collective, instead of a launch timing out with nothing said
+os.environ.setdefault("DEEPSPEED_TIMEOUT", "5")
 
 import torch  # noqa: E402
 

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
@@ -129,11 +130,18 @@ def check_output_dir(output_dir: str) -> pathlib.Path:
     return path
 
 
+PREPARE_TIMEOUT = datetime.timedelta(hours=12)
+
+
 def prepare_data(cfg: Config, rank: int) -> tuple[pathlib.Path, dict]:
-    """Rank 0 prepares (or reuses) the packed corpus; the others then find it complete."""
+    """Rank 0 prepares (or reuses) the packed corpus; the others then find it complete. They wait in a barrier of
+    a gloo group of its own whose timeout (PREPARE_TIMEOUT) is not the collectives' (DeepSpeed's DEEPSPEED_TIMEOUT,
+    10 minutes), which tokenizing a large corpus on first use could outlast; a rank 0 that fails ends the wait."""
+    waiting = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
     if rank == 0:
         prepared = prepare(cfg.data)
-    dist.barrier()
+    dist.barrier(group=waiting)
+    dist.destroy_process_group(waiting)
     if rank != 0:
         prepared = prepare(cfg.data)
     return prepared, check_meta(prepared, vocab_size=cfg.model.vocab_size)

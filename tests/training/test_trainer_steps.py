@@ -129,3 +129,29 @@ def test_too_few_validation_windows_for_one_evaluation_step_are_refused_at_start
         Trainer.open_validation(fake)
     fake.cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": 8}, "train": {"max_steps": 1}})
     assert Trainer.open_validation(fake) is None  # no evaluation: the split is not read
+
+
+def test_ranks_wait_for_the_preparation_in_a_group_of_a_long_timeout(monkeypatch):
+    """Tokenizing a large corpus on first use can outlast the collectives' timeout (DeepSpeed's 10 minutes): the
+    ranks wait for rank 0 in a barrier of a group of their own with PREPARE_TIMEOUT, then leave it."""
+    import types
+
+    from moep_ds.training import trainer as trainer_mod
+
+    calls = []
+    fake = types.SimpleNamespace(
+        new_group=lambda **kw: calls.append(("new_group", kw)) or "waiting",
+        barrier=lambda **kw: calls.append(("barrier", kw)),
+        destroy_process_group=lambda group: calls.append(("destroy", group)))
+    monkeypatch.setattr(trainer_mod, "dist", fake)
+    monkeypatch.setattr(trainer_mod, "prepare", lambda data: calls.append(("prepare", None)) or "dir")
+    monkeypatch.setattr(trainer_mod, "check_meta", lambda prepared, vocab_size: {"vocab_size": vocab_size})
+    cfg = config_from_dict({"model": MODEL, "train": {"max_steps": 1}})
+    for rank, order in ((0, ["new_group", "prepare", "barrier", "destroy"]),
+                        (1, ["new_group", "barrier", "destroy", "prepare"])):
+        calls.clear()
+        assert trainer_mod.prepare_data(cfg, rank) == ("dir", {"vocab_size": 64})
+        assert [name for name, _ in calls] == order, rank
+        assert calls[0][1] == {"backend": "gloo", "timeout": trainer_mod.PREPARE_TIMEOUT}
+        assert calls[order.index("barrier")][1] == {"group": "waiting"} and ("destroy", "waiting") in calls
+    assert trainer_mod.PREPARE_TIMEOUT.total_seconds() >= 6 * 3600
