@@ -57,6 +57,31 @@ deepspeed_extra_args() {
     read -r -a DEEPSPEED_EXTRA <<<"${DEEPSPEED_ARGS:-}"
 }
 
+# deepspeed --hostfile starts the other nodes' processes through pdsh with only a few of this environment's
+# variables (PYTHON*, NCCL*, PATH, ...) and those of its environment file (DS_ENV_FILE, default .deepspeed_env in
+# ~ and in the working directory). Write one file holding the user's own and the variables a run reads
+# (MOEP_* data and cache folders, the hubs' HF_* / TRANSFORMERS_* / TOKENIZERS_* settings, OMP_NUM_THREADS,
+# DEEPSPEED_TIMEOUT), and point DS_ENV_FILE at it.
+write_deepspeed_env() {
+    local file=$1 user=${DS_ENV_FILE:-.deepspeed_env} source name sources
+    sources=("$HOME/$user" "$PWD/$user")
+    case $user in /*) sources=("$user") ;; esac
+    : >"$file"
+    for source in "${sources[@]}"; do
+        if [ -f "$source" ]; then
+            cat "$source" >>"$file"
+            if [ -n "$(tail -c 1 "$file")" ]; then echo >>"$file"; fi  # its last line ended
+        fi
+    done
+    for name in $(compgen -e); do
+        case $name in
+            MOEP_* | HF_* | TRANSFORMERS_* | TOKENIZERS_* | OMP_NUM_THREADS | DEEPSPEED_TIMEOUT)
+                printf '%s=%s\n' "$name" "${!name}" >>"$file" ;;
+        esac
+    done
+    export DS_ENV_FILE=$file
+}
+
 free_port() {
     "${PYTHON:-python3}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 }

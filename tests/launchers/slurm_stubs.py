@@ -23,7 +23,8 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 PROGS = ("sbatch", "srun", "scontrol", "deepspeed")
-RECORDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "MOEP_ROOT", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+RECORDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "MOEP_ROOT", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "DS_ENV_FILE")
 
 
 def install(bin_dir: pathlib.Path) -> pathlib.Path:

@@ -55,6 +55,36 @@ def test_multi_node_deepspeed_submits_writes_hostfile_and_launches(cluster):
     assert cluster.argv("srun") == []
 
 
+def test_multi_node_deepspeed_hands_the_runs_environment_to_the_other_nodes(cluster):
+    """pdsh passes DeepSpeed's few variables only: the launcher's DS_ENV_FILE holds the user's .deepspeed_env lines
+    (its last newline added) and the variables a run reads, for the other nodes' processes."""
+    home = cluster.tmp / "home"
+    home.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1")
+    env = {"HOME": str(home), "MOEP_DATA_DIR": "/data/moep shared", "MOEP_CACHE_DIR": "/scratch/cache",
+           "HF_HUB_OFFLINE": "1", "DEEPSPEED_TIMEOUT": "30", "OMP_NUM_THREADS": "4", "NOT_PASSED": "x"}
+    proc = cluster.run("slurm_multi_node.sbatch", *OVERRIDES, **TWO_NODES, **env)
+    assert proc.returncode == 0, proc.stderr
+    [launch] = cluster.calls("deepspeed")
+    env_file = cluster.tmp / "moep_ds-4242.env"
+    assert launch["env"]["DS_ENV_FILE"] == str(env_file)
+    lines = env_file.read_text().splitlines()
+    assert lines[0] == "NCCL_IB_DISABLE=1" and all("=" in line for line in lines)
+    for key in ("MOEP_DATA_DIR", "MOEP_CACHE_DIR", "HF_HUB_OFFLINE", "DEEPSPEED_TIMEOUT", "OMP_NUM_THREADS"):
+        assert f"{key}={env[key]}" in lines, key
+    assert not any(line.startswith(("NOT_PASSED=", "SLURM_")) for line in lines)
+
+
+def test_a_users_own_deepspeed_env_file_is_read_once(cluster):
+    user = cluster.tmp / "mine.env"
+    user.write_text("NCCL_DEBUG=INFO\n")
+    proc = cluster.run("slurm_multi_node.sbatch", *OVERRIDES, **TWO_NODES, DS_ENV_FILE=str(user))
+    assert proc.returncode == 0, proc.stderr
+    [launch] = cluster.calls("deepspeed")
+    lines = Path(launch["env"]["DS_ENV_FILE"]).read_text().splitlines()
+    assert lines.count("NCCL_DEBUG=INFO") == 1 and user.read_text() == "NCCL_DEBUG=INFO\n"  # the user's is unchanged
+
+
 def test_multi_node_srun_mode_launches_one_task_per_gpu(cluster):
     run_dir = cluster.tmp / "run"
     proc = cluster.run("slurm_multi_node.sbatch", *OVERRIDES, RUN_DIR=str(run_dir), LAUNCHER="srun", **TWO_NODES)
