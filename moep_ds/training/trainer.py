@@ -133,17 +133,18 @@ def check_output_dir(output_dir: str) -> pathlib.Path:
 PREPARE_TIMEOUT = datetime.timedelta(hours=12)
 
 
-def prepare_data(cfg: Config, rank: int) -> tuple[pathlib.Path, dict]:
-    """Rank 0 prepares (or reuses) the packed corpus; the others then find it complete. They wait in a barrier of
-    a gloo group of its own whose timeout (PREPARE_TIMEOUT) is not the collectives' (DeepSpeed's DEEPSPEED_TIMEOUT,
-    10 minutes), which tokenizing a large corpus on first use could outlast; a rank 0 that fails ends the wait."""
+def prepare_data(cfg: Config, rank: int, local_rank: int) -> tuple[pathlib.Path, dict]:
+    """Rank 0 prepares (or reuses) the packed corpus; then the first rank of every other node, which finds it
+    complete where the nodes share the cache folder and prepares its node's copy where they do not; then the rest,
+    who find it complete. The ranks wait in barriers of a gloo group of their own whose timeout (PREPARE_TIMEOUT)
+    is not the collectives' (DeepSpeed's DEEPSPEED_TIMEOUT, 10 minutes), which tokenizing a large corpus on first
+    use could outlast; a rank that fails ends the wait."""
     waiting = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
-    if rank == 0:
-        prepared = prepare(cfg.data)
-    dist.barrier(group=waiting)
+    for turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
+        if turn:
+            prepared = prepare(cfg.data)
+        dist.barrier(group=waiting)
     dist.destroy_process_group(waiting)
-    if rank != 0:
-        prepared = prepare(cfg.data)
     return prepared, check_meta(prepared, vocab_size=cfg.model.vocab_size)
 
 
@@ -222,7 +223,7 @@ class Trainer:
         self.ds = ds
         check_parallel_layout(cfg, ds, self.world)
         check_output_dir(cfg.train.output_dir)
-        self.prepared, self.meta = prepare_data(cfg, self.rank)
+        self.prepared, self.meta = prepare_data(cfg, self.rank, int(os.environ.get("LOCAL_RANK", self.rank)))
         self.resume = resume
         self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
         self.val = self.open_validation()

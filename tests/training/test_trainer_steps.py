@@ -133,7 +133,8 @@ def test_too_few_validation_windows_for_one_evaluation_step_are_refused_at_start
 
 def test_ranks_wait_for_the_preparation_in_a_group_of_a_long_timeout(monkeypatch):
     """Tokenizing a large corpus on first use can outlast the collectives' timeout (DeepSpeed's 10 minutes): the
-    ranks wait for rank 0 in a barrier of a group of their own with PREPARE_TIMEOUT, then leave it."""
+    ranks wait in barriers of a group of their own with PREPARE_TIMEOUT, then leave it. Rank 0 prepares first, then
+    the first rank of each other node (its node's copy, where the nodes do not share the cache), then the rest."""
     import types
 
     from moep_ds.training import trainer as trainer_mod
@@ -147,11 +148,13 @@ def test_ranks_wait_for_the_preparation_in_a_group_of_a_long_timeout(monkeypatch
     monkeypatch.setattr(trainer_mod, "prepare", lambda data: calls.append(("prepare", None)) or "dir")
     monkeypatch.setattr(trainer_mod, "check_meta", lambda prepared, vocab_size: {"vocab_size": vocab_size})
     cfg = config_from_dict({"model": MODEL, "train": {"max_steps": 1}})
-    for rank, order in ((0, ["new_group", "prepare", "barrier", "destroy"]),
-                        (1, ["new_group", "barrier", "destroy", "prepare"])):
+    for rank, local_rank, turn in ((0, 0, 0), (1, 1, 2), (4, 0, 1), (5, 1, 2)):  # two nodes of four
         calls.clear()
-        assert trainer_mod.prepare_data(cfg, rank) == ("dir", {"vocab_size": 64})
-        assert [name for name, _ in calls] == order, rank
+        assert trainer_mod.prepare_data(cfg, rank, local_rank) == ("dir", {"vocab_size": 64})
+        barriers = ["barrier"] * 3
+        assert [name for name, _ in calls] == ["new_group", *barriers[:turn], "prepare", *barriers[turn:],
+                                               "destroy"], rank
         assert calls[0][1] == {"backend": "gloo", "timeout": trainer_mod.PREPARE_TIMEOUT}
-        assert calls[order.index("barrier")][1] == {"group": "waiting"} and ("destroy", "waiting") in calls
+        assert all(kw == {"group": "waiting"} for name, kw in calls if name == "barrier")
+        assert calls[-1] == ("destroy", "waiting")
     assert trainer_mod.PREPARE_TIMEOUT.total_seconds() >= 6 * 3600
