@@ -65,9 +65,24 @@ def pretrain_parser() -> argparse.ArgumentParser:
     return p
 
 
+# what MPI launchers (DeepSpeed's --launcher openmpi / mpich / mvapich) set instead of RANK and WORLD_SIZE
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def first_env(names) -> str | None:
+    return next((os.environ[name] for name in names if os.environ.get(name)), None)
+
+
 def launcher_rank() -> int:
-    """This process's rank as a multi-process launcher sets it (deepspeed, torchrun: RANK; srun: SLURM_PROCID)."""
-    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+    """This process's rank as a multi-process launcher sets it (deepspeed, torchrun: RANK; srun: SLURM_PROCID; MPI
+    launchers: their own variables)."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or first_env(MPI_RANK_VARS) or 0)
+
+
+def mpi_world_size() -> int:
+    """The size of the MPI job this process was started in (1 when none)."""
+    return int(first_env(MPI_SIZE_VARS) or 1)
 
 
 def exit_joined(code: int) -> int:

@@ -1,4 +1,5 @@
-"""Process-group setup for `deepspeed`, `torchrun`, `srun` (via env) and plain single-process runs."""
+"""Process-group setup for `deepspeed`, `torchrun`, `srun` (via env), MPI launchers (DeepSpeed's MPI discovery) and
+plain single-process runs."""
 from __future__ import annotations
 
 import logging
@@ -6,6 +7,8 @@ import os
 import socket
 
 import torch
+
+from moep_ds.cli import mpi_world_size
 
 
 def free_port() -> int:
@@ -15,16 +18,17 @@ def free_port() -> int:
 
 
 def world_size_to_be() -> int:
-    """The world init_distributed will join, known before it does: the launcher's WORLD_SIZE, or 1 for a process
-    started without one (no RANK; init_distributed makes it a world of one)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    """The world init_distributed will join, known before it does: the launcher's WORLD_SIZE, an MPI launcher's
+    size, or 1 for a process started by neither (init_distributed makes it a world of one)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else mpi_world_size()
 
 
 def init_distributed() -> torch.device:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU) and return this rank's device."""
     import deepspeed
 
-    if "RANK" not in os.environ:  # a plain `python pretrain.py`: a world of one
+    # a plain `python pretrain.py`: a world of one; under an MPI launcher DeepSpeed's MPI discovery sets RANK & co.
+    if "RANK" not in os.environ and mpi_world_size() == 1:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
