@@ -57,27 +57,41 @@ deepspeed_extra_args() {
     read -r -a DEEPSPEED_EXTRA <<<"${DEEPSPEED_ARGS:-}"
 }
 
-# deepspeed --hostfile starts the other nodes' processes through pdsh with only a few of this environment's
-# variables (PYTHON*, NCCL*, PATH, ...) and those of its environment file (DS_ENV_FILE, default .deepspeed_env in
-# ~ and in the working directory). Write one file holding the user's own and the variables a run reads
-# (MOEP_* data and cache folders, the hubs' HF_* / TRANSFORMERS_* / TOKENIZERS_* settings, OMP_NUM_THREADS,
-# DEEPSPEED_TIMEOUT), and point DS_ENV_FILE at it.
+# deepspeed --hostfile starts every node's processes through pdsh with only a few of this environment's variables
+# (PYTHON*, NCCL*, PATH, ...) and those of its environment file (DS_ENV_FILE, default .deepspeed_env in ~ and in
+# the working directory). Write one file (private to the user) holding the variables a run reads (MOEP_* data and
+# cache folders, the hubs' HF_* / TRANSFORMERS_* / TOKENIZERS_* settings, GLOO_* / TORCH_*, OMP_NUM_THREADS,
+# DEEPSPEED_TIMEOUT), then the user's own file's lines, which win as DeepSpeed lets them; point DS_ENV_FILE at it.
+# DeepSpeed puts each value in double quotes on a shell command line: a value holding " $ ` \ or a newline is left
+# out with a warning (it would break the command or run on the nodes), and secrets (HF_TOKEN and other *_TOKEN,
+# *SECRET*, *PASSWORD*) are never written.
 write_deepspeed_env() {
-    local file=$1 user=${DS_ENV_FILE:-.deepspeed_env} source name sources
+    local file=$1 user=${DS_ENV_FILE:-.deepspeed_env} source name value line sources
     sources=("$HOME/$user" "$PWD/$user")
     case $user in /*) sources=("$user") ;; esac
-    : >"$file"
-    for source in "${sources[@]}"; do
-        if [ -f "$source" ]; then
-            cat "$source" >>"$file"
-            if [ -n "$(tail -c 1 "$file")" ]; then echo >>"$file"; fi  # its last line ended
-        fi
-    done
+    (umask 077 && : >"$file")
     for name in $(compgen -e); do
         case $name in
-            MOEP_* | HF_* | TRANSFORMERS_* | TOKENIZERS_* | OMP_NUM_THREADS | DEEPSPEED_TIMEOUT)
-                printf '%s=%s\n' "$name" "${!name}" >>"$file" ;;
+            *_TOKEN | *_TOKEN_* | *SECRET* | *PASSWORD*) continue ;;
+            MOEP_* | HF_* | TRANSFORMERS_* | TOKENIZERS_* | GLOO_* | TORCH_* | OMP_NUM_THREADS | DEEPSPEED_TIMEOUT) ;;
+            *) continue ;;
         esac
+        value=${!name}
+        if [[ $value == *[\"\$\`\\]* || $value == *$'\n'* ]]; then
+            log "warning: $name is not passed to the other nodes: its value holds \" \$ \` \\ or a newline"
+            continue
+        fi
+        printf '%s=%s\n' "$name" "$value" >>"$file"
+    done
+    for source in "${sources[@]}"; do
+        [ -f "$source" ] || continue
+        while IFS= read -r line || [ -n "$line" ]; do
+            if [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; then  # yours as written ($ expands on the nodes)
+                printf '%s\n' "$line" >>"$file"
+            elif [ -n "$line" ]; then
+                log "warning: $source: a line DeepSpeed cannot pass on is left out: $line"
+            fi
+        done <"$source"
     done
     export DS_ENV_FILE=$file
 }

@@ -69,10 +69,47 @@ def test_multi_node_deepspeed_hands_the_runs_environment_to_the_other_nodes(clus
     env_file = cluster.tmp / "moep_ds-4242.env"
     assert launch["env"]["DS_ENV_FILE"] == str(env_file)
     lines = env_file.read_text().splitlines()
-    assert lines[0] == "NCCL_IB_DISABLE=1" and all("=" in line for line in lines)
+    assert lines[-1] == "NCCL_IB_DISABLE=1" and all("=" in line for line in lines)  # the user's, last: it wins
     for key in ("MOEP_DATA_DIR", "MOEP_CACHE_DIR", "HF_HUB_OFFLINE", "DEEPSPEED_TIMEOUT", "OMP_NUM_THREADS"):
         assert f"{key}={env[key]}" in lines, key
     assert not any(line.startswith(("NOT_PASSED=", "SLURM_")) for line in lines)
+
+
+def test_the_deepspeed_env_file_survives_deepspeeds_quoting_and_the_remote_shell(cluster):
+    """Each line goes through DeepSpeed's own reading (split at the first '=', add_export's quoting) onto a bash
+    command line, as pdsh runs it on every node: the values arrive as they are; a value that would break the
+    command or run on the nodes is left out with a warning, secrets are never written, nor a line of the user's
+    file that DeepSpeed could not read (the others are copied as written)."""
+    from types import SimpleNamespace
+
+    from deepspeed.launcher.multinode_runner import MultiNodeRunner
+
+    home = cluster.tmp / "home"
+    home.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_DEBUG=INFO\nnot a variable\n")
+    env = {"HOME": str(home), "MOEP_DATA_DIR": "/data/with space, comma", "MOEP_CACHE_DIR": "",
+           "TOKENIZERS_PARALLELISM": "false", "HF_TOKEN": "hf_secret", "MOEP_X": 'a"b', "MOEP_Y": "$(touch pwned)",
+           "MOEP_Z": "line\nbreak"}
+    proc = cluster.run("slurm_multi_node.sbatch", *OVERRIDES, **TWO_NODES, **env)
+    assert proc.returncode == 0, proc.stderr
+    env_file = Path(cluster.calls("deepspeed")[0]["env"]["DS_ENV_FILE"])
+    assert env_file.stat().st_mode & 0o077 == 0  # the user's own
+    runner = SimpleNamespace(exports={})
+    for var in env_file.read_text().splitlines():  # deepspeed/launcher/runner.py
+        key, val = var.split("=", maxsplit=1)
+        MultiNodeRunner.add_export(runner, key, val)
+    exports = "".join(f"export {k}={v}; " for k, v in runner.exports.items())  # PDSHRunner.get_cmd
+    shown = subprocess.run(["bash", "-c", exports + "env -0"], capture_output=True, text=True, cwd=cluster.tmp)
+    remote = dict(item.split("=", 1) for item in shown.stdout.split("\0") if "=" in item)
+    for key in ("MOEP_DATA_DIR", "MOEP_CACHE_DIR", "TOKENIZERS_PARALLELISM"):
+        assert remote[key] == env[key], key
+    assert remote["NCCL_DEBUG"] == "INFO"
+    assert not {"HF_TOKEN", "MOEP_X", "MOEP_Y", "MOEP_Z"} & set(runner.exports)
+    assert not (cluster.tmp / "pwned").exists()
+    for name in ("MOEP_X", "MOEP_Y", "MOEP_Z"):
+        assert f"warning: {name} is not passed to the other nodes" in proc.stderr, name
+    assert "a line DeepSpeed cannot pass on is left out: not a variable" in proc.stderr
+    assert "hf_secret" not in env_file.read_text()
 
 
 def test_a_users_own_deepspeed_env_file_is_read_once(cluster):
