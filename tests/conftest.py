@@ -7,8 +7,9 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# a collective that waits for a rank which never comes fails after 5 minutes (DeepSpeed's default is 10, as long as a
-# launch's timeout here): the error names the collective, instead of a launch timing out with nothing said
+# a collective of the default group that waits for a rank which never comes fails after 5 minutes (DeepSpeed's
+# default is 10, as long as a launch's timeout here): the error names the collective, instead of a launch timing out
+# with nothing said. Groups made later (DeepSpeed's expert groups) keep torch's own default
 os.environ.setdefault("DEEPSPEED_TIMEOUT", "5")
 
 import torch  # noqa: E402

@@ -4,7 +4,8 @@
     RUN_DIR/checkpoints/.tmp-step_.../    one being written (never read; removed by the next save)
     RUN_DIR/checkpoints/.step_00000100.old-<12 hex digits>/
                                           a replaced one, set aside until the new one is in (replace_dir; left
-                                          by a process killed in between: the next save removes it)
+                                          by a process killed in between: the next save removes it, or renames
+                                          it back where it is the only copy)
 
 Every directory and file written here gets the permissions the user's umask gives (tempfile.mkdtemp and some
 writers create private files; a checkpoint should read like any other file of the run).
@@ -84,9 +85,9 @@ def replace_dir(tmp: Path, final: Path) -> None:
     """Put the finished directory `tmp` at `final`. An old `final` is renamed aside first (a hidden sibling that
     no reader lists) and deleted once the new one is in place: a crash leaves the old or the new one whole,
     where deleting it first could leave it half gone. Old copies of `final` that an earlier call, killed before
-    deleting them, left aside are removed once the new one is in place (never before: one may be the only copy)."""
+    deleting them, left aside are removed once the new one is in place (remove_left_aside)."""
     old = None
-    if final.exists():
+    if final.exists() or final.is_symlink():  # a link, even a dangling one, is replaced too
         # random, not the pid: a pid can repeat after a crash
         old = final.with_name(f".{final.name}.old-{secrets.token_hex(ASIDE_HEX // 2)}")
         os.replace(final, old)
@@ -96,22 +97,31 @@ def replace_dir(tmp: Path, final: Path) -> None:
         if old is not None:
             os.replace(old, final)
         raise
-    if old is not None:
-        old.unlink() if old.is_symlink() else shutil.rmtree(old, ignore_errors=True)
+    if old is not None and old.is_symlink():
+        old.unlink()
+    elif old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     remove_left_aside(final.parent, re.escape(final.name), keep=old)
 
 
 def remove_left_aside(parent: Path, name: str, keep: Path | None = None) -> None:
-    """Remove the folders in `parent` named as replace_dir sets a folder whose name matches the regular expression
-    `name` aside (`.NAME.old-` and 12 hex digits; `keep`, the current call's own, excepted), with a warning each:
-    only a replacement killed between its rename and its delete leaves one. Links and files of such a name, and
-    any other name, are left alone."""
+    """Tidy the folders in `parent` named as replace_dir sets a folder whose name matches the regular expression
+    `name` aside (`.NAME.old-` and 12 hex digits; `keep`, the current call's own, excepted): only a replacement
+    killed between its two renames leaves one. Where NAME is there, the copy is removed; where it is not, the copy
+    is the only one and is renamed back. A warning each; links and files of such a name, and any other name, are
+    left alone."""
     aside = re.compile(rf"\.({name})\.old-[0-9a-f]{{{ASIDE_HEX}}}")
-    for path in parent.iterdir():
+    for path in sorted(parent.iterdir()):
         found = aside.fullmatch(path.name)
-        if found and path != keep and path.is_dir() and not path.is_symlink():
-            log.warning("removing %s: an old copy of %s that an interrupted replacement left", path, found.group(1))
+        if not found or path == keep or not path.is_dir() or path.is_symlink():
+            continue
+        original = parent / found.group(1)
+        if original.exists() or original.is_symlink():
+            log.warning("removing %s: an old copy of %s that an interrupted replacement left", path, original.name)
             shutil.rmtree(path, ignore_errors=True)
+        else:
+            log.warning("restoring %s from %s, where an interrupted replacement left it", original.name, path)
+            os.replace(path, original)
 
 
 @contextlib.contextmanager

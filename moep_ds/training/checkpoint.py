@@ -26,6 +26,7 @@ import json
 import logging
 import pathlib
 import random
+import re
 import shutil
 import warnings
 from typing import Any
@@ -147,7 +148,7 @@ class CheckpointWriter:
                 for stale in self.root.glob(".tmp-*"):
                     shutil.rmtree(stale, ignore_errors=True)
                 tmp.mkdir(parents=True)
-                layout.remove_left_aside(self.root, rf"{layout.STEP_PREFIX}\d+")  # of a killed replacement
+                layout.remove_left_aside(self.root, rf"{re.escape(layout.STEP_PREFIX)}\d+")  # of a killed replacement
         except OSError as err:
             error = err
         self.check(sharded.agree(error is None), error, tmp, final)

@@ -136,16 +136,24 @@ PREPARE_TIMEOUT = datetime.timedelta(hours=12)
 def prepare_data(cfg: Config, rank: int, local_rank: int) -> tuple[pathlib.Path, dict]:
     """Rank 0 prepares (or reuses) the packed corpus; then the first rank of every other node, which finds it
     complete where the nodes share the cache folder and prepares its node's copy where they do not; then the rest,
-    who find it complete. The ranks wait in barriers of a gloo group of their own whose timeout (PREPARE_TIMEOUT)
-    is not the collectives' (DeepSpeed's DEEPSPEED_TIMEOUT, 10 minutes), which tokenizing a large corpus on first
-    use could outlast; a rank that fails ends the wait."""
-    waiting = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
+    who find it complete. The ranks wait in monitored barriers of a gloo group of their own with PREPARE_TIMEOUT,
+    not the collectives' timeout (DeepSpeed's DEEPSPEED_TIMEOUT, 10 minutes), which tokenizing a large corpus on
+    first use could outlast; a rank that fails ends the wait. Copies prepared on several nodes must agree (a
+    sentencepiece tokenizer trained on a sample could differ)."""
+    waiting = dist.new_group(backend="gloo")
     for turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
         if turn:
             prepared = prepare(cfg.data)
-        dist.barrier(group=waiting)
+        dist.monitored_barrier(group=waiting, timeout=PREPARE_TIMEOUT, wait_all_ranks=True)
+    meta = check_meta(prepared, vocab_size=cfg.model.vocab_size)
+    copies = [None] * dist.get_world_size()
+    dist.all_gather_object(copies, (meta.get("tokenizer_sha256"), meta["train_tokens"]), group=waiting)
     dist.destroy_process_group(waiting)
-    return prepared, check_meta(prepared, vocab_size=cfg.model.vocab_size)
+    if len(set(copies)) > 1:
+        raise SharedUserError(f"the ranks prepared different corpora ({len(set(copies))} tokenizers / token counts "
+                              f"for {str(prepared)!r}): nodes that do not share $MOEP_CACHE_DIR each prepared their "
+                              "own; run moep-prepare once into a shared MOEP_CACHE_DIR")
+    return prepared, meta
 
 
 def total_steps(cfg: Config, num_windows: int, global_batch: int) -> int:
@@ -241,8 +249,8 @@ class Trainer:
             self.loader.load_state_dict(state["data"])
             self.step = state["step"]
             log.info("resumed from %s at step %d", self.resume_from, self.step)
-            ckpt_io.warn_length_change(state, self.max_steps, self.resume_from)
             if self.rank == 0:
+                ckpt_io.warn_length_change(state, self.max_steps, self.resume_from)
                 ckpt_io.warn_model_changes(cfg.model, self.resume_from)
                 drop_rows_after(self.run_dir, self.step)
         self.checkpoints = ckpt_io.CheckpointWriter(self.run_dir, cfg.train.checkpoint.keep_last,

@@ -126,12 +126,22 @@ def test_a_replaced_link_goes_and_its_target_stays(tmp_path):
 
 
 def test_a_save_sweeps_any_checkpoint_left_aside(tmp_path, caplog):
-    """CheckpointWriter.save removes what any step's killed replacement left (that step is rarely replaced again)."""
-    left = [folder(tmp_path / f".step_0000000{i}.old-0123456789ab", "left") for i in (1, 2)]
+    """CheckpointWriter.save tidies what any step's killed replacement left (that step is rarely replaced again):
+    a copy beside its checkpoint goes, a copy whose checkpoint is missing (killed between the two renames) is the
+    only one and is renamed back."""
+    extra = folder(tmp_path / ".step_00000002.old-0123456789ab", "extra")
+    only = folder(tmp_path / ".step_00000001.old-0123456789ab", "the only copy")
     kept = [folder(tmp_path / name, "kept") for name in (".tmp-step_00000003.old-0123456789ab", "step_00000002",
                                                           ".stepx_00000001.old-0123456789ab")]
     with caplog.at_level("WARNING", logger=layout.__name__):
         layout.remove_left_aside(tmp_path, rf"{layout.STEP_PREFIX}\d+")
-    assert sorted(tmp_path.iterdir()) == sorted(kept)
-    assert sorted(caplog.messages) == [f"removing {path}: an old copy of {path.name[1:14]} that an interrupted "
-                                       "replacement left" for path in left]
+    assert sorted(tmp_path.iterdir()) == sorted([*kept, tmp_path / "step_00000001"])
+    assert (tmp_path / "step_00000001" / "f").read_text() == "the only copy"
+    assert caplog.messages == [f"restoring step_00000001 from {only}, where an interrupted replacement left it",
+                               f"removing {extra}: an old copy of step_00000002 that an interrupted replacement left"]
+
+
+def test_a_dangling_link_is_replaced(tmp_path):
+    (tmp_path / "final").symlink_to(tmp_path / "gone")
+    layout.replace_dir(folder(tmp_path / "new", "new"), tmp_path / "final")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"] and (tmp_path / "final" / "f").read_text() == "new"

@@ -106,18 +106,19 @@ def matrix(tmp_path_factory):
 def test_every_zero_stage_resumes_into_every_other(matrix, source):
     """Two resumed steps: step 4's loss depends on the restored weights only, step 5's also on the Adam moments and
     step count (each rank's whole copy of them under ZeRO-0, its partition otherwise). The ZeRO-1 source stopped at
-    step 4: its resumed step 5 is compared between the targets."""
+    step 4: its step 5 is the uninterrupted ZeRO-2 run's of the same recipe."""
     _, sources, resumed = matrix
     reference = losses(sources[source][1])
-    if 5 not in reference:
-        reference[5] = losses(resumed[(source, source)])[5]
+    borrowed = 5 not in reference
+    if borrowed:
+        reference[5] = losses(sources[2][1])[5]
     for target in STAGES:
         if (source, target) == (3, 3):
             continue
         got = losses(resumed[(source, target)])
         assert sorted(got) == [4, 5]
         for step in (4, 5):
-            if target == source:
+            if target == source and not (borrowed and step == 5):
                 assert got[step] == reference[step], (source, target, step)
             else:
                 assert got[step] == pytest.approx(reference[step], abs=1e-5), (source, target, step, got, reference)

@@ -26,7 +26,8 @@ class SimulatedSum:
         self.rank = 0
         self.recording = True
 
-    def __call__(self, tensor: torch.Tensor, *args, **kwargs) -> None:
+    def __call__(self, tensor: torch.Tensor, op=None, *args, **kwargs) -> None:
+        assert op in (None, torch.distributed.ReduceOp.SUM), op  # a sum is what this simulates
         if self.recording:
             self.sent[self.rank] = tensor.detach().clone()
             return

@@ -237,7 +237,7 @@ def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, monkeypatc
     root = out / "checkpoints"
     assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000002"]
     assert (root / ".tmp-step_00000004").is_dir()  # the half-written one is not a checkpoint
-    (root / ".step_00000001.old-0123456789ab").mkdir()  # as a replacement killed between its renames leaves one
+    (root / ".step_00000002.old-0123456789ab").mkdir()  # as a replacement killed before its delete leaves one
     resumed = launch(2, REPO / "pretrain.py", *args, "--resume", "auto")
     assert "resumed from" in resumed.stderr and "step_00000002" in resumed.stderr
     assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000004", "step_00000006"]

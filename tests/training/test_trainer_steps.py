@@ -131,30 +131,57 @@ def test_too_few_validation_windows_for_one_evaluation_step_are_refused_at_start
     assert Trainer.open_validation(fake) is None  # no evaluation: the split is not read
 
 
-def test_ranks_wait_for_the_preparation_in_a_group_of_a_long_timeout(monkeypatch):
-    """Tokenizing a large corpus on first use can outlast the collectives' timeout (DeepSpeed's 10 minutes): the
-    ranks wait in barriers of a group of their own with PREPARE_TIMEOUT, then leave it. Rank 0 prepares first, then
-    the first rank of each other node (its node's copy, where the nodes do not share the cache), then the rest."""
+def fake_preparation(monkeypatch, copies):
+    """trainer_mod's dist and preparation replaced by recorders; `copies` is what all_gather_object gathers."""
     import types
 
     from moep_ds.training import trainer as trainer_mod
 
     calls = []
+
+    def gather(out, obj, group):
+        calls.append(("all_gather_object", group))
+        out[:] = [obj if c is None else c for c in copies]
+
     fake = types.SimpleNamespace(
         new_group=lambda **kw: calls.append(("new_group", kw)) or "waiting",
-        barrier=lambda **kw: calls.append(("barrier", kw)),
+        monitored_barrier=lambda **kw: calls.append(("barrier", kw)),
+        all_gather_object=gather, get_world_size=lambda: len(copies),
         destroy_process_group=lambda group: calls.append(("destroy", group)))
     monkeypatch.setattr(trainer_mod, "dist", fake)
     monkeypatch.setattr(trainer_mod, "prepare", lambda data: calls.append(("prepare", None)) or "dir")
-    monkeypatch.setattr(trainer_mod, "check_meta", lambda prepared, vocab_size: {"vocab_size": vocab_size})
+    monkeypatch.setattr(trainer_mod, "check_meta", lambda prepared, vocab_size: {
+        "vocab_size": vocab_size, "tokenizer_sha256": "abc", "train_tokens": 100})
+    return trainer_mod, calls
+
+
+def test_ranks_wait_for_the_preparation_in_a_group_of_a_long_timeout(monkeypatch):
+    """Tokenizing a large corpus on first use can outlast the collectives' timeout (DeepSpeed's 10 minutes): the
+    ranks wait in monitored barriers of a group of their own with PREPARE_TIMEOUT, then leave it. Rank 0 prepares
+    first, then the first rank of each other node (its node's copy, where the nodes do not share the cache), then
+    the rest."""
+    trainer_mod, calls = fake_preparation(monkeypatch, [None, None])
     cfg = config_from_dict({"model": MODEL, "train": {"max_steps": 1}})
     for rank, local_rank, turn in ((0, 0, 0), (1, 1, 2), (4, 0, 1), (5, 1, 2)):  # two nodes of four
         calls.clear()
-        assert trainer_mod.prepare_data(cfg, rank, local_rank) == ("dir", {"vocab_size": 64})
+        prepared, meta = trainer_mod.prepare_data(cfg, rank, local_rank)
+        assert (prepared, meta["vocab_size"]) == ("dir", 64)
         barriers = ["barrier"] * 3
         assert [name for name, _ in calls] == ["new_group", *barriers[:turn], "prepare", *barriers[turn:],
-                                               "destroy"], rank
-        assert calls[0][1] == {"backend": "gloo", "timeout": trainer_mod.PREPARE_TIMEOUT}
-        assert all(kw == {"group": "waiting"} for name, kw in calls if name == "barrier")
+                                               "all_gather_object", "destroy"], rank
+        assert calls[0][1] == {"backend": "gloo"}
+        assert all(kw == {"group": "waiting", "timeout": trainer_mod.PREPARE_TIMEOUT, "wait_all_ranks": True}
+                   for name, kw in calls if name == "barrier")
         assert calls[-1] == ("destroy", "waiting")
     assert trainer_mod.PREPARE_TIMEOUT.total_seconds() >= 6 * 3600
+
+
+def test_copies_prepared_on_several_nodes_must_agree(monkeypatch):
+    from moep_ds.errors import SharedUserError
+
+    trainer_mod, calls = fake_preparation(monkeypatch, [None, ("other", 100)])
+    cfg = config_from_dict({"model": MODEL, "train": {"max_steps": 1}})
+    with pytest.raises(SharedUserError, match=r"^the ranks prepared different corpora \(2 tokenizers / token counts "
+                                              r"for 'dir'\): nodes that do not share \$MOEP_CACHE_DIR"):
+        trainer_mod.prepare_data(cfg, 0, 0)
+    assert calls[-1] == ("destroy", "waiting")  # the group is left before the error
