@@ -431,7 +431,7 @@ def obtain_tokenizer(cfg: DataConfig, docs, val_mask: np.ndarray, work: Path) ->
              (document_text(x, cfg.sample_by) for x in batch["text"]) if t is not None)
     logger.info("training a %s tokenizer (vocab_size %d) on %d documents", cfg.tokenizer.kind,
                 cfg.tokenizer.vocab_size, train_docs.num_rows)
-    return train_tokenizer(texts, cfg.tokenizer, work)
+    return train_tokenizer(texts, cfg.tokenizer, work, seed=cfg.seed)
 
 
 class DocumentEncoder:

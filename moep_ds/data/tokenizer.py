@@ -17,6 +17,7 @@ import hashlib
 import io
 import logging
 import os
+import random
 import re
 import shutil
 from pathlib import Path
@@ -91,12 +92,14 @@ def split_at_line_breaks(text: str, size: int = LONG_TEXT) -> list[str]:
     return pieces
 
 
-def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: str | os.PathLike) -> TextTokenizer:
-    """Train a tokenizer of exactly `cfg.vocab_size` ids on `texts` (documents) and save it in `out_dir`."""
+def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: str | os.PathLike,
+                    seed: int = 0) -> TextTokenizer:
+    """Train a tokenizer of exactly `cfg.vocab_size` ids on `texts` (documents) and save it in `out_dir`; the same
+    texts and seed give the same tokenizer (sentencepiece samples a large corpus with its seeded generator)."""
     if cfg.kind == "bpe":
         tok = train_byte_bpe(texts, cfg.vocab_size - 1)
     else:
-        model = train_sentencepiece(texts, cfg.kind.removeprefix("sentencepiece_"), cfg.vocab_size - 1)
+        model = train_sentencepiece(texts, cfg.kind.removeprefix("sentencepiece_"), cfg.vocab_size - 1, seed)
         tok = sentencepiece_to_tokenizer(model)
     complete_vocab(tok, cfg.vocab_size)
     save_tokenizer(tok, out_dir)
@@ -118,23 +121,24 @@ def train_byte_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def train_sentencepiece(texts: Iterable[str], model_type: str, vocab_size: int) -> bytes:
+def train_sentencepiece(texts: Iterable[str], model_type: str, vocab_size: int, seed: int = 0) -> bytes:
     """A serialized sentencepiece ModelProto trained with lossless settings (identity normalisation,
-    whitespace kept, byte fallback), at most `vocab_size` pieces."""
+    whitespace kept, byte fallback), at most `vocab_size` pieces; beyond SP_MAX_SENTENCES lines it trains on a
+    sample drawn with `seed`."""
     import sentencepiece as spm
 
     model = io.BytesIO()
     try:
-        _train_sentencepiece(spm, texts, model, model_type, vocab_size)
+        _train_sentencepiece(spm, sample_lines(texts, SP_MAX_SENTENCES, seed), model, model_type, vocab_size)
     except RuntimeError as err:  # e.g. "Vocabulary size is smaller than required_chars. 299 vs 302. ..."
         reason = str(err).splitlines()[-1].split("] ")[-1]
         raise DataError(f"sentencepiece {model_type} with vocab_size {vocab_size + 1} failed: {reason}") from err
     return model.getvalue()
 
 
-def _train_sentencepiece(spm, texts: Iterable[str], model: io.BytesIO, model_type: str, vocab_size: int) -> None:
+def _train_sentencepiece(spm, lines: list[str], model: io.BytesIO, model_type: str, vocab_size: int) -> None:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_lines(texts),
+        sentence_iterator=iter(lines),
         model_writer=model,
         model_type=model_type,
         vocab_size=vocab_size,
@@ -145,11 +149,24 @@ def _train_sentencepiece(spm, texts: Iterable[str], model: io.BytesIO, model_typ
         add_dummy_prefix=False,
         unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1,
         user_defined_symbols=[EOT],
-        input_sentence_size=SP_MAX_SENTENCES,
-        shuffle_input_sentence=True,
+        input_sentence_size=0,  # the lines are sample_lines' sample already
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
     )
+
+
+def sample_lines(texts: Iterable[str], limit: int, seed: int) -> list[str]:
+    """The documents' lines, or a uniform sample of `limit` of them drawn with `seed` (reservoir sampling) when
+    there are more: sentencepiece's own sampling cannot be seeded, and two preparations of one corpus (on two
+    nodes) must train the same tokenizer."""
+    rng = random.Random(seed)
+    sample: list[str] = []
+    for i, line in enumerate(_lines(texts)):
+        if i < limit:
+            sample.append(line)
+        elif (j := rng.randrange(i + 1)) < limit:
+            sample[j] = line
+    return sample
 
 
 def _lines(texts: Iterable[str]) -> Iterator[str]:

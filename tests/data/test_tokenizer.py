@@ -1,6 +1,7 @@
 """Tokenizers: lossless round trips, exact vocabulary size with the mask token last, sentencepiece
 conversion equal to sentencepiece itself, files loadable by transformers."""
 import hashlib
+import os
 
 import pytest
 
@@ -109,3 +110,42 @@ def test_sentencepiece_vocab_too_small_is_one_line_error(tmp_path):
 def test_load_missing_tokenizer_is_data_error(tmp_path):
     with pytest.raises(DataError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+SAMPLED_SENTENCEPIECE = """
+import hashlib, random, sys
+from moep_ds.data import tokenizer
+tokenizer.SP_MAX_SENTENCES = 101  # sentencepiece's least; the corpus below has 2,000 lines
+rng = random.Random(0)
+texts = ["\\n".join(" ".join("".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(2, 9)))
+                             for _ in range(8)) for _ in range(20)) for _ in range(100)]
+print(hashlib.sha256(tokenizer.train_sentencepiece(texts, "unigram", 600, int(sys.argv[1]))).hexdigest())
+"""
+
+
+def test_sentencepiece_on_a_sample_is_the_same_for_the_same_seed():
+    """Beyond SP_MAX_SENTENCES lines sentencepiece trains on a sample; its own sampling differs from process to
+    process whatever its seed: the sample is drawn with the data seed instead, so that two preparations of one
+    corpus (e.g. on two nodes) train the same tokenizer. Separate processes, as two nodes are."""
+    import subprocess
+    import sys
+
+    from repo_paths import REPO
+
+    def trained(seed):
+        return subprocess.run([sys.executable, "-c", SAMPLED_SENTENCEPIECE, str(seed)], capture_output=True, text=True,
+                              check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+
+    first, again, other = trained(7), trained(7), trained(8)
+    assert first == again and first != other
+
+
+def test_sample_lines_is_a_seeded_uniform_sample_or_everything():
+    from moep_ds.data.tokenizer import sample_lines
+
+    docs = ["a\nb\n\nc", "d", "e\nf"]
+    assert sample_lines(docs, 10, seed=0) == ["a", "b", "c", "d", "e", "f"]
+    assert sample_lines(docs, 3, seed=1) == sample_lines(docs, 3, seed=1) and len(sample_lines(docs, 3, seed=1)) == 3
+    drawn = [frozenset(sample_lines([str(i) for i in range(10)], 3, seed)) for seed in range(2000)]
+    counts = [sum(str(i) in d for d in drawn) for i in range(10)]
+    assert all(500 < c < 700 for c in counts), counts  # each line in 3/10 of the samples
