@@ -95,7 +95,8 @@ def split_at_line_breaks(text: str, size: int = LONG_TEXT) -> list[str]:
 def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: str | os.PathLike,
                     seed: int = 0) -> TextTokenizer:
     """Train a tokenizer of exactly `cfg.vocab_size` ids on `texts` (documents) and save it in `out_dir`; the same
-    texts and seed give the same tokenizer (sentencepiece samples a large corpus with its seeded generator)."""
+    texts and seed give the same tokenizer (a sentencepiece one trains on a sample of a large corpus drawn with
+    `seed`: sample_lines)."""
     if cfg.kind == "bpe":
         tok = train_byte_bpe(texts, cfg.vocab_size - 1)
     else:

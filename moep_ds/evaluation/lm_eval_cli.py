@@ -53,7 +53,7 @@ def unknown_tasks_error(err: ValueError) -> UserError | None:
         return None
     names = found.group(1).split(", ")
     return UserError(f"--tasks: unknown lm-eval task(s) {names}; `lm-eval ls tasks` lists them "
-                           "(--include_path DIR adds task YAMLs, e.g. those of moep-eval --render_tasks DIR)")
+                     "(--include_path DIR adds task YAMLs, e.g. those of moep-eval --render_tasks DIR)")
 
 
 def main() -> int:

@@ -62,7 +62,7 @@ def read_ds_config(path: str | dict | None) -> dict[str, Any]:
         raise DeepSpeedConfigFileError(f"--ds_config {path!r} is not valid JSON: {err}") from None
     except DuplicateKey as err:
         raise DeepSpeedConfigFileError(f"--ds_config {path!r}: key {err.args[0]!r} is given twice in one object "
-                                   "(JSON readers keep the last silently)") from None
+                                       "(JSON readers keep the last silently)") from None
     if not isinstance(cfg, dict):
         raise DeepSpeedConfigFileError(f"--ds_config {path!r} must hold a JSON object")
     return cfg

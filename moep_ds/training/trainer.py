@@ -402,11 +402,12 @@ class Trainer:
         return out
 
     def open_validation(self):
-        """The validation windows, when the recipe evaluates: checked now, not at the first evaluation."""
+        """The validation windows, when the recipe evaluates, and how many an evaluation scores (`val_windows`):
+        checked now, not at the first evaluation."""
         if not self.cfg.train.eval_every:
             return None
         val = open_split(self.prepared, "val", self.cfg.data.seq_len)
-        scored_windows(len(val), self.cfg.train, self.ds, path=self.prepared)
+        self.val_windows = scored_windows(len(val), self.cfg.train, self.ds, path=self.prepared)
         return val
 
     @torch.no_grad()
@@ -417,9 +418,8 @@ class Trainer:
         self.engine.eval()
         total = torch.zeros((), device=self.device)
         windows = 0
-        scored = scored_windows(len(self.val), self.cfg.train, self.ds, path=self.prepared)
         for inputs, labels in eval_batches(self.val, micro_batch_size=self.ds["train_micro_batch_size_per_gpu"],
-                                           dp_rank=self.rank, dp_size=self.world, max_windows=scored):
+                                           dp_rank=self.rank, dp_size=self.world, max_windows=self.val_windows):
             out = self.engine(inputs.to(self.device), labels=labels.to(self.device))
             total += out.ce_loss.float() * len(inputs)  # windows are of equal length: the token mean's share
             windows += len(inputs)
