@@ -42,6 +42,7 @@ setup(
             "moep-export = moep_ds.evaluation.export:main",
             "moep-generate = moep_ds.evaluation.generate:main",
             "moep-analyze = moep_ds.cli:analyze_main",
+            "moep-import = moep_ds.interop.import_cli:main",
         ]
     },
     package_data={"moep_ds.evaluation": ["hf_template/*.py"]},

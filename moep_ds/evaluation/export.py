@@ -200,6 +200,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="model directory, or run directory (newest complete checkpoint)")
     p.add_argument("--out", required=True, help="directory to write (not in a run directory's checkpoints)")
     p.add_argument("--hf", action="store_true", help="write a Hugging Face (trust_remote_code) directory")
+    p.add_argument("--native", action="store_true",
+                   help="with --hf: the architecture's own format (GPT-2, Llama, Gemma, GPT-NeoX; dense models only), "
+                        "loaded without trust_remote_code and read back by moep-import")
     p.add_argument("--force", action="store_true",
                    help="replace --out as a whole if it exists (once the new export is complete)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -217,7 +220,9 @@ def _main(args: argparse.Namespace) -> int:
     check_export_dir(out, args.force)  # before the weights are read
     tokenizer_dir = checked_tokenizer(source)
     meta = {**read_meta(source), "exported_from": str(source.resolve())}
-    if args.hf:
+    if args.native:
+        export_native(source, cfg, out, args, tokenizer_dir, meta)
+    elif args.hf:
         entries, _ = stored_weights(source, cfg, prefix="model.")
         export_hf_weights(entries, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=args.force)
     else:
@@ -228,6 +233,23 @@ def _main(args: argparse.Namespace) -> int:
             write_model_files(entries, extra, cfg, tmp, tokenizer_dir, meta)
     log.info("wrote %s", out)
     return 0
+
+
+def export_native(source: Path, cfg: Any, out: Path, args: argparse.Namespace, tokenizer_dir: Path | None,
+                  meta: dict[str, Any]) -> None:
+    """--hf --native: interop/export_native.py, written as atomically as the other exports."""
+    from moep_ds.checkpointing.model_dir import stored_weights
+    from moep_ds.data.tokenizer import load_tokenizer
+    from moep_ds.interop.export_native import write_native_dir
+    from moep_ds.interop.hf_layout import spec_of
+
+    if not args.hf:
+        raise UserError("--native is a form of --hf: pass both")
+    spec_of(cfg.model)  # a model with no native format fails before anything is written
+    entries, _ = stored_weights(source, cfg)
+    eot_id = load_tokenizer(tokenizer_dir).eot_id if tokenizer_dir is not None else None
+    with layout.output_dir(out) as tmp:
+        write_native_dir(entries, cfg, tmp, tokenizer_dir, eot_id, meta)
 
 
 def main(argv: list[str] | None = None) -> int:

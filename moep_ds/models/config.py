@@ -12,7 +12,9 @@ from typing import Annotated, Any, Iterator, Literal
 
 from moep_ds.layers.norm import NormConfig
 from moep_ds.registry import BLOCKS, NORMS
-from moep_ds.schema import ConfigError, OneOf, PositiveFloat, PositiveInt, fail, join
+from moep_ds.schema import (
+    ConfigError, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, fail, join,
+)
 
 FLAVOURS: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {
@@ -96,6 +98,14 @@ BLOCKS.register("group", config=BlockGroupConfig)(None)
 
 
 @dataclasses.dataclass(kw_only=True)
+class UpcycleConfig:
+    """Sparse upcycling of `init_from` (a dense checkpoint) into this recipe's ffn_moe blocks (interop/upcycle.py)."""
+
+    noise_std: NonNegativeFloat = 0.0  # absolute std of Gaussian noise on each expert's matrices (0: exact copies)
+    seed: NonNegativeInt = 0  # of that noise, drawn per (tensor, expert)
+
+
+@dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     flavour: str | None = None
     vocab_size: PositiveInt
@@ -112,6 +122,10 @@ class ModelConfig:
     # wang_init N(0, 2 / (L sqrt(d))) for output projections (Pythia's init_method / output_layer_init_method)
     init: Literal["normal", "gpt_neox"] = "normal"
     init_num_layers: PositiveInt | None = None  # L of wang_init; null: the number of blocks
+    # weights to start from instead of `init` (interop/): a Hugging Face folder or hf:REPO[@REVISION] of the same
+    # architecture, or a moep_ds run / checkpoint; read when a run starts fresh (not on --resume) and by moep-import
+    init_from: str | None = None
+    upcycle: UpcycleConfig | None = None  # init_from is dense: build this recipe's ffn_moe blocks from it
 
     def init_scales(self, num_blocks: int) -> tuple[float, float]:
         """(std of input-side weights, factor for output projections) of the `init` scheme."""
@@ -137,6 +151,7 @@ class ModelConfig:
     def validate(self, path: str) -> None:
         if not self.layers:
             fail(join(path, "layers"), self.layers, "must not be empty")
+        check_init_from(self, path)
         for i, layer in enumerate(self.layers):
             if hasattr(layer, "check_dims"):
                 layer.check_dims(join(join(path, "layers"), i), self.d_model)
@@ -144,6 +159,24 @@ class ModelConfig:
     def expanded_layers(self) -> list[Any]:
         """One block config per layer, `repeat` and groups unrolled."""
         return list(expand(self.layers))
+
+
+def check_init_from(cfg: ModelConfig, path: str) -> None:
+    """The form of init_from only: whether it exists is checked when it is read (a recipe stored in a checkpoint
+    keeps naming it after the folder is gone)."""
+    if cfg.init_from is not None and cfg.init_from.startswith("hf:"):
+        from moep_ds.errors import UserError
+        from moep_ds.interop.hub import split_hub_spec
+
+        try:
+            split_hub_spec(cfg.init_from)
+        except UserError:
+            fail(join(path, "init_from"), cfg.init_from, "is not hf:ORG/NAME[@REVISION] (e.g. "
+                 "hf:EleutherAI/pythia-1b@step13000)")
+    if cfg.init_from is not None and not cfg.init_from.strip():
+        fail(join(path, "init_from"), cfg.init_from, "must name a folder or hf:REPO[@REVISION]")
+    if cfg.upcycle is not None and cfg.init_from is None:
+        fail(join(path, "upcycle"), "set", "needs model.init_from (the dense checkpoint to upcycle)")
 
 
 def layer_entries(layers: list[Any], path: str) -> Iterator[tuple[str, Any]]:

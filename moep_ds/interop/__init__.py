@@ -1,0 +1,10 @@
+"""Weights in and out: Hugging Face import (and the native export), sparse upcycling, `model.init_from`.
+
+    hub.py          SRC: a folder or hf:REPO[@REVISION], resolved through huggingface_hub's cache
+    hf_layout.py    the four architectures (GPT-2, Llama, Gemma, GPT-NeoX): config.json <-> recipe, names, layouts
+    hf_weights.py   a Hugging Face folder's tensors under our names, streamed (safetensors / .bin, sharded or not)
+    upcycle.py      a dense model's weights as an FFN-MoE's (experts copied, routers from the recipe's seed)
+    sources.py      source_weights: the one implementation behind moep-import and model.init_from
+    weights.py      Weight, and filling what a process holds (its experts, its ZeRO-3 partitions) from weights
+    importer.py     moep-import: a checkpoint of the run-directory format, model only, at step 0 or the revision's
+"""

@@ -1,0 +1,41 @@
+"""`moep-import SRC --out RUN_DIR --config RECIPE [--set k=v ...]`: a Hugging Face checkpoint (a folder, or
+hf:REPO[@REVISION] from huggingface_hub's cache) or a dense moep_ds checkpoint into a moep_ds run directory.
+
+    moep-import hf:EleutherAI/pythia-1b@step13000 --out runs/pythia_1b_step13000 --config configs/pythia_1b_dense.yaml
+    moep-import runs/pythia_1b_step13000 --out runs/pythia_1b_upcycled --config configs/pythia_1b_upcycled_moe.yaml
+
+With a recipe that sets model.upcycle (an FFN-MoE of the same backbone), the dense source is upcycled.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moep_ds.cli import run_command
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moep-import", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("source", metavar="SRC", help="Hugging Face folder, hf:REPO[@REVISION], or moep_ds checkpoint")
+    p.add_argument("--out", required=True, help="the run directory to write (new or empty)")
+    p.add_argument("--config", required=True, help="the recipe whose model the weights are checked against")
+    p.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                   help="recipe overrides, e.g. model.upcycle.noise_std=0.01")
+    return p
+
+
+def _main(args: argparse.Namespace) -> int:
+    from moep_ds.config import load_config
+    from moep_ds.interop.importer import import_checkpoint
+
+    import_checkpoint(args.source, load_config(args.config, args.set), args.out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(_main, parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

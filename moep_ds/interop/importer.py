@@ -1,0 +1,96 @@
+"""`moep-import SRC --out RUN_DIR --config RECIPE`: weights from elsewhere as an ordinary moep_ds checkpoint.
+
+    RUN_DIR/checkpoints/step_<N>/     the run-directory format training writes (checkpointing/), model only:
+                                      DCP model tensors, tensors.json, extra_state.json, config.yaml (the recipe,
+                                      init_from and upcycle cleared: the weights are in it), meta.json (step N
+                                      and where the weights came from), the source's tokenizer files, COMPLETE
+
+N is the revision's step (`@stepN`, Pythia's checkpoints), else 0. moep-eval, moep-export and moep-generate read
+the run directory as they read a trained one; training starts from it with `model.init_from: RUN_DIR` (it has no
+optimizer state to `--resume`). RUN_DIR appears whole or not at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moep_ds.checkpointing import layout, model_state, sharded
+from moep_ds.checkpointing.model_dir import write_recipe_files
+from moep_ds.errors import UserError
+from moep_ds.interop.sources import source_weights
+from moep_ds.interop.weights import fill_pieces
+
+log = logging.getLogger(__name__)
+
+
+def check_out_dir(out: Path) -> None:
+    """A new or empty folder: an import never writes into another run's directory."""
+    layout.check_dir_target("--out", out)
+    if out.exists() and not layout.is_empty_dir(out):
+        raise UserError(f"--out ({str(out)!r}) exists and is not empty: moep-import writes a new run directory")
+
+
+def build_imported(src: str, cfg: Any) -> tuple[torch.nn.Module, Any]:
+    """The recipe's model with the weights of `src` (the routers of an upcycled one seeded by train.seed, as
+    the trainer seeds them), and the resolved source."""
+    from moep_ds.models.causal_lm import build_model
+
+    weights, keep, source = source_weights(src, cfg.model, cfg.data.tokenizer, what="SRC")
+    model = build_model(cfg.model, initialise=False)
+    if keep:
+        torch.manual_seed(cfg.train.seed)
+        model.init_weights(None)
+    fill_pieces(model_state.module_pieces(model), weights, keep, f"SRC ({src!r})")
+    return model.eval(), source
+
+
+def import_checkpoint(src: str, cfg: Any, out: str | Path) -> Path:
+    """Write RUN_DIR `out` (see the module docstring); returns the checkpoint's folder."""
+    out = Path(out)
+    check_out_dir(out)
+    model, source = build_imported(src, cfg)
+    step = source.step or 0
+    stored = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None, upcycle=None))
+    tokenizer_dir = source_tokenizer(source.folder)
+    meta = {"step": step, **source.describe(), "upcycled": cfg.model.upcycle is not None}
+    tag = layout.checkpoint_tag(step)
+    with layout.output_dir(out) as tmp:
+        write_model_checkpoint(model, stored, layout.checkpoint_root(tmp) / tag, tokenizer_dir, meta)
+    log.info("imported %s into %s (step %d)", src, out, step)
+    return layout.checkpoint_root(out) / tag
+
+
+def write_model_checkpoint(model: torch.nn.Module, cfg: Any, path: Path, tokenizer_dir: Path | None,
+                           meta: dict[str, Any]) -> None:
+    """A complete model-only checkpoint of a whole (single-process) model at `path`, as the trainer's writer lays
+    it out: each tensor under its canonical name through checkpointing's DCP functions."""
+    path.mkdir(parents=True)
+    sharded.save(model_state.module_pieces(model), path)
+    sharded.save_json({k: list(v) for k, v in model_state.shapes(model).items()}, path / sharded.TENSORS_FILE)
+    sharded.save_json(model_state.extra_states(model), path / model_state.EXTRA_STATE_FILE)
+    write_recipe_files(cfg, path, tokenizer_dir, meta)
+    (path / layout.COMPLETE).touch()
+
+
+def source_tokenizer(folder: Path) -> Path | None:
+    """The source's tokenizer folder when it is one moep_ds runs (an end-of-text token), else None with a note:
+    the checkpoint then runs on token ids (moep-eval and moep-generate need text)."""
+    from moep_ds.data.errors import DataError
+    from moep_ds.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+    if not (folder / TOKENIZER_FILE).is_file():
+        log.warning("%s has no %s: the checkpoint runs on token ids", folder, TOKENIZER_FILE)
+        return None
+    try:
+        load_tokenizer(folder)
+    except DataError as err:
+        log.warning("the tokenizer of %s is not copied (%s): the checkpoint runs on token ids", folder, err)
+        return None
+    return folder
+
+
+__all__ = ["build_imported", "import_checkpoint", "write_model_checkpoint"]
