@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,9 @@ def write_model_checkpoint(model: torch.nn.Module, cfg: Any, path: Path, tokeniz
     """A complete model-only checkpoint of a whole (single-process) model at `path`, as the trainer's writer lays
     it out: each tensor under its canonical name through checkpointing's DCP functions."""
     path.mkdir(parents=True)
-    sharded.save(model_state.module_pieces(model), path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+        sharded.save(model_state.module_pieces(model), path)
     sharded.save_json({k: list(v) for k, v in model_state.shapes(model).items()}, path / sharded.TENSORS_FILE)
     sharded.save_json(model_state.extra_states(model), path / model_state.EXTRA_STATE_FILE)
     write_recipe_files(cfg, path, tokenizer_dir, meta)

@@ -1,0 +1,213 @@
+"""moep-import of Hugging Face checkpoints: logits equal transformers' own model of the saved weights, import ->
+native export -> import is bit-identical, hf:REPO@REVISION resolves from a hub cache laid out as huggingface_hub
+lays it, and bad input fails in one line.
+
+# B batch, T tokens, V vocabulary
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hf_models import CASES, V, hf_model, recipe, save, tokens
+from moep_ds.checkpointing import layout, sharded
+from moep_ds.checkpointing.model_dir import load_model_dir
+from moep_ds.config import config_from_dict
+from moep_ds.errors import UserError
+from moep_ds.evaluation.export import main as export_main
+from moep_ds.interop.importer import import_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[2]
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # float32
+
+
+def imported_logits(run_dir: Path) -> torch.Tensor:
+    model, _, _, meta = load_model_dir(run_dir)
+    assert meta["step"] == 0
+    with torch.no_grad():
+        return model(tokens()).logits
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("case", CASES)
+def test_imported_logits_equal_transformers(tmp_path, case, fmt):
+    reference = hf_model(case)
+    src = save(reference, tmp_path / "hf", fmt)
+    run = import_checkpoint(str(src), config_from_dict(recipe(case)), tmp_path / "run")
+    assert layout.is_complete(run) and sharded.is_sharded(run)  # the trainer's format: a step_<N> checkpoint
+    with torch.no_grad():
+        expected_BTV = reference(tokens()).logits
+    ours_BTV = imported_logits(tmp_path / "run")
+    assert ours_BTV.shape == (2, 16, V) and float(ours_BTV.std()) > 0.1
+    torch.testing.assert_close(ours_BTV, expected_BTV, **TOLERANCE)
+
+
+def stored(run: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint, read through the export's streaming reader."""
+    from moep_ds.checkpointing.model_dir import load_recipe, stored_weights
+
+    ckpt, cfg = load_recipe(run)
+    entries, _ = stored_weights(ckpt, cfg)
+    return {e.name: e.read() for e in entries}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_import_export_import_is_bit_identical(tmp_path, case):
+    reference = hf_model(case)
+    save(reference, tmp_path / "hf", "safetensors")
+    cfg = config_from_dict(recipe(case))
+    import_checkpoint(str(tmp_path / "hf"), cfg, tmp_path / "run1")
+    assert export_main([str(tmp_path / "run1"), "--out", str(tmp_path / "hf2"), "--hf", "--native"]) == 0
+    import_checkpoint(str(tmp_path / "hf2"), cfg, tmp_path / "run2")
+    first, second = stored(tmp_path / "run1"), stored(tmp_path / "run2")
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    # the native export is the architecture's own format: transformers loads it (no remote code), same tensors
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "hf2" / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for key in a.keys():
+            assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens()).logits, reference(tokens()).logits, rtol=0, atol=0)
+
+
+# ---- hf:REPO@REVISION from a cache laid out as huggingface_hub lays it -----------------------------------------
+
+
+def hub_cache(tmp_path: Path, folder: Path, repo: str, revision: str) -> Path:
+    """HF_HUB_CACHE/models--ORG--NAME/{refs/REVISION, snapshots/HASH/<files>}."""
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in folder.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / revision).write_text(commit)
+    return cache
+
+
+def moep_import(args: list[str], cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "moep_ds.interop.import_cli", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_hub_revision_resolves_offline_from_the_cache(tmp_path):
+    reference = hf_model("gpt_neox")
+    save(reference, tmp_path / "hf", "safetensors")
+    cache = hub_cache(tmp_path, tmp_path / "hf", "EleutherAI/pythia-tiny", "step13000")
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe("gpt_neox")))
+    done = moep_import(["hf:EleutherAI/pythia-tiny@step13000", "--out", str(tmp_path / "run"),
+                        "--config", str(tmp_path / "recipe.yaml")], cache)
+    assert done.returncode == 0, done.stderr
+    ckpt = layout.newest_checkpoint(tmp_path / "run")
+    assert ckpt.name == layout.checkpoint_tag(13000)  # the revision's step
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["step"] == 13000 and meta["hf_revision"] == "step13000" and meta["hf_commit"].startswith("0123")
+    with torch.no_grad():
+        torch.testing.assert_close(load_model_dir(tmp_path / "run")[0](tokens()).logits,
+                                   reference(tokens()).logits, **TOLERANCE)
+    # a revision the cache lacks: one line, nothing written
+    missing = moep_import(["hf:EleutherAI/pythia-tiny@step14000", "--out", str(tmp_path / "run2"),
+                           "--config", str(tmp_path / "recipe.yaml")], cache)
+    assert missing.returncode == 2 and not (tmp_path / "run2").exists()
+    line = missing.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: SRC ('hf:EleutherAI/pythia-tiny@step14000'): revision 'step14000'"), missing.stderr
+    assert "not in the Hugging Face cache" in line
+
+
+# ---- bad input: one line each ----------------------------------------------------------------------------------
+
+
+def import_error(tmp_path: Path, case: str, raw: dict, src: Path | None = None) -> str:
+    if src is None:
+        src = save(hf_model(case), tmp_path / "hf", "safetensors")
+    with pytest.raises(UserError) as err:
+        import_checkpoint(str(src), config_from_dict(raw), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    return str(err.value)
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    text = import_error(tmp_path, "gpt2", recipe("gpt_neox"))
+    assert text.splitlines()[0].endswith("(GPT2LMHeadModel) does not match the recipe's model:")
+    lines = text.splitlines()[1:]
+    assert "  model.layers[*].parallel_residual: True in the recipe, False in config.json (sequential residual)" in lines
+    assert "  model.position_embedding: 'none' in the recipe, 'learned' in config.json (learned positions)" in lines
+
+
+def test_checkpoint_of_another_shape_is_refused(tmp_path):
+    raw = recipe("llama_gqa")
+    raw["model"]["layers"][0]["attention"]["num_kv_heads"] = 4
+    raw["model"]["d_model"] = 128
+    text = import_error(tmp_path, "llama_gqa", raw)
+    assert text.splitlines()[1:] == [
+        "  model.d_model: 128 in the recipe, 64 in config.json (hidden size)",
+        "  model.layers[*].attention.num_kv_heads: 4 in the recipe, 2 in config.json (num_key_value_heads)",
+        "  model.layers[*].attention.head_dim: 32 in the recipe, 16 in config.json (head_dim)",
+    ]
+
+
+def test_unknown_and_missing_tensors_are_errors(tmp_path):
+    src = save(hf_model("gpt2"), tmp_path / "hf", "bin")
+    state = torch.load(src / "pytorch_model.bin", weights_only=True)
+    torch.save({**state, "transformer.h.0.attn.extra.weight": torch.zeros(2)}, src / "pytorch_model.bin")
+    text = import_error(tmp_path, "gpt2", recipe("gpt2"), src)
+    assert text == (f"SRC ({str(src)!r}) has 1 tensor(s) that GPT2LMHeadModel of this recipe has no place for: "
+                    "['transformer.h.0.attn.extra.weight']")
+    state.pop("transformer.h.1.mlp.c_fc.bias")
+    torch.save(state, src / "pytorch_model.bin")
+    from moep_ds.interop import hf_weights
+
+    hf_weights.load_bin.cache_clear()  # the same path, rewritten
+    text = import_error(tmp_path, "gpt2", recipe("gpt2"), src)
+    assert text == f"SRC ({str(src)!r}) lacks 1 tensor(s) of GPT2LMHeadModel: ['transformer.h.1.mlp.c_fc.bias']"
+
+
+def write_tokenizer(folder: Path, size: int) -> None:
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<|endoftext|>": 0, **{f"t{i}": i + 1 for i in range(size - 1)}}
+    Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>")).save(str(folder / "tokenizer.json"))
+
+
+def test_tokenizer_that_differs_from_the_recipes_is_refused(tmp_path):
+    src = save(hf_model("gpt2"), tmp_path / "hf", "safetensors")
+    write_tokenizer(src, 50)
+    text = import_error(tmp_path, "gpt2", recipe("gpt2"), src)
+    assert text == f"SRC ({str(src)!r}): its tokenizer has 50 ids, data.tokenizer.vocab_size is {V}"
+    other = tmp_path / "other"
+    other.mkdir()
+    write_tokenizer(other, 60)
+    raw = recipe("gpt2")
+    raw["data"]["tokenizer"] = {"path": str(other)}
+    text = import_error(tmp_path, "gpt2", raw, src)
+    assert text == f"SRC ({str(src)!r}): its tokenizer (50 ids) differs from data.tokenizer.path ({str(other)!r}, 60 ids)"
+    write_tokenizer(src, V)  # the recipe's size: imported, and the checkpoint carries the tokenizer
+    import_checkpoint(str(src), config_from_dict(recipe("gpt2")), tmp_path / "run")
+    assert load_model_dir(tmp_path / "run")[2].vocab_size == V
+
+
+def test_malformed_init_from_is_a_config_error():
+    from moep_ds.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model.init_from \('hf:a/b@'\) is not hf:ORG/NAME\[@REVISION\]"):
+        config_from_dict(recipe("gpt2", init_from="hf:a/b@"))
+    with pytest.raises(ConfigError, match=r"^model.upcycle \('set'\) needs model.init_from"):
+        config_from_dict(recipe("gpt2", upcycle={}))
