@@ -26,10 +26,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from moep_ds.config import load_config
+    from moep_ds.config import config_from_dict, read_yaml
     from moep_ds.interop.importer import import_checkpoint
 
-    import_checkpoint(args.source, load_config(args.config, args.set), args.out)
+    raw = read_yaml(args.config, "--config")
+    if isinstance(raw.get("model"), dict):  # SRC is the model's init_from here (a recipe with model.upcycle needs one)
+        raw["model"] = {**raw["model"], "init_from": args.source}
+    import_checkpoint(args.source, config_from_dict(raw, args.set), args.out)
     return 0
 
 

@@ -40,6 +40,7 @@ from moep_ds.training.expert_parallel import (
 )
 from moep_ds.training.grad_norm import ExactClipping
 from moep_ds.training.hooks import step_callbacks
+from moep_ds.training.init_from import initialise_from_source
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.monitor import Monitor, drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
@@ -253,6 +254,8 @@ class Trainer:
                 ckpt_io.warn_length_change(state, self.max_steps, self.resume_from)
                 ckpt_io.warn_model_changes(cfg.model, self.resume_from)
                 drop_rows_after(self.run_dir, self.step)
+        else:  # a fresh start: the weights of model.init_from, when the recipe names a source
+            initialise_from_source(self.engine, self.model, cfg, self.ep_group)
         self.checkpoints = ckpt_io.CheckpointWriter(self.run_dir, cfg.train.checkpoint.keep_last,
                                                     async_save=cfg.train.checkpoint.async_save)
         self.monitor = Monitor(self.run_dir, self.engine, enabled=self.rank == 0)
