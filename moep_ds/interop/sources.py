@@ -75,13 +75,28 @@ def check_same_model(saved: Any, target: Any, label: str) -> None:
 
     def described(model_cfg: Any) -> dict[str, Any]:
         raw = {k: v for k, v in to_dict(model_cfg).items() if k not in INIT_KEYS and k not in ("layers", "flavour")}
-        layers = [{k: v for k, v in to_dict(layer).items() if k != "repeat"} for layer in model_cfg.expanded_layers()]
+        layers = [resolved(layer, model_cfg.d_model) for layer in model_cfg.expanded_layers()]
         return {**raw, "layers": layers}
 
     lines = differences(described(saved), described(target), "model")
     if lines:
         raise UserError(f"{label} does not match the recipe's model:\n  " + "\n  ".join(lines[:20]) +
                         (f"\n  (and {len(lines) - 20} more)" if len(lines) > 20 else ""))
+
+
+def resolved(layer: Any, d_model: int) -> dict[str, Any]:
+    """A block's settings with the sizes its defaults stand for (an FFN's hidden_size null is 4d for a GELU MLP,
+    num_kv_heads null is num_heads, ...): two recipes that build the same block compare equal."""
+    from moep_ds.layers.ffn import ffn_hidden_size
+    from moep_ds.schema import to_dict
+
+    out = {k: v for k, v in to_dict(layer).items() if k != "repeat"}
+    if isinstance(out.get("ffn"), dict):
+        out["ffn"]["hidden_size"] = ffn_hidden_size(layer.ffn, d_model)
+    attention = getattr(layer, "attention", None)
+    if isinstance(out.get("attention"), dict) and hasattr(attention, "kv_heads"):
+        out["attention"].update(num_kv_heads=attention.kv_heads, head_dim=attention.resolved_head_dim(d_model))
+    return out
 
 
 def differences(saved: Any, now: Any, path: str) -> list[str]:
