@@ -1,6 +1,7 @@
 """Each dense flavour against the architecture it names, as transformers implements it: an independent reference
 (GPT2LMHeadModel, LlamaForCausalLM, GemmaForCausalLM, GPTNeoXForCausalLM), not our HF export, which wraps our own
-code. Our weights, copied over by a name/layout map written here, must give the same logits.
+code. Our weights, copied over by the name/layout map that moep-import and the native export use
+(moep_ds/interop/hf_layout.py), must give the same logits.
 
 # B batch, T tokens, D model dim, H query heads, G key/value heads, Dh head dim, F FFN hidden dim, V vocabulary
 
@@ -47,36 +48,30 @@ def sizes(ours: CausalLM) -> dict[str, int]:
             "head_dim": layer.attention.resolved_head_dim(D), "hidden": ffn_hidden_size(layer.ffn, D)}
 
 
-def build_reference(class_name: str, config: Any, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+def build_reference(class_name: str, config: Any, ours: CausalLM, architecture: str) -> torch.nn.Module:
     """The transformers model with our weights; strict loading: every reference tensor mapped, nothing left over."""
     if not hasattr(transformers, class_name):
         pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
     config._attn_implementation = "eager"  # the plain softmax(q k^T * scale + mask) v, not SDPA
     reference = getattr(transformers, class_name)(config).float().eval()
-    reference.load_state_dict(state_dict, strict=True)
+    keys = set(reference.state_dict())
+    reference.load_state_dict(hf_state_dict(ours, architecture, keys), strict=True)
     return reference
 
 
-def qkv_rows(ours: CausalLM, i: int) -> tuple[dict[str, torch.Tensor], ...]:
-    """Our fused w_qkv of block i split into q [H*Dh, ...], k and v [G*Dh, ...] (weight and, if any, bias)."""
-    s = sizes(ours)
-    split = [s["num_heads"] * s["head_dim"]] + [s["num_kv_heads"] * s["head_dim"]] * 2
-    parts = {name: t.split(split, 0) for name, t in ours.blocks[i].attention.attn.w_qkv.named_parameters()}
-    return tuple({name: parts[name][j] for name in parts} for j in range(3))
+def hf_state_dict(ours: CausalLM, architecture: str, reference_keys: set[str]) -> dict[str, torch.Tensor]:
+    """Our weights under the architecture's names and layouts, by the one map that import and export use
+    (moep_ds/interop/hf_layout.py). The head goes under whichever of its spellings the reference class has."""
+    from moep_ds.interop.hf_layout import ARCHITECTURES, spec_of
 
-
-def gpt2_state_dict(ours: CausalLM) -> dict[str, torch.Tensor]:
-    """GPT-2's Conv1D stores weights as [in, out]: our Linear weights transposed; c_attn is [q | k | v] as ours."""
-    sd = {"transformer.wte.weight": ours.embed.weight, "transformer.wpe.weight": ours.pos_embed.weight,
-          "transformer.ln_f.weight": ours.norm.weight, "transformer.ln_f.bias": ours.norm.bias,
-          "lm_head.weight": ours.head.weight}
-    for i, block in enumerate(ours.blocks):
-        h = f"transformer.h.{i}"
-        for theirs, linear in [("attn.c_attn", block.attention.attn.w_qkv), ("attn.c_proj", block.attention.attn.w_o),
-                               ("mlp.c_fc", block.ffn.w_in), ("mlp.c_proj", block.ffn.w_out)]:
-            sd[f"{h}.{theirs}.weight"], sd[f"{h}.{theirs}.bias"] = linear.weight.t(), linear.bias
-        for theirs, norm in [("ln_1", block.attention.norm), ("ln_2", block.ffn_norm)]:
-            sd[f"{h}.{theirs}.weight"], sd[f"{h}.{theirs}.bias"] = norm.weight, norm.bias
+    arch = ARCHITECTURES[architecture]
+    state = dict(ours.named_parameters())
+    sd = {key: t for rule in arch.rules(spec_of(ours.cfg))
+          for key, t in zip(rule.theirs, rule.to_theirs(state[rule.ours].detach()))}
+    head = next(k for k in arch.head_keys if k in reference_keys)
+    sd.update({head: sd.pop(k) for k in arch.head_keys if k in sd})
+    if ours.cfg.tie_embeddings:  # the map stores a tied head once; the reference's state dict names it twice
+        sd[head] = ours.head.weight.detach()
     return sd
 
 
@@ -87,25 +82,7 @@ def gpt2_reference(ours: CausalLM) -> torch.nn.Module:
         vocab_size=V, n_positions=T, n_embd=D, n_layer=NUM_LAYERS, n_head=s["num_heads"], n_inner=s["hidden"],
         activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         tie_word_embeddings=True, **NO_SPECIAL_TOKENS)
-    return build_reference("GPT2LMHeadModel", config, gpt2_state_dict(ours))
-
-
-def llama_state_dict(ours: CausalLM) -> dict[str, torch.Tensor]:
-    """Llama and Gemma: separate q/k/v projections; both rotate dim i with i + Dh/2 (rotate_half), as ours does,
-    so q and k rows copy unpermuted. Gate = our w1, up = w3, down = w2."""
-    sd = {"model.embed_tokens.weight": ours.embed.weight, "model.norm.weight": ours.norm.weight,
-          "lm_head.weight": ours.head.weight}
-    for i, block in enumerate(ours.blocks):
-        layer = f"model.layers.{i}"
-        q, k, v = qkv_rows(ours, i)
-        sd |= {f"{layer}.self_attn.q_proj.weight": q["weight"], f"{layer}.self_attn.k_proj.weight": k["weight"],
-               f"{layer}.self_attn.v_proj.weight": v["weight"],
-               f"{layer}.self_attn.o_proj.weight": block.attention.attn.w_o.weight,
-               f"{layer}.mlp.gate_proj.weight": block.ffn.w1.weight, f"{layer}.mlp.up_proj.weight": block.ffn.w3.weight,
-               f"{layer}.mlp.down_proj.weight": block.ffn.w2.weight,
-               f"{layer}.input_layernorm.weight": block.attention.norm.weight,
-               f"{layer}.post_attention_layernorm.weight": block.ffn_norm.weight}
-    return sd
+    return build_reference("GPT2LMHeadModel", config, ours, "gpt2")
 
 
 def llama_like_config(ours: CausalLM, rope_theta: float, tie_word_embeddings: bool) -> dict[str, Any]:
@@ -121,7 +98,7 @@ def llama_reference(ours: CausalLM, *, rope_theta: float = 10000.0, tie_word_emb
     recipe's choice (the flavour leaves it to `tie_embeddings`), so each case states it."""
     config = transformers.LlamaConfig(hidden_act="silu", mlp_bias=False, rms_norm_eps=1e-5,
                                       **llama_like_config(ours, rope_theta, tie_word_embeddings))
-    return build_reference("LlamaForCausalLM", config, llama_state_dict(ours))
+    return build_reference("LlamaForCausalLM", config, ours, "llama")
 
 
 def gemma_reference(ours: CausalLM) -> torch.nn.Module:
@@ -129,24 +106,7 @@ def gemma_reference(ours: CausalLM) -> torch.nn.Module:
     times sqrt(D), tied head."""
     config = transformers.GemmaConfig(hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
                                       **llama_like_config(ours, rope_theta=10000.0, tie_word_embeddings=True))
-    return build_reference("GemmaForCausalLM", config, llama_state_dict(ours))
-
-
-def gpt_neox_state_dict(ours: CausalLM) -> dict[str, torch.Tensor]:
-    """GPT-NeoX's query_key_value rows are [H, 3, Dh] (q, k, v interleaved per head); ours are [q | k | v]."""
-    s = sizes(ours)
-    sd = {"gpt_neox.embed_in.weight": ours.embed.weight, "gpt_neox.final_layer_norm.weight": ours.norm.weight,
-          "gpt_neox.final_layer_norm.bias": ours.norm.bias, "lm_head.weight": ours.head.weight}
-    for i, block in enumerate(ours.blocks):
-        layer = f"gpt_neox.layers.{i}"
-        for name, qkv in zip(("weight", "bias"), zip(*(t.values() for t in qkv_rows(ours, i)))):
-            per_head = [t.unflatten(0, (s["num_heads"], s["head_dim"])) for t in qkv]
-            sd[f"{layer}.attention.query_key_value.{name}"] = torch.stack(per_head, 1).flatten(0, 2)
-        for theirs, module in [("attention.dense", block.attention.attn.w_o), ("mlp.dense_h_to_4h", block.ffn.w_in),
-                               ("mlp.dense_4h_to_h", block.ffn.w_out), ("input_layernorm", block.attention.norm),
-                               ("post_attention_layernorm", block.ffn_norm)]:
-            sd[f"{layer}.{theirs}.weight"], sd[f"{layer}.{theirs}.bias"] = module.weight, module.bias
-    return sd
+    return build_reference("GemmaForCausalLM", config, ours, "gemma")
 
 
 def gpt_neox_reference(ours: CausalLM) -> torch.nn.Module:
@@ -160,7 +120,7 @@ def gpt_neox_reference(ours: CausalLM) -> torch.nn.Module:
         use_parallel_residual=True, attention_bias=True, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         hidden_dropout=0.0, attention_dropout=0.0, **NO_SPECIAL_TOKENS)
-    return build_reference("GPTNeoXForCausalLM", config, gpt_neox_state_dict(ours))
+    return build_reference("GPTNeoXForCausalLM", config, ours, "gpt_neox")
 
 
 # id: (flavour, attention overrides, model overrides, reference builder with this case's stated choices)
