@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moep_ds.checkpointing import layout, model_state, sharded
-from moep_ds.checkpointing.model_dir import write_recipe_files
+from moep_ds.checkpointing.model_dir import read_meta, write_recipe_files
 from moep_ds.checkpointing.model_state import ExpertLayout, canonical_name, is_expert_param
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
 from moep_ds.training import state as st
@@ -243,6 +243,9 @@ def check_checkpoint(ckpt: pathlib.Path) -> None:
 
         return check_consolidated(ckpt)
     sharded.check_files(ckpt)
+    if not (ckpt / TRAINER_STATE_FILE).exists() and "imported_from" in read_meta(ckpt):
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} holds a model only (moep-import), no training state to "
+                              "resume: start a run from it with model.init_from")
     try:
         json.loads((ckpt / TRAINER_STATE_FILE).read_text())
     except (OSError, ValueError) as err:
