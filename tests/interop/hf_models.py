@@ -82,9 +82,12 @@ def hf_model(case: str, seed: int = 0) -> torch.nn.Module:
 
 
 def save(model: torch.nn.Module, folder: Path, fmt: str) -> Path:
-    """save_pretrained (safetensors); "bin": config.json and pytorch_model.bin of the state dict, as transformers 4's
-    save_pretrained(safe_serialization=False) wrote it (transformers 5 writes safetensors only)."""
-    model.save_pretrained(folder)
+    """save_pretrained (safetensors; "sharded": several files and model.safetensors.index.json); "bin": config.json
+    and pytorch_model.bin of the state dict, as transformers 4's save_pretrained(safe_serialization=False) wrote it
+    (transformers 5 writes safetensors only)."""
+    model.save_pretrained(folder, **({"max_shard_size": "100KB"} if fmt == "sharded" else {}))
+    if fmt == "sharded":
+        assert (folder / "model.safetensors.index.json").is_file() and not (folder / "model.safetensors").exists()
     if fmt == "bin":
         (folder / "model.safetensors").unlink()
         torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "pytorch_model.bin")

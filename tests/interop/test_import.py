@@ -37,7 +37,7 @@ def imported_logits(run_dir: Path) -> torch.Tensor:
         return model(tokens()).logits
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("fmt", ["safetensors", "bin", "sharded"])
 @pytest.mark.parametrize("case", CASES)
 def test_imported_logits_equal_transformers(tmp_path, case, fmt):
     reference = hf_model(case)
@@ -81,6 +81,31 @@ def test_import_export_import_is_bit_identical(tmp_path, case):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(tokens()).logits, reference(tokens()).logits, rtol=0, atol=0)
+
+
+def test_pythias_release_layout_imports_into_the_pythia_flavour(tmp_path, caplog):
+    """Pythia's files as released (transformers 4.24): config.json with rotary_pct / rotary_emb_base and
+    hidden_act "gelu", pytorch_model.bin with the head as embed_out and the attention buffers (causal mask,
+    masked_bias, rotary inv_freq). The pythia flavour's gelu_tanh, the formula Pythia trained with, is accepted
+    with a warning; the weights are the same."""
+    reference = hf_model("gpt_neox")
+    src = save(reference, tmp_path / "hf", "bin")
+    config = json.loads((src / "config.json").read_text())
+    for key in ("rope_parameters", "attention_bias"):
+        config.pop(key)
+    config.update(hidden_act="gelu", rotary_pct=0.25, rotary_emb_base=10000, transformers_version="4.24.0")
+    (src / "config.json").write_text(json.dumps(config))
+    state = torch.load(src / "pytorch_model.bin", weights_only=True)
+    state["embed_out.weight"] = state.pop("lm_head.weight")
+    for i in range(2):
+        state[f"gpt_neox.layers.{i}.attention.bias"] = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril()
+        state[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+        state[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = torch.ones(2)
+    torch.save(state, src / "pytorch_model.bin")
+    import_checkpoint(str(src), config_from_dict(recipe("gpt_neox")), tmp_path / "run")
+    assert "model.layers[*].ffn.type: 'gelu_tanh' in the recipe, 'gelu' in" in caplog.text
+    with torch.no_grad():  # the reference computes with gelu_new, as ours: the same weights give the same logits
+        torch.testing.assert_close(imported_logits(tmp_path / "run"), reference(tokens()).logits, **TOLERANCE)
 
 
 # ---- hf:REPO@REVISION from a cache laid out as huggingface_hub lays it -----------------------------------------
@@ -211,3 +236,14 @@ def test_malformed_init_from_is_a_config_error():
         config_from_dict(recipe("gpt2", init_from="hf:a/b@"))
     with pytest.raises(ConfigError, match=r"^model.upcycle \('set'\) needs model.init_from"):
         config_from_dict(recipe("gpt2", upcycle={}))
+
+
+def test_an_imported_checkpoint_is_not_resumed_but_initialised_from(tmp_path):
+    from moep_ds.checkpointing.sharded import CheckpointError
+    from moep_ds.training.checkpoint import check_checkpoint
+
+    save(hf_model("gpt2"), tmp_path / "hf", "safetensors")
+    ckpt = import_checkpoint(str(tmp_path / "hf"), config_from_dict(recipe("gpt2")), tmp_path / "run")
+    with pytest.raises(CheckpointError, match=r"holds a model only \(moep-import\), no training state to resume: "
+                                              r"start a run from it with model.init_from$"):
+        check_checkpoint(ckpt)
