@@ -238,7 +238,8 @@ def gpt2_expected(hf: dict[str, Any]) -> Expected:
     tie, tie_key = get(hf, "tie_word_embeddings", default=True)
     return {**common(hf, d, heads, hf["n_layer"]), "num_kv_heads": ((heads,), "n_head"),
             "head_dim": ((d // heads,), "n_embd / n_head"), "attention_bias": ((True,), "GPT-2's biases"),
-            "rotary": ((False,), "learned positions"), "ffn_type": ((activation(MLP_ACTIVATIONS, act, act_key),), act_key),
+            "rotary": ((False,), "learned positions"),
+            "ffn_type": ((activation(MLP_ACTIVATIONS, act, act_key),), act_key),
             "ffn_hidden": ((inner or 4 * d,), inner_key if inner else "n_inner null: 4 x n_embd"),
             "ffn_bias": ((True,), "GPT-2's biases"), "norm_type": (("layernorm",), "GPT-2's LayerNorm"),
             "norm_eps": ((eps,), eps_key), "norm_bias": ((True,), "GPT-2's LayerNorm"),
@@ -399,7 +400,8 @@ ARCHITECTURES = {
                           lambda s: llama_like_config(s, gemma=True), llama_layer, llama_outer),
     "gpt_neox": Architecture("gpt_neox", "gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.",
                              ("embed_out.weight", "lm_head.weight"),
-                             re.compile(r"(gpt_neox\.)?layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)"),
+                             re.compile(r"(gpt_neox\.)?layers\.\d+\.attention\."
+                                        r"(bias|masked_bias|rotary_emb\.inv_freq)"),
                              gpt_neox_expected, gpt_neox_config, gpt_neox_layer, gpt_neox_outer),
 }
 

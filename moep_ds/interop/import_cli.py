@@ -16,7 +16,8 @@ from moep_ds.cli import run_command
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moep-import", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("source", metavar="SRC", help="Hugging Face folder, hf:REPO[@REVISION], or moep_ds checkpoint")
     p.add_argument("--out", required=True, help="the run directory to write (new or empty)")
     p.add_argument("--config", required=True, help="the recipe whose model the weights are checked against")

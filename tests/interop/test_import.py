@@ -173,7 +173,8 @@ def test_checkpoint_of_another_architecture_is_refused(tmp_path):
     text = import_error(tmp_path, "gpt2", recipe("gpt_neox"))
     assert text.splitlines()[0].endswith("(GPT2LMHeadModel) does not match the recipe's model:")
     lines = text.splitlines()[1:]
-    assert "  model.layers[*].parallel_residual: True in the recipe, False in config.json (sequential residual)" in lines
+    assert ("  model.layers[*].parallel_residual: True in the recipe, False in config.json (sequential residual)"
+            in lines)
     assert "  model.position_embedding: 'none' in the recipe, 'learned' in config.json (learned positions)" in lines
 
 
@@ -223,7 +224,8 @@ def test_tokenizer_that_differs_from_the_recipes_is_refused(tmp_path):
     raw = recipe("gpt2")
     raw["data"]["tokenizer"] = {"path": str(other)}
     text = import_error(tmp_path, "gpt2", raw, src)
-    assert text == f"SRC ({str(src)!r}): its tokenizer (50 ids) differs from data.tokenizer.path ({str(other)!r}, 60 ids)"
+    assert text == (f"SRC ({str(src)!r}): its tokenizer (50 ids) differs from data.tokenizer.path "
+                    f"({str(other)!r}, 60 ids)")
     write_tokenizer(src, V)  # the recipe's size: imported, and the checkpoint carries the tokenizer
     import_checkpoint(str(src), config_from_dict(recipe("gpt2")), tmp_path / "run")
     assert load_model_dir(tmp_path / "run")[2].vocab_size == V
