@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from hf_models import D, NUM_HEADS, NUM_LAYERS, hf_model, recipe, save, tokens
+from hf_models import D, NUM_LAYERS, hf_model, recipe, save, tokens
 from moep_ds.checkpointing.model_dir import load_model_dir, load_recipe, stored_weights
 from moep_ds.config import config_from_dict
 from moep_ds.errors import UserError
