@@ -14,8 +14,9 @@ experts and gets the same ones at any expert-parallel size), and the router keep
 initialisation, as Megatron-Core's upcycling does. Since all experts are equal, any routing gives every token
 sum_k w_k FFN(x) = FFN(x) when the chosen weights sum to 1: top-k with renormalised weights and no dropped tokens
 (capacity_factor null) computes the dense model exactly at step 0. Without renormalisation the output is scaled
-by the chosen probabilities' sum; expert choice gives a token the sum of its affinities over the experts that
-chose it (0 for one chosen by none): both start near, not at, the dense model (docs/FIDELITY.md).
+by the chosen probabilities' sum; expert choice's training rule gives a token the sum of its affinities over the
+experts that chose it (0 for one chosen by none): both train from near, not at, the dense model (expert choice's
+threshold evaluation before any step, every expert taking every token, is the dense model; docs/FIDELITY.md).
 """
 from __future__ import annotations
 

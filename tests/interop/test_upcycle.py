@@ -80,6 +80,23 @@ def test_renormalisation_is_what_makes_step_0_exact(tmp_path):
     assert not torch.allclose(logits(tmp_path / "moe"), dense_BTV, **TOLERANCE)
 
 
+def test_expert_choice_upcycles_and_trains_from_near_the_dense_model(tmp_path):
+    """Expert choice (docs/FIDELITY.md): under its training rule a token gets the sum of its affinities over the
+    experts that chose it, so the output is the dense FFN's scaled per token, not equal to it. Its evaluation rule
+    before any training step (thresholds 0: every expert takes every token, softmax over experts sums to 1) is the
+    dense model exactly."""
+    reference = hf_model("gpt_neox")
+    src = save(reference, tmp_path / "hf", "safetensors")
+    router = {"type": "expert_choice", "capacity_factor": 1.0, "score": "softmax_experts", "scope": "sequence"}
+    import_checkpoint(str(src), config_from_dict(moe_recipe("gpt_neox", src, router)), tmp_path / "moe")
+    model = load_model_dir(tmp_path / "moe")[0]
+    with torch.no_grad():
+        dense_BTV = reference(tokens()).logits
+        torch.testing.assert_close(model(tokens()).logits, dense_BTV, **TOLERANCE)  # eval_mode threshold, fresh
+        trained_rule_BTV = model.train()(tokens()).logits
+    assert torch.isfinite(trained_rule_BTV).all() and not torch.allclose(trained_rule_BTV, dense_BTV, **TOLERANCE)
+
+
 def test_noise_is_per_expert_and_the_same_for_any_rank_that_builds_it(tmp_path):
     src = save(hf_model("gpt_neox"), tmp_path / "hf", "safetensors")
     cfg = config_from_dict(moe_recipe("gpt_neox", src, noise_std=0.01, seed=3))
