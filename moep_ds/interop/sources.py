@@ -22,6 +22,10 @@ from moep_ds.interop.weights import Weight, check_shapes, checkpoint_weights
 log = logging.getLogger(__name__)
 
 INIT_KEYS = ("init", "init_std", "init_num_layers", "init_from", "upcycle")  # how to initialise, not the model
+# how a router trains (its losses, noise, capacity, expert lifecycle) and evaluates: a run may change them, the
+# weights mean the same
+TRAINING_KEYS = ("load_balancing_weight", "z_loss_weight", "jitter", "capacity_factor", "lifecycle",
+                 "threshold_ema_decay", "eval_mode")
 
 
 def model_shapes(model_cfg: Any) -> dict[str, tuple[int, ...]]:
@@ -90,13 +94,20 @@ def resolved(layer: Any, d_model: int) -> dict[str, Any]:
     from moep_ds.layers.ffn import ffn_hidden_size
     from moep_ds.schema import to_dict
 
-    out = {k: v for k, v in to_dict(layer).items() if k != "repeat"}
+    out = without(to_dict(layer), ("repeat",))
     if isinstance(out.get("ffn"), dict):
         out["ffn"]["hidden_size"] = ffn_hidden_size(layer.ffn, d_model)
     attention = getattr(layer, "attention", None)
     if isinstance(out.get("attention"), dict) and hasattr(attention, "kv_heads"):
         out["attention"].update(num_kv_heads=attention.kv_heads, head_dim=attention.resolved_head_dim(d_model))
     return out
+
+
+def without(tree: Any, keys: tuple[str, ...]) -> Any:
+    """`tree` (dicts and lists) without `keys` at the top and TRAINING_KEYS at any depth."""
+    if isinstance(tree, dict):
+        return {k: without(v, ()) for k, v in tree.items() if k not in keys and k not in TRAINING_KEYS}
+    return [without(v, ()) for v in tree] if isinstance(tree, list) else tree
 
 
 def differences(saved: Any, now: Any, path: str) -> list[str]:

@@ -194,3 +194,17 @@ def test_upcycled_training_under_expert_parallelism_and_zero3(tmp_path):
                 for b in range(a + 1, 4):
                     assert not torch.allclose(w1_EDF[a], w1_EDF[b], rtol=0, atol=1e-6), (name, i, a, b)
     assert first["dense"]["ce_loss"] > 1.0  # a real loss of the imported model, not a constant
+
+
+def test_init_from_an_moe_checkpoint_may_change_how_its_routers_train(tmp_path):
+    """A run started from an MoE checkpoint (not upcycled) may change loss weights and capacity, not the model."""
+    from moep_ds.interop.sources import check_same_model
+
+    src = save(hf_model("gpt_neox"), tmp_path / "hf", "safetensors")
+    saved = config_from_dict(moe_recipe("gpt_neox", src)).model
+    now = config_from_dict(moe_recipe("gpt_neox", src, {**TOP2, "load_balancing_weight": 0.1,
+                                                        "capacity_factor": 1.25})).model
+    check_same_model(saved, now, "SRC")
+    other = config_from_dict(moe_recipe("gpt_neox", src, {**TOP2, "k": 1})).model
+    with pytest.raises(UserError, match=r"model.layers\[0\].moe.router.k: 2 in SRC, 1 in the recipe"):
+        check_same_model(saved, other, "SRC")
