@@ -91,7 +91,12 @@ def checkpoint_weights(folder: Path, cfg: Any) -> dict[str, Weight]:
     from moep_ds.checkpointing.model_dir import stored_weights
 
     entries, _ = stored_weights(folder, cfg)
-    return {e.name: Weight(e.shape, lambda e=e: e.read().float()) for e in entries}
+    return {e.name: Weight(e.shape, lambda e=e: as_fp32(e.read())) for e in entries}
+
+
+def as_fp32(t: torch.Tensor) -> torch.Tensor:
+    """Floating tensors in fp32; integer buffers (counters) as they are."""
+    return t.float() if t.is_floating_point() else t
 
 
 __all__ = ["Weight", "check_shapes", "checkpoint_weights", "fill_pieces", "flat_range"]
