@@ -65,9 +65,9 @@ def spec_of(model_cfg: Any) -> Spec:
     first = layers[0]
     for i, layer in enumerate(layers):
         if getattr(layer, "type", None) != "dense":
-            raise UserError(f"model.layers (block {i}) is {getattr(layer, 'type', layer)!r}: a Hugging Face "
-                            "checkpoint imports into a model of dense blocks only (upcycle it into an MoE with "
-                            "model.upcycle)")
+            raise UserError(f"model.layers (block {i}) is {getattr(layer, 'type', layer)!r}: the Hugging Face "
+                            "architectures (GPT-2, Llama, Gemma, GPT-NeoX) are of dense blocks only (a dense one "
+                            "becomes an MoE by model.upcycle)")
         if {**to_dict(layer), "repeat": 1} != {**to_dict(first), "repeat": 1}:
             raise UserError(f"model.layers: block {i} differs from block 0; the Hugging Face architectures repeat "
                             "one block")

@@ -216,3 +216,15 @@ def test_init_from_an_moe_checkpoint_may_change_how_its_routers_train(tmp_path):
     other = config_from_dict(moe_recipe("gpt_neox", src, {**TOP2, "k": 1})).model
     with pytest.raises(UserError, match=r"model.layers\[0\].moe.router.k: 2 in SRC, 1 in the recipe"):
         check_same_model(saved, other, "SRC")
+
+
+def test_an_moe_has_no_native_hugging_face_format(tmp_path, capsys):
+    from moep_ds.evaluation.export import main as export_main
+
+    src = save(hf_model("gpt_neox"), tmp_path / "hf", "safetensors")
+    import_checkpoint(str(src), config_from_dict(moe_recipe("gpt_neox", src)), tmp_path / "moe")
+    assert export_main([str(tmp_path / "moe"), "--out", str(tmp_path / "out"), "--hf", "--native"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: model.layers (block 0) is 'ffn_moe': the Hugging Face architectures (GPT-2, Llama, Gemma, GPT-NeoX) "
+        "are of dense blocks only (a dense one becomes an MoE by model.upcycle)")
+    assert not (tmp_path / "out").exists()
