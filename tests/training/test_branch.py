@@ -49,10 +49,12 @@ def branched(tmp_path_factory):
     (tmp / "branch.yaml").write_text(yaml.safe_dump(cfg))
     job = {"recipe": str(tmp / "branch.yaml"), "ds_config": str(DS_CONFIGS / "zero1_fp32.json")}
     jobs = [{**job, "probe": str(tmp / "first.json")},
-            {**job, "resume": "auto", "overrides": [f"train.exit_at_step={START + 3}"], "probe": str(tmp / "resumed.json")}]
+            {**job, "resume": "auto", "overrides": [f"train.exit_at_step={START + 3}"], "probe": str(tmp / "resumed.json")},
+            {**job, "overrides": ["train.start_step=null", "train.exit_at_step=2", f"train.output_dir={tmp / 'scratch'}"],
+             "probe": str(tmp / "scratch.json")}]
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     launch(1, SCRIPTS / "branch_probe.py", str(tmp / "jobs.json"))
-    return tmp, json.loads((tmp / "first.json").read_text()), json.loads((tmp / "resumed.json").read_text())
+    return tmp, *(json.loads((tmp / f"{name}.json").read_text()) for name in ("first", "resumed", "scratch"))
 
 
 def applied(probe) -> list[float]:
@@ -67,7 +69,7 @@ def applied(probe) -> list[float]:
 
 
 def test_a_run_started_at_step_n_reads_batch_n_first_at_pythias_lr_of_iteration_n(branched):
-    tmp, first, _ = branched
+    tmp, first, _, _ = branched
     assert (first["start"], first["end"]) == (START, START + 2)
     # micro-batches of one sample: batch 13000 = stored sequences 26000, 26001, then batch 13001
     assert first["indices"] == [[2 * START], [2 * START + 1], [2 * START + 2], [2 * START + 3]]
@@ -87,7 +89,16 @@ def test_a_run_started_at_step_n_reads_batch_n_first_at_pythias_lr_of_iteration_
 
 
 def test_the_branched_runs_checkpoint_resumes_at_the_next_batch(branched):
-    _, first, resumed = branched
+    _, _, resumed, _ = branched
     assert (resumed["start"], resumed["end"]) == (START + 2, START + 3)
     assert resumed["indices"] == [[2 * START + 4], [2 * START + 5]]  # batch 13002: none replayed, none skipped
     assert applied(resumed) == pytest.approx([pythia_lr(START + 2)], abs=1e-12, rel=0)
+
+
+def test_the_same_recipe_from_scratch_starts_at_batch_0_at_gpt_neox_lr_of_iteration_0(branched):
+    """GPT-NeoX's first iteration trains at lr 0 (warm-up lr * 0 / 1430); the trainer applies the same."""
+    _, _, _, scratch = branched
+    assert (scratch["start"], scratch["end"]) == (0, 2)
+    assert scratch["indices"] == [[0], [1], [2], [3]]
+    assert applied(scratch) == pytest.approx([0.0, pythia_lr(1)], abs=1e-12, rel=0)
+    assert pythia_lr(1) == pytest.approx(2.5e-4 / 1430)
