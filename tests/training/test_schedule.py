@@ -120,13 +120,6 @@ def test_rewarmup_ramps_linearly_to_the_schedule_at_n_plus_k():
     assert lr_multiplier(n + k + 5, cfg, 143_000, start_step=n) == pytest.approx(pythia_lr(n + k + 5) / 2.5e-4)
 
 
-def test_the_older_kinds_are_unchanged():
-    cfg = ScheduleConfig(kind="cosine", warmup_steps=10, min_lr_ratio=0.1)
-    assert [lr_multiplier(s, cfg, 110) for s in (0, 9)] == [0.1, 1.0]
-    assert lr_multiplier(60, cfg, 110) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert lr_multiplier(110, cfg, 110) == pytest.approx(0.1)
-
-
 # ---- the start step: one rule -------------------------------------------------------------------------------
 
 MODEL = {"vocab_size": 64, "d_model": 32, "max_seq_len": 16, "layers": [{"type": "dense", "attention": {"num_heads": 2}}]}
