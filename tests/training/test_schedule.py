@@ -118,6 +118,16 @@ def test_rewarmup_ramps_linearly_to_the_schedule_at_n_plus_k():
     ramp = [lr_multiplier(n + j, cfg, 143_000, start_step=n) for j in range(k)]
     assert ramp == pytest.approx([target * (j + 1) / k for j in range(k)], rel=1e-15)
     assert lr_multiplier(n + k + 5, cfg, 143_000, start_step=n) == pytest.approx(pythia_lr(n + k + 5) / 2.5e-4)
+    # the trainer's scheduler, started at n: the ramp's first value at the first step, the schedule from n + k on
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.5e-4)
+    sched = build_scheduler(opt, cfg, 143_000, start_step=n)
+    applied = []
+    for _ in range(k + 2):
+        applied.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert applied[0] == pytest.approx(2.5e-4 * target / k, rel=1e-15)
+    assert applied[k:] == pytest.approx([pythia_lr(n + k), pythia_lr(n + k + 1)], abs=1e-12, rel=0)
 
 
 # ---- the start step: one rule -------------------------------------------------------------------------------
