@@ -9,10 +9,14 @@ report.md (runs and references side by side: parameters total/active, tokens tra
 eval mode, scores; then each run against the baseline run, e.g. MoE against its dense baseline at matched
 parameters) and report.png (accuracies as grouped bars).
 
-Equal tokens: for every number of training tokens a run records, each curve model gets a row at that many
-tokens: its published scores when the tokens are a published step's (step x 2,097,152), else the two
-neighbouring checkpoints interpolated linearly in log(tokens), and the row's name says so. Runs beyond the last
-checkpoint get no such row; the final-checkpoint rows of pythia-1b.json stay in any case.
+Equal tokens: for every number of training tokens a run records (a run branched from Pythia's step N records its
+true count, (N + k) steps x 2,097,152 after k steps of its own), each curve model gets a row at that many tokens:
+its published scores when the tokens are a published step's (step x 2,097,152); else the two nearest published
+checkpoints, each as published, and between them a row interpolated linearly in log(tokens) (linearly in tokens
+between steps 0 and 1, where log(0) has no value); each row's name says which. Runs beyond the last checkpoint get
+no such row; the final-checkpoint rows of pythia-1b.json stay in any case. A reference row with no score in any of
+the report's columns (e.g. Pythia beside a BLiMP-only run) is left out. Compare a branched MoE with its dense
+control by naming the control `--baseline`.
 """
 from __future__ import annotations
 
@@ -42,21 +46,34 @@ CURVE = REPO / "eval" / "reference" / "pythia-1b-curve.json"
 def interpolate(points: list[dict[str, Any]], tokens: float) -> tuple[dict[str, dict[str, float]], str] | None:
     """(scores, how) of a curve at `tokens`: the published point, or its two neighbours interpolated linearly in
     log(tokens) (linearly in tokens below the first step, where log(0) has no value); None past the last point."""
-    for p in points:
-        if p["tokens"] == tokens:
-            return p["scores"], f"step {p['step']}"
-    after = next((i for i, p in enumerate(points) if p["tokens"] > tokens), None)
-    if after is None or after == 0:
+    found = neighbours(points, tokens)
+    if found is None:
         return None
-    lo, hi = points[after - 1], points[after]
+    lo, hi = found
+    if lo is hi:
+        return lo["scores"], f"step {lo['step']}"
     if lo["tokens"] > 0:
         w = (math.log(tokens) - math.log(lo["tokens"])) / (math.log(hi["tokens"]) - math.log(lo["tokens"]))
+        how = "interpolated in log-tokens"
     else:
         w = tokens / hi["tokens"]
+        how = "interpolated linearly in tokens"
     scores = {task: {m: lo["scores"][task][m] + w * (hi["scores"][task][m] - lo["scores"][task][m])
                      for m in lo["scores"][task] if m in hi["scores"].get(task, {})}
               for task in lo["scores"] if task in hi["scores"]}
-    return scores, f"interpolated in log-tokens between steps {lo['step']} and {hi['step']}"
+    return scores, f"{how} between steps {lo['step']} and {hi['step']}"
+
+
+def neighbours(points: list[dict[str, Any]], tokens: float) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The published points at and around `tokens`: (p, p) at a published step, (below, above) between two, None
+    before the first or past the last."""
+    for p in points:
+        if p["tokens"] == tokens:
+            return p, p
+    after = next((i for i, p in enumerate(points) if p["tokens"] > tokens), None)
+    if after is None or after == 0:
+        return None
+    return points[after - 1], points[after]
 
 
 def load_curve(path: str | Path) -> list[dict[str, Any]]:
@@ -95,16 +112,24 @@ def equal_token_records(runs: list[dict[str, Any]], curve_path: str | Path,
     curve = load_curve(curve_path)
     sizes = read_json_object(reference_path, "reference file")["models"][0]  # Pythia-1B's (the shipped file)
     moep = {k: sizes.get(k) for k in ("params_total", "params_active", "flops_per_token")}
-    out = []
+    out: dict[tuple[str, float], dict[str, Any]] = {}  # one row per (model, tokens), in order of tokens
     for tokens in sorted({r["moep"]["tokens"] for r in runs if r.get("moep", {}).get("tokens") is not None}):
         for model in curve:
-            found = interpolate(model["points"], tokens)
+            found = neighbours(model["points"], tokens)
             if found is None:
                 continue
-            scores, how = found
-            out.append({"name": f"{model['name']} @ {tokens / 1e9:.3g}B tokens ({how})", "scores": scores,
-                        "moep": {**moep, "tokens": tokens}, "reference": True})
-    return out
+            lo, hi = found
+            if lo is hi:
+                rows = [(tokens, lo["scores"], f"step {lo['step']}")]
+            else:  # the nearest published steps, and the interpolation between them
+                rows = [(lo["tokens"], lo["scores"], f"step {lo['step']}, the nearest published below"),
+                        (tokens, *interpolate(model["points"], tokens)),
+                        (hi["tokens"], hi["scores"], f"step {hi['step']}, the nearest published above")]
+            for at, scores, how in rows:
+                out.setdefault((model["name"], at), {
+                    "name": f"{model['name']} @ {at / 1e9:.3g}B tokens ({how})", "scores": scores,
+                    "moep": {**moep, "tokens": at}, "reference": True})
+    return sorted(out.values(), key=lambda r: r["moep"]["tokens"])
 
 
 def check_run_names(paths: list[str], runs: list[dict[str, Any]]) -> None:

@@ -5,8 +5,10 @@
 `.idx` (little endian): magic b"MMIDIDX\\x00\\x00", uint64 version 1, uint8 dtype code, uint64 S, uint64 D, then
 int32 sizes[S] (tokens of each sequence), int64 pointers[S] (byte offset of each sequence in `.bin`), int64
 doc_idx[D] (sequence index where each document starts, plus S at the end). `.bin` is the token sequences back to
-back. Dtype codes are those Megatron-LM's `DType` and GPT-NeoX write (Pythia's files are uint16, code 8);
-DeepSpeed's bundled reader maps 6/7/8 to uint16/uint32/uint64 and would misread them.
+back. Dtype codes are Megatron-LM's `DType` (6 float64, 7 float32). GPT-NeoX (v1.0, Pythia's) writes the same
+integer codes 1-5 and 8 (Pythia's files are uint16, code 8) but swaps the float ones (its 6 is float32, 7 float64):
+a float file of GPT-NeoX's would be read here with the other width (token files never are float). DeepSpeed's
+bundled reader maps 6/7/8 to uint16/uint32/uint64 and would misread them.
 
 A sample is one stored sequence, its first T + 1 tokens: EleutherAI's pre-shuffled Pythia files store each
 training sample as one 2049-token sequence, in the order Pythia consumed them (step s = sequences

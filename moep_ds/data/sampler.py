@@ -106,6 +106,12 @@ class BatchLoader:
                                f"{self.grad_accum}); take it at optimizer-step boundaries")
         return {"epoch": self.epoch, "global_batch": self.global_batch}
 
+    def start_at(self, step: int) -> None:
+        """Position at optimizer step `step` of a run that never ran steps 0..step-1 (train.start_step): its next
+        global batch is the one the uninterrupted run would read at that step (epoch step // batches per epoch)."""
+        epoch, global_batch = divmod(step, self.batches_per_epoch)
+        self.load_state_dict({"epoch": epoch, "global_batch": global_batch})
+
     def load_state_dict(self, state: dict[str, int]) -> None:
         epoch, global_batch = int(state["epoch"]), int(state["global_batch"])
         if epoch < 0 or not 0 <= global_batch <= self.batches_per_epoch:

@@ -225,9 +225,16 @@ def score(record: dict[str, Any], task: str, metric: str) -> float | None:
     return record["scores"].get(task, {}).get(metric)
 
 
+def comparable(records: list[dict[str, Any]], cols: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The runs, and the references with a score in at least one of `cols`: a reference row of dashes only (Pythia
+    beside a BLiMP-only run) compares nothing."""
+    return [r for r in records if not r.get("reference") or any(score(r, t, m) is not None for t, m in cols)]
+
+
 def comparison_markdown(records: list[dict[str, Any]], baseline: str | None = None) -> str:
     """Runs and references side by side, then each run against `baseline` (default: the first run)."""
     cols = score_columns(records)
+    records = comparable(records, cols)
     head = ["model", "params total", "params active", "tokens", "train FLOPs", "routing"]
     head += [f"{t} {m}" + (" ↓" if m in LOWER_IS_BETTER else "") for t, m in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
@@ -271,6 +278,7 @@ def comparison_chart(records: list[dict[str, Any]], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     cols = [(t, m) for t, m in score_columns(records) if m not in LOWER_IS_BETTER]
+    records = comparable(records, cols)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cols) + 2), 4.0))
     width = 0.8 / max(len(records), 1)
     for i, r in enumerate(records):
@@ -280,8 +288,10 @@ def comparison_chart(records: list[dict[str, Any]], path: str | Path) -> Path:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cols))])
     ax.set_xticklabels([t for t, _ in cols], rotation=30, ha="right")
     ax.set_ylabel("accuracy (%)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    top = max((v for bar in ax.containers for v in bar.datavalues if not math.isnan(v)), default=100.0)
+    ax.set_ylim(0, min(100.0, 10 * math.ceil(1.1 * top / 10)))  # room above the highest bar
+    # beside the axes, not on them: inside, the legend covered the top of bars and the y axis
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the figure grows to hold the legend
     plt.close(fig)
     return Path(path)

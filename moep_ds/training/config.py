@@ -33,9 +33,18 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class ScheduleConfig:
-    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    # cosine / linear: warm-up, then decay over the steps after it to the floor at max_steps.
+    # neox_annealing: GPT-NeoX v1.0's AnnealingLR with lr-decay-style cosine, the schedule Pythia trained with:
+    # step s (0-based) runs at lr * s / warmup_steps up to s = warmup_steps, then at
+    # max(min lr, lr/2 (cos(pi (min(s, max_steps - warmup_steps) - warmup_steps) / max_steps) + 1)): the cosine
+    # spans max_steps from the end of warm-up, so it reaches the floor before the end (Pythia-1B: step ~115,141)
+    kind: Literal["cosine", "linear", "constant", "neox_annealing"] = "cosine"
     warmup_steps: NonNegativeInt = 100
     min_lr_ratio: Annotated[float, Between(0.0, 1.0)] = 0.1  # the floor, as a fraction of the peak lr
+    # a run started fresh at step N > 0 (train.start_step, a branch from a published checkpoint, with a new
+    # optimizer): step N + j, j < rewarmup_steps, runs at (j + 1) / rewarmup_steps of the schedule's lr at step
+    # N + rewarmup_steps (a linear ramp from 0 that reaches the schedule there); 0: the schedule's lr from step N
+    rewarmup_steps: NonNegativeInt = 0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -54,6 +63,10 @@ class TrainConfig:
     max_steps: PositiveInt | None = None  # optimizer steps; null: derived from `epochs`, which it overrides
     epochs: PositiveFloat | None = None
     exit_at_step: PositiveInt | None = None  # checkpoint and exit there (Megatron's exit-interval); schedule unchanged
+    # a fresh run's first step (training/branch.py): its step counter, lr schedule and data position begin at
+    # step N, as if steps 0..N-1 had run (to continue a published checkpoint of step N on the batches it would
+    # have seen next); null: N of model.init_from "hf:REPO@stepN", else 0. A resumed run continues its checkpoint
+    start_step: NonNegativeInt | None = None
     micro_batch_size: PositiveInt | None = None
     global_batch_size: PositiveInt | None = None
     grad_clip: PositiveFloat | None = None

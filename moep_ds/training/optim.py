@@ -1,7 +1,9 @@
-"""AdamW parameter groups and the warmup + cosine (or linear/constant) learning-rate schedule."""
+"""AdamW parameter groups and the learning-rate schedule: warmup + cosine (or linear/constant), or GPT-NeoX v1.0's
+AnnealingLR (Pythia's); an optional re-warm-up for a run that starts at a later step."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -32,8 +34,18 @@ def build_optimizer(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Opt
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
 
 
-def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
-    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup, then decay to the floor."""
+def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int, start_step: int = 0) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based: the step taken after `step` steps). A run
+    that starts at `start_step` ramps up to the schedule over its first `cfg.rewarmup_steps` steps."""
+    k = cfg.rewarmup_steps
+    if k and start_step <= step < start_step + k:
+        return schedule_multiplier(start_step + k, cfg, max_steps) * (step - start_step + 1) / k
+    return schedule_multiplier(step, cfg, max_steps)
+
+
+def schedule_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
+    if cfg.kind == "neox_annealing":
+        return neox_annealing(step, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.kind == "constant":
@@ -44,5 +56,25 @@ def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, max_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))
+def neox_annealing(step: int, warmup: int, end: int, min_ratio: float) -> float:
+    """GPT-NeoX v1.0's AnnealingLR.get_lr (megatron/learning_rates.py, decay_style "cosine"), divided by the peak lr,
+    at num_iters = `step`. GPT-NeoX builds it at num_iters 0 and DeepSpeed steps it after each optimizer step
+    (not after an fp16 step skipped for overflow, as here), so the step taken at iteration s runs at
+    get_lr(num_iters=s): 0 at the first step, the peak at s = warmup."""
+    n = min(step, end - warmup)
+    if warmup > 0 and step <= warmup:
+        return n / warmup
+    return max(0.5 * (math.cos(math.pi * (n - warmup) / end) + 1), min_ratio)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, max_steps: int, start_step: int = 0):
+    """LambdaLR whose counter is the run's step: at `start_step` for a run that starts there (the optimizer's lr
+    set from it), so that the engine's one step per optimizer step and a checkpoint's counter stay the step."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, cfg, max_steps, start_step))
+    if start_step:
+        scheduler.last_epoch = start_step - 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": intended here
+            scheduler.step()
+    return scheduler

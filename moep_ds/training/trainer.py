@@ -33,6 +33,7 @@ from moep_ds.moe.shard import expert_shard
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.blocks import apply_block_options
+from moep_ds.training.branch import resolve_start_step
 from moep_ds.training.distributed import init_distributed, leave_process_group, setup_logging, world_size_to_be
 from moep_ds.training.ds_config import check_with_deepspeed, precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import (
@@ -242,7 +243,7 @@ class Trainer:
         self.loader = BatchLoader(self.dataset, micro_batch_size=ds["train_micro_batch_size_per_gpu"],
                                   grad_accum=self.accum, dp_rank=self.rank, dp_size=self.world, seed=cfg.train.seed,
                                   shuffle=cfg.data.order == "shuffled")
-        self.step = 0
+        self.step = 0 if self.resume_from is not None else self.start_at(self.start_step)
         self.tokens_per_step = ds["train_batch_size"] * cfg.data.seq_len
         if self.resume_from is not None:
             state = ckpt_io.load_engine_state(self.engine, self.model, self.resume_from, self.ep_group)
@@ -321,7 +322,8 @@ class Trainer:
             groups = split_params_into_different_moe_groups_for_optimizer(groups)
         optimizer = build_optimizer(groups, cfg.train.optimizer)
         self.max_steps = total_steps(cfg, len(self.dataset), self.ds["train_batch_size"])
-        scheduler = build_scheduler(optimizer, cfg.train.schedule, self.max_steps)
+        self.start_step = resolve_start_step(cfg, self.max_steps)  # 0 unless branching (training/branch.py)
+        scheduler = build_scheduler(optimizer, cfg.train.schedule, self.max_steps, self.start_step)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=self.ds, dist_init_required=False)
         adopt_unfused_masters(engine.optimizer)  # ZeRO-0 bf16/fp16: Adam's state as a fresh optimizer's
@@ -332,6 +334,13 @@ class Trainer:
                  self.report.as_dict(), precision(self.ds), zero_stage(self.ds), self.world,
                  cfg.train.expert_parallel_size, self.max_steps)
         return engine, model, ep_group
+
+    def start_at(self, step: int) -> int:
+        """A fresh run's position at `step` (train.start_step): the data and the engine's counters; the lr schedule
+        starts there already (build_scheduler). Returns the step."""
+        self.loader.start_at(step)
+        self.engine.global_steps, self.engine.global_samples = step, step * self.ds["train_batch_size"]
+        return step
 
     def train_step(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """One optimizer step over `accum` micro-batches: this rank's losses averaged over its micro-batches and
@@ -440,7 +449,7 @@ class Trainer:
             self.step += 1
             events = [event for callback in self.callbacks for event in callback.after_optimizer_step(self.step)]
             loss_t, stop, time_due = self.reduce_step(sums, last_save)
-            if self.step % cfg.log_every == 0 or self.step in (1, self.max_steps):
+            if self.step % cfg.log_every == 0 or self.step in (self.start_step + 1, self.max_steps):
                 losses = dict(zip(loss_t, torch.stack(list(loss_t.values())).tolist()))
                 if self.engine.skipped_steps and precision(self.ds) == "fp16":
                     losses["skipped_steps"] = float(self.engine.skipped_steps)

@@ -138,15 +138,88 @@ def test_equal_token_rows_interpolate_in_log_tokens_and_stop_at_the_last_checkpo
     between = round(math.sqrt(3000 * 13000) * STEP_TOKENS)  # the log-midpoint of steps 3000 and 13000
     late = 150_000 * STEP_TOKENS
     rows = compare.equal_token_records([{"moep": {"tokens": between}}, {"moep": {"tokens": late}}], compare.CURVE)
+    at = {3000: 3000 * STEP_TOKENS / 1e9, 13000: 13000 * STEP_TOKENS / 1e9, None: between / 1e9}
+    # the nearest published steps as published, the interpolation between them; nothing past step 143000
     assert [r["name"] for r in rows] == [
-        f"Pythia-1B @ {between / 1e9:.3g}B tokens (interpolated in log-tokens between steps 3000 and 13000)",
-        f"Pythia-1B-deduped @ {between / 1e9:.3g}B tokens (interpolated in log-tokens between steps 3000 and 13000)"]
+        f"Pythia-1B @ {at[3000]:.3g}B tokens (step 3000, the nearest published below)",
+        f"Pythia-1B-deduped @ {at[3000]:.3g}B tokens (step 3000, the nearest published below)",
+        f"Pythia-1B @ {at[None]:.3g}B tokens (interpolated in log-tokens between steps 3000 and 13000)",
+        f"Pythia-1B-deduped @ {at[None]:.3g}B tokens (interpolated in log-tokens between steps 3000 and 13000)",
+        f"Pythia-1B @ {at[13000]:.3g}B tokens (step 13000, the nearest published above)",
+        f"Pythia-1B-deduped @ {at[13000]:.3g}B tokens (step 13000, the nearest published above)"]
     piqa = (bf16[3000]["piqa"]["acc"] + bf16[13000]["piqa"]["acc"]) / 2
-    assert rows[0]["scores"]["piqa"]["acc"] == pytest.approx(piqa, abs=1e-9)
-    assert rows[0]["moep"]["tokens"] == between and rows[0]["reference"]
-    half_step = compare.equal_token_records([{"moep": {"tokens": STEP_TOKENS // 2}}], compare.CURVE)[0]
-    expected = (bf16[0]["piqa"]["acc"] + bf16[1]["piqa"]["acc"]) / 2  # below step 1: linear in tokens
-    assert half_step["scores"]["piqa"]["acc"] == pytest.approx(expected)
+    assert rows[2]["scores"]["piqa"]["acc"] == pytest.approx(piqa, abs=1e-9)
+    assert rows[2]["moep"]["tokens"] == between and rows[2]["reference"]
+    assert (rows[0]["scores"], rows[0]["moep"]["tokens"]) == (bf16[3000], 3000 * STEP_TOKENS)
+    assert (rows[4]["scores"], rows[4]["moep"]["tokens"]) == (bf16[13000], 13000 * STEP_TOKENS)
+
+
+def test_equal_token_rows_between_steps_0_and_1_say_they_interpolate_linearly_in_tokens():
+    """log(0) has no value: below step 1 the rows interpolate linearly in tokens, and say so."""
+    compare = load_compare()
+    bf16 = {p["step"]: p["scores"] for p in json.loads(compare.CURVE.read_text())["models"][0]["points"]}
+    quarter = compare.equal_token_records([{"moep": {"tokens": STEP_TOKENS // 4}}], compare.CURVE)[2]
+    assert quarter["name"] == (f"Pythia-1B @ {STEP_TOKENS / 4 / 1e9:.3g}B tokens (interpolated linearly in tokens "
+                               "between steps 0 and 1)")
+    expected = 0.75 * bf16[0]["piqa"]["acc"] + 0.25 * bf16[1]["piqa"]["acc"]
+    assert quarter["scores"]["piqa"]["acc"] == pytest.approx(expected, abs=1e-12)
+
+
+def test_a_branched_run_stands_beside_pythias_nearest_steps_and_its_dense_control(tmp_path, capsys):
+    """A run branched from Pythia's step 13000 and trained 1,000 steps records (13000 + 1000) x 2,097,152 tokens:
+    the report puts it beside Pythia at the published steps around that count, and against the dense branch."""
+    paths = []
+    for name, scale in (("branch_dense", 1.0), ("branch_moe", 1.1)):
+        run = record(name, scale, 1000)
+        run["moep"]["tokens"] = (13_000 + 1_000) * STEP_TOKENS
+        (tmp_path / name).mkdir()
+        paths.append(str(tmp_path / name / "results.json"))
+        (tmp_path / name / "results.json").write_text(json.dumps(run))
+    assert load_compare().main([*paths, "--baseline", "branch_dense", "--out", str(tmp_path / "report")]) == 0
+    md = capsys.readouterr().out
+    rows = [line.split(" | ")[0][2:] for line in md.splitlines() if line.startswith("| Pythia-1B @")]
+    assert rows == ["Pythia-1B @ 27.3B tokens (step 13000, the nearest published below) (published)",
+                    "Pythia-1B @ 29.4B tokens (interpolated in log-tokens between steps 13000 and 23000) (published)",
+                    "Pythia-1B @ 48.2B tokens (step 23000, the nearest published above) (published)"]
+    assert "| branch_dense | 1K | 1K | 29.4B |" in md and "## Against branch_dense" in md
+    assert "| branch_moe | 1.000 | 1.000 |" in md
+
+
+def test_references_without_a_comparable_score_are_left_out(tmp_path, capsys):
+    """A run scored on BLiMP alone: Pythia has no BLiMP number, so its rows (final and equal-token) would be all
+    dashes; they are left out, the BabyLM row (a BLiMP score) stays."""
+    run = record("blimp_only", 1.0, 1000)
+    run["scores"] = {"blimp_filtered": run["scores"]["blimp_filtered"]}
+    run["moep"]["tasks"] = ["blimp_filtered"]
+    run["moep"]["tokens"] = 13_000 * STEP_TOKENS
+    (tmp_path / "r.json").write_text(json.dumps(run))
+    assert load_compare().main([str(tmp_path / "r.json"), "--out", str(tmp_path / "report")]) == 0
+    md = capsys.readouterr().out
+    assert "Pythia" not in md
+    assert "| BabyLM 2025 GPT-2 small, strict-small (10M words) (published) |" in md
+
+
+def test_chart_legend_stands_beside_the_axes(tmp_path, monkeypatch):
+    """The legend used to sit on the axes, over the top of a bar and the y axis: now it is right of them, and the
+    y range leaves room above the highest bar."""
+    import matplotlib.pyplot as plt
+
+    from moep_ds.evaluation.report import comparison_chart
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    records = [record("dense", 1.0, 1000), record("moe", 1.5, 250)] + load_reference(REFERENCE)
+    comparison_chart(records, tmp_path / "report.png")
+    (fig,) = figures
+    (ax,) = fig.axes
+    fig.canvas.draw()
+    legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= axes.x1
+    highest = max(v for bars in ax.containers for v in bars.datavalues if not math.isnan(v))
+    assert highest == pytest.approx(100 * 0.61 * 1.5) and ax.get_ylim()[1] > highest
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == \
+        ["dense", "moe", "Pythia-1B", "BabyLM 2025 GPT-2 small, strict-small (10M words)"]
+    close(fig)
 
 
 def test_shipped_curve_is_derived_from_the_published_files(shared_data):

@@ -1,4 +1,4 @@
-"""The recipes train as their sources did: Pythia-1B's protocol in the three 1B recipes (values, unchanged
+"""The recipes train as their sources did: Pythia-1B's protocol in the 1B recipes (values, unchanged
 parameter counts), GPT-NeoX initialisation, weight-decay groups, the seeds' corpora, MoE-Stream's renormalised
 top-2 weights."""
 import math
@@ -24,7 +24,9 @@ def test_pythia_recipes_carry_pythias_protocol(recipe):
     train, data = cfg.train, cfg.data
     opt, sched = train.optimizer, train.schedule
     assert (opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.no_decay) == (2.5e-4, [0.9, 0.95], 1e-8, 0.1, ["1d"])
-    assert (sched.kind, sched.warmup_steps, sched.min_lr_ratio) == ("cosine", 1430, 0.1)
+    # GPT-NeoX v1.0's AnnealingLR (tests/training/test_schedule.py holds it to a transcription of get_lr)
+    assert (sched.kind, sched.warmup_steps, sched.min_lr_ratio, sched.rewarmup_steps) == \
+        ("neox_annealing", 1430, 0.1, 0)
     assert sched.warmup_steps == 0.01 * train.max_steps and opt.lr * sched.min_lr_ratio == pytest.approx(2.5e-5)
     assert (train.max_steps, train.global_batch_size, train.micro_batch_size, train.grad_clip) == \
         (143_000, 1024, 16, 1.0)
@@ -37,8 +39,21 @@ def test_pythia_recipes_carry_pythias_protocol(recipe):
     assert cfg.model.init == "gpt_neox"
     std, out_scale = cfg.model.init_scales(len(cfg.model.expanded_layers()))
     assert (std, std * out_scale) == pytest.approx((math.sqrt(2 / (5 * 2048)), 2 / (16 * math.sqrt(2048))))
-    assert "ds_configs/zero1_fp16.json" in (CONFIGS / f"{recipe}.yaml").read_text().split("\nmodel:")[0]
+    assert train.start_step is None and getattr(cfg.model, "init_from", None) is None  # from scratch, at step 0
+    # the released Pythia-1B trained in bf16 (Pythia's README), Pythia-1B-deduped in fp16
+    assert "ds_configs/zero1_bf16.json" in (CONFIGS / f"{recipe}.yaml").read_text().split("\nmodel:")[0]
     assert meta_param_report(cfg.model).params_total == PYTHIA[recipe]
+
+
+def test_pythia_deduped_recipe_is_the_dense_one_on_the_deduped_pile_in_fp16():
+    dense, deduped = (to_dict(load_config(CONFIGS / f"{r}.yaml")) for r in ("pythia_1b_dense", "pythia_1b_deduped_dense"))
+    assert deduped["data"].pop("source") == "megatron:shared:pile-deduped-pythia-preshuffled/document"
+    dense["data"].pop("source")
+    assert deduped["train"].pop("output_dir") == "runs/pythia_1b_deduped_dense"
+    dense["train"].pop("output_dir")
+    assert deduped == dense
+    header = (CONFIGS / "pythia_1b_deduped_dense.yaml").read_text().split("\nmodel:")[0]
+    assert "ds_configs/zero1_fp16.json" in header and "zero1_bf16" not in header
 
 
 def test_pythia_recipes_differ_only_in_the_model():
@@ -129,9 +144,11 @@ def test_moe_stream_top2_weights_sum_to_one_per_token():
     assert int(plan.counts_E.sum()) == 2 * 120
 
 
-def test_pythia_deepspeed_config_is_fp16_zero1_as_pythia():
+def test_pythia_deepspeed_configs_are_zero1_in_bf16_and_in_fp16_as_the_deduped_run():
     import json
 
+    bf16 = json.loads((CONFIGS.parent / "ds_configs" / "zero1_bf16.json").read_text())
+    assert bf16["zero_optimization"]["stage"] == 1 and bf16["bf16"]["enabled"] and "fp16" not in bf16
     ds = json.loads((CONFIGS.parent / "ds_configs" / "zero1_fp16.json").read_text())
     assert ds["zero_optimization"]["stage"] == 1 and ds["fp16"]["enabled"] and not ds.get("bf16", {}).get("enabled")
     # pythia-1b.yml: dynamic loss scaling from 2^12, window 1000, hysteresis 2, floor 1

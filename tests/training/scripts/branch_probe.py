@@ -1,0 +1,44 @@
+"""Train (recipe, ds_config, resume, overrides) jobs one after another, recording for each what the trainer
+actually did: the window indices and input ids of every micro-batch it read, and the lr of every group at each
+optimizer step as the torch optimizer applied it (a step pre-hook). Writes job["probe"] (JSON).
+
+    python branch_probe.py JOBS.json
+"""
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from moep_ds.config import load_config
+from moep_ds.training.trainer import Trainer
+
+
+def main() -> None:
+    for job in json.load(open(sys.argv[1])):
+        cfg = load_config(job["recipe"], job.get("overrides", []))
+        trainer = Trainer(cfg, job.get("ds_config"), job.get("resume"))
+        probe = {"start": trainer.step, "indices": [], "input_ids": [], "lrs": []}
+        loader, read = trainer.loader, trainer.loader.next_indices
+
+        def next_indices():
+            idx = read()
+            probe["indices"].append(idx.tolist())
+            probe["input_ids"].append(loader.dataset.get_batch(idx)[:, :-1].tolist())
+            return idx
+
+        loader.next_indices = next_indices
+        torch_optimizer = getattr(trainer.engine.optimizer, "optimizer", trainer.engine.optimizer)
+        torch_optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs: probe["lrs"].append([g["lr"] for g in opt.param_groups]))
+        trainer.fit()
+        probe["end"] = trainer.step
+        with open(job["probe"], "w") as f:
+            json.dump(probe, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
