@@ -230,3 +230,31 @@ def test_expert_bias_resets_a_replaced_expert():
     b.bias_E.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
     b.reset_expert(1)
     assert b.bias_E.tolist() == pytest.approx([0.3, 0.0, 0.1, 0.0])
+
+
+def test_activation_checkpointing_counts_each_forward_once():
+    """A checkpointed block runs its forward again in backward: the bias counts (and so the update) must equal the
+    plain model's, in every balanced router of the routing recipes (FFN-MoE, SSM-MoE, MoEP paths)."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
+    import tiny
+
+    from moep_ds.config import config_from_dict
+    from moep_ds.models.causal_lm import build_model
+    from moep_ds.training.balancing import LossFreeBalancing
+    from moep_ds.training.blocks import apply_block_options
+
+    cfg = config_from_dict(tiny.recipe("qwen", pathlib.Path("unused"))).model
+    torch.manual_seed(0)
+    plain = build_model(cfg).train()
+    ckpt = build_model(cfg).train()
+    ckpt.load_state_dict(plain.state_dict())
+    apply_block_options(ckpt, activation_checkpointing=True, compile=False)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    for model in (plain, ckpt):
+        model(ids, labels=ids).loss.backward()
+    counts_plain, counts_ckpt = LossFreeBalancing(plain).local_counts(), LossFreeBalancing(ckpt).local_counts()
+    assert counts_plain.numel() == 3 * 4 and counts_plain.sum() > 0
+    assert torch.equal(counts_ckpt, counts_plain)
