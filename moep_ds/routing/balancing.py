@@ -32,7 +32,8 @@ def loss_free_bias_update(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: fl
 
     counts_E: the step's assignments per expert over all ranks and micro-batches (exact integers, any dtype)."""
     counts = counts_E.to(torch.float64)
-    return (bias_E.to(torch.float64) + rate * torch.sign(counts.mean() - counts)).to(bias_E.dtype)
+    # the step in the bias's dtype: +u then -u returns to the same value exactly
+    return bias_E + (rate * torch.sign(counts.mean() - counts)).to(bias_E.dtype)
 
 
 class ExpertBias(nn.Module):

@@ -27,7 +27,7 @@ def biases(run_dir: pathlib.Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     shapes = sharded.read_shapes(path)
     names = [k for k in shapes if k.endswith("balancer.bias_E")]
     out = {k: torch.zeros(shapes[k], dtype=torch.float32) for k in names}
-    sharded.load({k: sharded.whole(v) for k, v in out.items()}, path)
+    sharded.load({sharded.MODEL_PREFIX + k: sharded.whole(v) for k, v in out.items()}, path)
     return out
 
 
@@ -126,3 +126,15 @@ def test_bias_and_destination_ranks_are_logged(runs):
     tags = set(acc.Tags()["scalars"])
     assert "moe/layers.1.expert_bias/expert_0" in tags and "moe/layers.1.destination_ranks" in tags, sorted(tags)
     assert metrics(runs["deepseek", "ep2"])[-1]["step"] == STEPS
+
+
+def test_a_replaced_expert_starts_without_bias(runs):
+    """qwen's SSM-MoE layer has the lifecycle manager and loss-free balancing: the step after a replacement routes
+    with the replaced expert's bias at 0 (its update for the step ran first, then the reset)."""
+    rows = [json.loads(line) for line in (runs["qwen", "ep1"] / "expert_utilization.jsonl").read_text().splitlines()]
+    bias = {r["step"]: r["layers.2.expert_bias"] for r in rows if "event" not in r}
+    replaced = [(r["step"], r["event"]["expert"]) for r in rows
+                if "event" in r and r["event"]["layer"] == "blocks.2.moe" and r["step"] < STEPS]
+    assert replaced  # min_tokens 64, check_interval 3 (tiny.LIFECYCLE): a replacement at step 3
+    for step, expert in replaced:
+        assert bias[step][expert] != 0.0 and bias[step + 1][expert] == 0.0, (step, expert, bias)
