@@ -102,3 +102,28 @@ def test_recipes_state_what_their_comments_name():
     qwen = load_config(REPO_CONFIGS / "qwen_moe_tiny.yaml").model.layers[0].moe
     assert (qwen.router.score, qwen.router.renormalize, qwen.router.load_balancing_scope) == ("softmax", False, "global")
     assert qwen.shared_expert.gate == "sigmoid" and qwen.shared_expert.hidden_size == 8 * qwen.expert.hidden_size
+
+
+def test_model_directory_keeps_the_bias_and_the_shared_expert(tmp_path):
+    """An exported model directory (moep-export, moep-eval) holds the selection bias and the shared expert: the
+    loaded model routes and computes as the saved one."""
+    import sys
+
+    sys.path.insert(0, str(REPO_CONFIGS.parent / "tests" / "training"))
+    import tiny
+
+    from moep_ds.checkpointing.model_dir import load_model_dir, save_model_dir
+    from moep_ds.config import config_from_dict
+    from moep_ds.models.causal_lm import build_model
+
+    cfg = config_from_dict(tiny.recipe("deepseek", tmp_path / "run"))
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    with torch.no_grad():
+        model.blocks[1].moe.router.balancer.bias_E.copy_(torch.linspace(-0.5, 0.5, 8))
+    save_model_dir(model, cfg, tmp_path / "export")
+    loaded, _, _, _ = load_model_dir(tmp_path / "export")
+    assert torch.equal(loaded.blocks[1].moe.router.balancer.bias_E, torch.linspace(-0.5, 0.5, 8))
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
