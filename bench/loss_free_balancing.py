@@ -49,6 +49,16 @@ def train(run_dir: pathlib.Path, rate: float | None, args: argparse.Namespace) -
 
 def load_ratios(run_dir: pathlib.Path, last: int) -> dict[str, float]:
     """Per layer: max / min of the tokens per expert summed over the last `last` logged steps."""
+    return {layer: (max(c) / min(c) if min(c) > 0 else math.inf) for layer, c in expert_loads(run_dir, last).items()}
+
+
+def idle_experts(run_dir: pathlib.Path, last: int) -> dict[str, int]:
+    """Per layer: experts that got no token in the last `last` logged steps."""
+    return {layer: sum(1 for n in c if n == 0) for layer, c in expert_loads(run_dir, last).items()}
+
+
+def expert_loads(run_dir: pathlib.Path, last: int) -> dict[str, list[float]]:
+    """Per layer: tokens per expert summed over the last `last` logged steps."""
     rows = [json.loads(line) for line in (run_dir / "expert_utilization.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "event" not in r]
     steps = sorted({r["step"] for r in rows})[-last:]
@@ -60,7 +70,7 @@ def load_ratios(run_dir: pathlib.Path, last: int) -> dict[str, float]:
             if key.endswith(".tokens_per_expert"):
                 layer = key[: -len(".tokens_per_expert")]
                 totals[layer] = [a + b for a, b in zip(totals[layer], value)] if layer in totals else list(value)
-    return {layer: (max(c) / min(c) if min(c) > 0 else math.inf) for layer, c in sorted(totals.items())}
+    return dict(sorted(totals.items()))
 
 
 def final_loss(run_dir: pathlib.Path) -> float:
@@ -68,13 +78,14 @@ def final_loss(run_dir: pathlib.Path) -> float:
     return [r["loss"] for r in rows if "loss" in r][-1]
 
 
-def table(results: dict[str, tuple[dict[str, float], float]], rate: float) -> str:
+def table(results: dict[str, tuple[dict[str, float], float, dict[str, int]]], rate: float) -> str:
     on, off = results["on"], results["off"]
-    lines = [f"| layer | max/min load, u = {rate:g} | max/min load, u = 0 | lower with balancing |", "|---|---|---|---|"]
+    lines = [f"| layer | max/min load, u = {rate:g} | max/min load, u = 0 | lower with balancing | idle experts, "
+             f"u = {rate:g} / 0 |", "|---|---|---|---|---|"]
     for layer in on[0]:
         a, b = on[0][layer], off[0][layer]
-        lines.append(f"| {layer} | {a:.2f} | {b:.2f} | {'yes' if a < b else 'NO'} |")
-    lines.append(f"| final loss | {on[1]:.4f} | {off[1]:.4f} | |")
+        lines.append(f"| {layer} | {a:.2f} | {b:.2f} | {'yes' if a < b else 'NO'} | {on[2][layer]} / {off[2][layer]} |")
+    lines.append(f"| final loss | {on[1]:.4f} | {off[1]:.4f} | | |")
     return "\n".join(lines)
 
 
@@ -97,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm, arm_rate in (("on", rate), ("off", 0.0)):
             log.info("training deepseek_tiny, bias update rate %g, %d steps", arm_rate, args.steps)
             train(root / arm, arm_rate, args)
-            results[arm] = (load_ratios(root / arm, args.last), final_loss(root / arm))
+            results[arm] = (load_ratios(root / arm, args.last), final_loss(root / arm), idle_experts(root / arm, args.last))
     print(f"\nloss-free balancing, deepseek_tiny, no auxiliary loss, {args.steps} steps, loads over the last "
           f"{args.last}:\n")
     print(table(results, rate))
