@@ -64,6 +64,7 @@ class TopKConfig:
             fail(f"{path}.group_topk", self.group_topk, f"must be <= num_groups ({self.num_groups})")
 
     def check_num_experts(self, path: str, num_experts: int) -> None:
+        self.validate(path)  # also for a config built in code, not parsed
         if self.k > num_experts:
             fail(f"{path}.k", self.k, f"must be <= num_experts ({num_experts})")
         if num_experts % self.num_groups:
