@@ -5,6 +5,8 @@ norm_topk_prob, sigmoid-gated shared expert): outputs and router choices; DeepSp
 against shared_expert.gate residual_mix on the same weights and routing."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -124,13 +126,15 @@ def one_process_group(tmp_path):
     import deepspeed.comm.comm as ds_comm
     from deepspeed.utils import groups
 
+    # DeepSpeed keeps its groups in module globals (_EXPERT_PARALLEL_GROUP, ...): put them back afterwards
+    saved = {k: copy.copy(v) for k, v in vars(groups).items() if k.startswith("_") and k.strip("_").isupper()}
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     ds_comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # adopts the torch group
     try:
         yield
     finally:
-        groups._EXPERT_PARALLEL_GROUP.clear()
-        groups._EXPERT_DATA_PARALLEL_GROUP.clear()
+        for name, value in saved.items():
+            setattr(groups, name, value)
         dist.destroy_process_group()
         ds_comm.cdb = None  # later tests start from an uninitialised deepspeed.comm
 
