@@ -1,5 +1,6 @@
 """Small-model comparison on CPU: dense GPT-2 / Llama baselines against MoEP paths, MoEP-MSIT, Nova-style
-FFN-MoE and MoE-Stream at the same total parameter count, trained on the same tokens with the same seed and
+FFN-MoE, MoE-Stream and a DeepSeek-style FFN-MoE (fine-grained experts + shared expert, sigmoid group-limited
+routing, loss-free balancing) at the same total parameter count, trained on the same tokens with the same seed and
 schedule through our Trainer (1 process, DeepSpeed ZeRO-0 fp32).
 
 # V vocabulary, T sequence length, D model dim, B micro-batch, S optimizer steps
@@ -106,6 +107,19 @@ def moe_stream(s: dict, hidden: int) -> dict:
         final_norm={"type": "layernorm"})
 
 
+def deepseek(s: dict, hidden: int) -> dict:
+    """configs/deepseek_tiny.yaml at this size: one dense layer, then FFN-MoE layers of 32 fine-grained SwiGLU
+    experts (sigmoid top-4 within the top 2 of 4 groups, loss-free balancing) and one shared expert of their width."""
+    router = {"type": "topk", "k": 4, "score": "sigmoid", "renormalize": True, "scaling_factor": 2.5,
+              "bias_update_rate": 0.001, "num_groups": 4, "group_topk": 2, "load_balancing_weight": 0.0001,
+              "load_balancing_scope": "sequence", "capacity_factor": None}
+    return base(s, "llama", [
+        {"type": "dense", "attention": {"num_heads": s["H"]}},
+        {"type": "ffn_moe", "repeat": s["L"] - 1, "attention": {"num_heads": s["H"]},
+         "moe": {"num_experts": 32, "expert": {"type": "swiglu", "hidden_size": hidden},
+                 "shared_expert": {"hidden_size": hidden, "gate": "none"}, "router": router}}])
+
+
 # name -> model section for an integer width knob (hidden sizes are 8 x knob); larger knob, more parameters
 MODELS: dict[str, Callable[[dict, int], dict]] = {
     "gpt2": lambda s, k: dense(s, "gpt2", 8 * k),
@@ -115,6 +129,7 @@ MODELS: dict[str, Callable[[dict, int], dict]] = {
     "msit": msit,
     "nova_moe": lambda s, k: nova(s, 8 * k),
     "moe_stream": lambda s, k: moe_stream(s, 8 * k),
+    "deepseek": lambda s, k: deepseek(s, k),  # 33 experts x (L-1) layers: a unit of hidden keeps within 2%
 }
 REFERENCE = "gpt2"  # at GPT-2's own MLP width 4 D (knob D / 2): its total is every model's budget
 

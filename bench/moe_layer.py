@@ -21,8 +21,16 @@ load from other processes on a shared machine distorts the rows as little and as
     naive_loop   a Python loop over experts: torch.where per expert, indexed stacked weights, index_add
     ours_top2_unfused, ideal_unfused  ours and the bound with the gated activation unfused (layers/glu.py off):
                  what its fused kernel is worth (ours and ideal use it, as training does, from 512K elements)
-Ratios: ours / ideal (targets: expert choice <= 1.10, top-2 <= 1.15); for top-2 other / ours (speed-up; target
->= 1.10 for every library implementation).
+  DeepSeek-V3 routing (sigmoid top-4 of E=16 within the top 2 of 4 groups, selection bias, weights renormalised
+  x 2.5, one shared expert; D=256, F=256) and Qwen2-MoE routing (softmax top-4 of 16, sigmoid-gated shared expert of
+  4F; D=256, F=256):
+    ours_deepseek / ours_qwen   our MoE layer with those options (routing/topk.py, moe/shared.py)
+    ideal        one dense SwiGLU FFN of one expert's size on the rows the experts process: K N routed rows plus
+                 the shared expert's N rows (x its width in units of F): the FLOP-proportional bound
+    hf_eager, hf_grouped  transformers' DeepseekV3MoE / Qwen2MoeSparseMoeBlock with the same weights (and bias),
+                 experts_implementation "eager" / "grouped_mm"
+Ratios: ours / ideal (targets: expert choice <= 1.10, top-2, DeepSeek and Qwen <= 1.15); for the others
+other / ours (speed-up; target >= 1.10 for every library implementation).
 
     python bench/moe_layer.py                        # defaults above, N = 4096 tokens, 1 thread
     python bench/moe_layer.py --tokens 512 --repeats 3   # quick check
@@ -206,6 +214,75 @@ def top2_rows(args, x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, Step], 
     return steps, diffs
 
 
+# --- DeepSeek-V3 and Qwen2-MoE routing against transformers' blocks -----------------------------------------
+
+def published_block(kind: str, layer: MoELayer, args, implementation: str) -> nn.Module:
+    """transformers' DeepseekV3MoE or Qwen2MoeSparseMoeBlock with `layer`'s weights (and selection bias)."""
+    ex, k, shared = layer.experts, layer.router.cfg.k, layer.shared.ffn
+    E, D, Fh = ex.w1_EDF.shape
+    if kind == "deepseek":
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+        cfg = DeepseekV3Config(hidden_size=D, moe_intermediate_size=Fh, n_routed_experts=E, num_experts_per_tok=k,
+                               n_group=args.groups, topk_group=args.group_topk, norm_topk_prob=True,
+                               routed_scaling_factor=2.5, n_shared_experts=1)
+        cfg._experts_implementation = implementation
+        block = DeepseekV3MoE(cfg)
+        mlp = block.shared_experts
+        with torch.no_grad():
+            block.gate.e_score_correction_bias.copy_(layer.router.balancer.bias_E)
+    else:
+        from transformers import Qwen2MoeConfig
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+        cfg = Qwen2MoeConfig(hidden_size=D, moe_intermediate_size=Fh, num_experts=E, num_experts_per_tok=k,
+                             shared_expert_intermediate_size=shared.w1.out_features, norm_topk_prob=False)
+        cfg._experts_implementation = implementation
+        block = Qwen2MoeSparseMoeBlock(cfg)
+        mlp = block.shared_expert
+        with torch.no_grad():
+            block.shared_expert_gate.weight.copy_(layer.shared.gate.weight)
+    with torch.no_grad():
+        block.gate.weight.copy_(layer.router.weight)
+        block.experts.gate_up_proj.copy_(torch.cat([ex.w1_EDF, ex.w3_EDF], dim=2).transpose(1, 2))
+        block.experts.down_proj.copy_(ex.w2_EFD.transpose(1, 2))
+        mlp.gate_proj.weight.copy_(shared.w1.weight)
+        mlp.up_proj.weight.copy_(shared.w3.weight)
+        mlp.down_proj.weight.copy_(shared.w2.weight)
+    return block
+
+
+def published_rows(kind: str, args, x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, Step], dict[str, float]]:
+    from moep_ds.moe.shared import SharedExpertConfig
+
+    D, F_, E, K = x.shape[-1], args.fine_hidden, args.fine_experts, 4
+    if kind == "deepseek":
+        router = TopKConfig(k=K, score="sigmoid", renormalize=True, scaling_factor=2.5, bias_update_rate=0.001,
+                            num_groups=args.groups, group_topk=args.group_topk, load_balancing_weight=0.0)
+        shared, shared_units = SharedExpertConfig(hidden_size=F_, gate="none"), 1
+    else:
+        router = TopKConfig(k=K, load_balancing_weight=0.0)
+        shared, shared_units = SharedExpertConfig(hidden_size=4 * F_, gate="sigmoid"), 4
+    cfg = MoEConfig(num_experts=E, expert=FFNConfig(type="swiglu", hidden_size=F_), router=router,
+                    shared_expert=shared)
+    layer = MoELayer(cfg, d_model=D)
+    if kind == "deepseek":
+        with torch.no_grad():
+            layer.router.balancer.bias_E.copy_(torch.randn(E) * 0.05)
+    ours = lambda x_: layer(x_).y  # noqa: E731
+    fns = {f"ours_{kind}": (ours, layer.parameters())}
+    for impl, name in (("eager", "hf_eager"), ("grouped_mm", "hf_grouped")):
+        block = published_block(kind, layer, args, impl)
+        fns[name] = (block, block.parameters())
+    with torch.no_grad():
+        reference = ours(x)
+        diffs = {name: (fn(x) - reference).abs().max().item() for name, (fn, _) in fns.items()}
+    steps = {name: fwd_bwd(fn, x, g, params) for name, (fn, params) in fns.items()}
+    steps["ideal"] = ideal_ffn(layer, x, g, (K + shared_units) * x.shape[1])
+    return steps, diffs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)  # a micro-batch of 8 x 512
@@ -215,6 +292,10 @@ def main() -> None:
     parser.add_argument("--capacity_factor", type=float, default=1.25)
     parser.add_argument("--top2_d_model", type=int, default=256)
     parser.add_argument("--top2_hidden", type=int, default=896)
+    parser.add_argument("--fine_experts", type=positive_int, default=16, help="E of the DeepSeek / Qwen rows")
+    parser.add_argument("--fine_hidden", type=positive_int, default=256, help="F of the DeepSeek / Qwen rows")
+    parser.add_argument("--groups", type=positive_int, default=4)
+    parser.add_argument("--group_topk", type=positive_int, default=2)
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -229,6 +310,9 @@ def main() -> None:
     x = torch.randn(1, args.tokens, args.top2_d_model, requires_grad=True)
     steps, diffs = top2_rows(args, x, torch.randn_like(x))
     print_table(args, ec, time_rows(steps, args.repeats, clock), diffs)
+    for kind in ("deepseek", "qwen"):
+        steps, diffs = published_rows(kind, args, x, torch.randn_like(x))
+        print_published(kind, time_rows(steps, args.repeats, clock), diffs)
 
 
 def print_table(args, ec: dict[str, float], top2: dict[str, float], diffs: dict[str, float]) -> None:
@@ -252,6 +336,17 @@ def print_table(args, ec: dict[str, float], top2: dict[str, float], diffs: dict[
               f"{speedup:6.3f}  {target:<12} {diffs[name]:.1e}")
     print(f"{'top-2: ideal_unfused / ideal (speed-up)':<46} {top2['ideal'] * 1e3:8.1f} "
           f"{top2['ideal_unfused'] * 1e3:9.1f} {top2['ideal_unfused'] / top2['ideal']:6.3f}")
+
+
+def print_published(kind: str, times: dict[str, float], diffs: dict[str, float]) -> None:
+    ours = times[f"ours_{kind}"]
+    ratio = ours / times["ideal"]
+    print(f"{f'{kind} / ideal dense bound':<46} {ours * 1e3:8.1f} {times['ideal'] * 1e3:9.1f} {ratio:6.3f}  "
+          f"{'<= 1.15 ' + ('ok' if ratio <= 1.15 else 'missed'):<12}")
+    for name in ("hf_eager", "hf_grouped"):
+        speedup = times[name] / ours
+        print(f"{f'{kind}: {name} / ours (speed-up)':<46} {ours * 1e3:8.1f} {times[name] * 1e3:9.1f} "
+              f"{speedup:6.3f}  {'>= 1.10 ' + ('ok' if speedup >= 1.10 else 'missed'):<12} {diffs[name]:.1e}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 
     plan = router(x)                       (which tokens each expert processes, combine weights, aux losses)
     y    = dispatcher(x, plan, experts)    (local, or all-to-all across an expert-parallel group)
+    y    = shared.combine(y, x)            (with `shared_expert`: an always-active FFN beside them, moe/shared.py)
 
 Expert parallelism is applied from outside (the trainer): built inside `moe.shard.expert_shard(ep_rank, ep_size)`
 the layer holds this rank's experts only (`shard_experts(layer, ep_rank, ep_size)` cuts a whole layer down to
@@ -20,7 +21,9 @@ from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.dispatch import ExpertBatch, ExpertStage, shard_experts
 from moep_ds.moe.experts import EXPERT_ACTIVATIONS, GroupedExperts
 from moep_ds.moe.shard import full_shape
+from moep_ds.moe.shared import SharedExpert, SharedExpertConfig
 from moep_ds.registry import FFNS, ROUTERS
+from moep_ds.routing.plan import RoutingPlan
 from moep_ds.routing.lifecycle import ExpertLifecycle, ExpertRows, LifecycleConfig, LifecycleManaged
 from moep_ds.schema import ConfigError, OneOf, PositiveInt, fail
 
@@ -30,6 +33,7 @@ class MoEConfig:
     num_experts: PositiveInt
     expert: Annotated[Any, OneOf(FFNS, default="swiglu")] = dataclasses.field(default_factory=FFNConfig)
     router: Annotated[Any, OneOf(ROUTERS)]
+    shared_expert: SharedExpertConfig | None = None  # an always-active FFN beside the routed experts
 
     def validate(self, path: str) -> None:
         if self.expert.type not in EXPERT_ACTIVATIONS:
@@ -60,12 +64,21 @@ class MoELayer(ExpertStage, LifecycleManaged):
         super().__init__(cfg.num_experts)
         self.router = ROUTERS.build(cfg.router, d_model=d_model, num_experts=cfg.num_experts)
         self.experts = GroupedExperts(cfg.expert, d_model=d_model, num_experts=cfg.num_experts)
+        self.shared = None
+        if cfg.shared_expert is not None:
+            self.shared = SharedExpert(cfg.shared_expert, cfg.expert, d_model=d_model)
 
     def forward(self, x_BTD: torch.Tensor) -> MoEOutput:
         B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
         plan = self.router(x_BTD)
-        y_TD = self.dispatch(x_BTD.reshape(B * T, D), plan)
-        return MoEOutput(y_TD.view(B, T, D), plan.aux_losses, plan.stats)
+        y_TD = self.dispatch(x_TD, plan)
+        if self.shared is not None:
+            y_TD = self.shared.combine(y_TD, x_TD)
+        stats = plan.stats
+        if self.experts.num_local_experts < self.num_experts:  # expert parallelism: how far tokens travel
+            stats = {**stats, "destination_ranks": destination_ranks(plan, self.experts.num_local_experts)}
+        return MoEOutput(y_TD.view(B, T, D), plan.aux_losses, stats)
 
     def run_experts(self, batch: ExpertBatch) -> torch.Tensor:
         self.check_batch(batch)
@@ -83,15 +96,34 @@ class MoELayer(ExpertStage, LifecycleManaged):
         return ExpertRows(list(self.experts.parameters()), router_rows,
                           self.first_local_expert, self.experts.num_local_experts)
 
+    def reset_expert(self, expert: int) -> None:
+        """A replaced expert starts with fresh statistics and without loss-free balancing bias."""
+        super().reset_expert(expert)
+        if getattr(self.router, "balancer", None) is not None:
+            self.router.balancer.reset_expert(expert)
+
     def num_active_params(self) -> int:
-        """Router parameters + experts active per token (the router says how many) x parameters of one expert."""
+        """Router parameters + experts active per token (the router says how many) x parameters of one expert
+        + the shared expert and its gate (always active)."""
         router = sum(p.numel() for p in self.router.parameters())
-        return router + self.router.active_experts_per_token() * self.experts.params_per_expert()
+        shared = 0 if self.shared is None else sum(p.numel() for p in self.shared.parameters())
+        return router + self.router.active_experts_per_token() * self.experts.params_per_expert() + shared
 
     @torch.no_grad()
     def init_weights(self, std: float, out_scale: float = 1.0) -> None:
         self.router.init_weights(std)
         self.experts.init_weights(std, out_scale)
+
+
+@torch.no_grad()
+def destination_ranks(plan: RoutingPlan, experts_per_rank: int) -> torch.Tensor:
+    """Mean over tokens of the number of distinct expert-parallel ranks a token is sent to (experts stored
+    `experts_per_rank` to a rank, in order); group-limited routing bounds it (DeepSeek's node-limited routing)."""
+    num_ranks = plan.num_experts // experts_per_rank
+    rank_S = plan.expert_idx_S() // experts_per_rank
+    hit_TR = torch.zeros(plan.num_tokens, num_ranks, dtype=torch.bool, device=rank_S.device)
+    hit_TR[plan.token_idx_S, rank_S] = True
+    return hit_TR.sum(1).float().mean()
 
 
 def check_lifecycle_placement(cfg: Any, path: str) -> None:
@@ -111,4 +143,5 @@ def check_lifecycle_placement(cfg: Any, path: str) -> None:
             check_lifecycle_placement(item, f"{path}[{i}]")
 
 
-__all__ = ["MoEConfig", "MoELayer", "MoEOutput", "check_lifecycle_placement", "full_shape", "shard_experts"]
+__all__ = ["MoEConfig", "MoELayer", "MoEOutput", "SharedExpertConfig", "check_lifecycle_placement", "destination_ranks",
+           "full_shape", "shard_experts"]

@@ -339,6 +339,11 @@ class LifecycleManaged:
     def expert_rows(self) -> ExpertRows:
         raise NotImplementedError
 
+    def reset_expert(self, expert: int) -> None:
+        """The routing state of a replaced expert starts afresh (its statistics; a layer with more per-expert
+        router state, such as a loss-free balancing bias, resets that too)."""
+        self.expert_lifecycle().reset_expert(expert)
+
 
 def lifecycle_layers(model: nn.Module) -> list[tuple[str, LifecycleManaged]]:
     """(name, layer) for every managed layer that has a lifecycle manager, in module order."""

@@ -82,7 +82,7 @@ class ExpertLifecycleCallback:
             if planned:
                 self.replace(layer, [(e["expert"], e["source"]) for e in planned], name)
             for event in planned:
-                lifecycle.reset_expert(event["expert"])
+                layer.reset_expert(event["expert"])
                 lifecycle.record(event)
             events += planned
         return events

@@ -32,6 +32,7 @@ from moep_ds.models.causal_lm import build_model
 from moep_ds.moe.shard import expert_shard
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
+from moep_ds.training.balancing import LossFreeBalancing, install_count_reducers
 from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.branch import resolve_start_step
 from moep_ds.training.distributed import init_distributed, leave_process_group, setup_logging, world_size_to_be
@@ -239,6 +240,7 @@ class Trainer:
         self.val = self.open_validation()
         self.engine, self.model, self.ep_group = self.build_engine()
         self.callbacks = step_callbacks(self.engine, self.ep_group)
+        self.balancing = LossFreeBalancing(self.model)
         self.accum = ds["gradient_accumulation_steps"]
         self.loader = BatchLoader(self.dataset, micro_batch_size=ds["train_micro_batch_size_per_gpu"],
                                   grad_accum=self.accum, dp_rank=self.rank, dp_size=self.world, seed=cfg.train.seed,
@@ -270,6 +272,7 @@ class Trainer:
         model = build_rank_model(self.cfg.model, self.ds, self.cfg.train.seed, ep_group)
         self.report = meta_param_report(self.cfg.model, self.cfg.data.seq_len)  # of the whole model
         setup_expert_parallel(model, ep_group)
+        install_count_reducers(model)
         return model, ep_group
 
     def load_resumed_model(self):
@@ -363,17 +366,21 @@ class Trainer:
         return sums, stats
 
     def reduce_step(self, sums: dict[str, torch.Tensor], last_save: float) -> tuple[dict[str, torch.Tensor], bool, bool]:
-        """The step's one collective: losses averaged over ranks, and whether any rank was asked to stop
+        """The step's one collective: losses averaged over ranks, the loss-free balancing counts summed over
+        ranks (then the biases are updated: training/balancing.py), and whether any rank was asked to stop
         (`self.stop.requested`) or is due a time-based checkpoint. Only the two flags come to the host; the
         losses stay on the device (the caller brings them over on log steps)."""
         minutes = self.cfg.train.checkpoint.every_minutes
         due = minutes is not None and (time.time() - last_save) >= 60 * minutes
         keys = sorted(sums)
         flags = torch.tensor([float(self.stop.requested), float(due)], device=self.device)
-        packed = torch.cat([torch.stack([sums[k] for k in keys]) / self.world, flags])
-        dist.all_reduce(packed)  # sum: mean losses, and a flag is set when any rank set it
+        counts = self.balancing.local_counts().to(self.device)
+        dtype = torch.float64 if counts.numel() else torch.float32  # counts exact beyond fp32's 2^24
+        packed = torch.cat([torch.stack([sums[k] for k in keys]).to(dtype) / self.world, counts, flags.to(dtype)])
+        dist.all_reduce(packed)  # sum: mean losses, global counts, and a flag is set when any rank set it
+        self.balancing.end_step(packed[len(keys):len(keys) + counts.numel()])
         stop, time_due = (v > 0 for v in packed[-2:].tolist())
-        return dict(zip(keys, packed[:-2])), stop, time_due
+        return dict(zip(keys, packed[:len(keys)].float())), stop, time_due
 
     def save(self) -> None:
         scheduler = self.engine.lr_scheduler
@@ -447,8 +454,8 @@ class Trainer:
             start = time.time()
             sums, stats = self.train_step()
             self.step += 1
+            loss_t, stop, time_due = self.reduce_step(sums, last_save)  # first: a replaced expert's bias stays 0
             events = [event for callback in self.callbacks for event in callback.after_optimizer_step(self.step)]
-            loss_t, stop, time_due = self.reduce_step(sums, last_save)
             if self.step % cfg.log_every == 0 or self.step in (self.start_step + 1, self.max_steps):
                 losses = dict(zip(loss_t, torch.stack(list(loss_t.values())).tolist()))
                 if self.engine.skipped_steps and precision(self.ds) == "fp16":

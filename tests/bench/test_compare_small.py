@@ -20,7 +20,7 @@ def test_every_model_matches_the_reference_budget_within_3_percent():
         assert abs(total - reference) <= 0.03 * reference, (name, total, reference)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "msit", "moep_llama", "nova_moe", "moe_stream"])
+@pytest.mark.parametrize("name", ["gpt2", "msit", "moep_llama", "nova_moe", "moe_stream", "deepseek"])
 def test_batched_sentence_scores_equal_one_sentence_at_a_time(name):
     from moep_ds.models.causal_lm import build_model
 

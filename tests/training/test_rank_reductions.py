@@ -12,6 +12,7 @@ import torch
 from moep_ds.routing.expert_choice import ExpertChoiceConfig, ExpertChoiceRouter
 from moep_ds.training import hooks
 from moep_ds.training import trainer as trainer_mod
+from moep_ds.training.balancing import LossFreeBalancing
 from moep_ds.training.trainer import Trainer
 
 WORLD = 2
@@ -74,7 +75,8 @@ def test_expert_choice_thresholds_are_averaged_over_the_ranks(monkeypatch):
 def fake_trainer(rank: int, requested: bool, minutes: float | None):
     cfg = types.SimpleNamespace(train=types.SimpleNamespace(checkpoint=types.SimpleNamespace(every_minutes=minutes)))
     return types.SimpleNamespace(cfg=cfg, world=WORLD, rank=rank, device=torch.device("cpu"),
-                                 stop=types.SimpleNamespace(requested=requested))
+                                 stop=types.SimpleNamespace(requested=requested),
+                                 balancing=LossFreeBalancing(torch.nn.Module()))
 
 
 @pytest.mark.parametrize("stopping_rank", [None, 0, 1])
@@ -105,3 +107,40 @@ def test_reduce_step_averages_losses_and_any_ranks_flag_stops_or_checkpoints_eve
             assert float(value) == pytest.approx(sum(float(s[key]) for s in sums) / WORLD), (rank, key)
         assert stop is (stopping_rank is not None), (rank, stopping_rank)
         assert time_due is (due_rank is not None), (rank, due_rank)
+
+
+def test_reduce_step_sums_the_balancing_counts_over_ranks_and_updates_every_bias_alike(monkeypatch):
+    """Loss-free balancing travels in the step's one collective: each rank's step counts (summed over its
+    micro-batches) are summed over the ranks, and every rank applies b += u sign(mean - c) to the global counts,
+    so the bias stays replicated; counts beyond fp32's 2^24 stay exact."""
+    from moep_ds.routing.balancing import loss_free_bias_update
+    from moep_ds.routing.topk import TopKConfig, TopKRouter
+
+    reduce = SimulatedSum()
+    monkeypatch.setattr(trainer_mod.dist, "all_reduce", reduce)
+    big = 2.0 ** 25
+    local = [torch.tensor([big + 3, 1, 5, 7], dtype=torch.float64), torch.tensor([1, 9, 0, 1], dtype=torch.float64)]
+    fakes, routers = [], []
+    for rank in range(WORLD):
+        r = TopKRouter(TopKConfig(k=1, bias_update_rate=0.5), d_model=4, num_experts=4)
+        r.balancer.bias_E.copy_(torch.tensor([0.5, 0.0, -0.5, 1.0]))
+        r.balancer.step_counts_E.copy_(local[rank])
+        fake = fake_trainer(rank, requested=False, minutes=None)
+        fake.balancing = LossFreeBalancing(torch.nn.ModuleList([r]))
+        fakes.append(fake)
+        routers.append(r)
+    sums = {"loss": torch.tensor(1.0)}
+    for phase in ("record", "reduce"):
+        reduce.recording = phase == "record"
+        for rank in range(WORLD):
+            reduce.rank = rank
+            if phase == "record":  # what the rank sends, without updating its bias
+                Trainer.reduce_step(types.SimpleNamespace(**{**vars(fakes[rank]), "balancing": types.SimpleNamespace(
+                    local_counts=fakes[rank].balancing.local_counts, end_step=lambda c: None)}), sums, 0.0)
+            else:
+                Trainer.reduce_step(fakes[rank], sums, 0.0)
+    want = loss_free_bias_update(torch.tensor([0.5, 0.0, -0.5, 1.0]), local[0] + local[1], 0.5)
+    assert torch.equal(want, torch.tensor([0.0, 0.5, 0.0, 1.5]))  # [2^25+4, 10, 5, 8]: only expert 0 above the mean
+    for r in routers:
+        assert torch.equal(r.balancer.bias_E, want)
+        assert not r.balancer.step_counts_E.any()

@@ -31,6 +31,32 @@ LAYERS = {
     "paths": [{"type": "paths", "attention": ATTN, "d_path": 16, "num_paths": 4, "num_projection_experts": 4,
                "path_router": TOP2, "projection_router": TOP2}],
 }
+# the routing menu of DeepSeek-V3 / Qwen2-MoE / DeepSpeed's Residual-MoE (tests/training/test_routing_options.py)
+DEEPSEEK = {"type": "topk", "k": 2, "score": "sigmoid", "renormalize": True, "scaling_factor": 2.5,
+            "bias_update_rate": 0.01, "num_groups": 4, "group_topk": 2, "load_balancing_weight": 0.01,
+            "load_balancing_scope": "sequence"}
+LAYERS["deepseek"] = [
+    {"type": "dense", "attention": ATTN},
+    {"type": "ffn_moe", "attention": ATTN,
+     "moe": {"num_experts": 8, "expert": {"type": "swiglu", "hidden_size": 16},
+             "shared_expert": {"hidden_size": 16, "gate": "none"}, "router": DEEPSEEK}}]
+LAYERS["qwen"] = [
+    {"type": "ffn_moe", "attention": ATTN,
+     "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 16},
+             "shared_expert": {"hidden_size": 32, "gate": "sigmoid"},
+             "router": {**TOP2, "load_balancing_scope": "global", "capacity_factor": 1.0, "drop_policy": "position"}}},
+    {"type": "ffn_moe", "attention": ATTN,
+     "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 16},
+             "shared_expert": {"hidden_size": 16, "gate": "residual_mix"},
+             "router": {**TOP2, "renormalize": True, "capacity_factor": 1.25, "bias_update_rate": 0.01}}},
+    {"type": "ssm_moe", "mixer": {"state_size": 4, "chunk_size": 8},
+     "moe": {"num_experts": 4, "expert": {"type": "gelu", "hidden_size": 16},
+             "shared_expert": {"hidden_size": 16, "gate": "sigmoid"},
+             "router": {**LIFECYCLE, "score": "sigmoid", "bias_update_rate": 0.01}}},
+    {"type": "paths", "attention": ATTN, "d_path": 16, "num_paths": 4, "num_projection_experts": 4,
+     "path_router": {**TOP2, "score": "sigmoid", "renormalize": True, "bias_update_rate": 0.01},
+     "projection_router": {**TOP2, "load_balancing_scope": "sequence"}}]
+
 # every routed block type in one stack
 LAYERS["mixed"] = LAYERS["nova_moe"] + LAYERS["top2"] + LAYERS["msit"] + LAYERS["ssm_moe"] + LAYERS["paths"]
 
