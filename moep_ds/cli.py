@@ -122,6 +122,10 @@ def run_guarded(fn, *args) -> int:
         elif not isinstance(err, (ConfigError, SharedUserError)):  # every rank hits those alike
             print(f"[rank {rank}] error: {err}", file=sys.stderr)
         return exit_joined(2)
+    except KeyboardInterrupt:  # a second Ctrl-C while the trainer checkpoints, or one before training started
+        rank = launcher_rank()
+        print("interrupted" if rank == 0 else f"[rank {rank}] interrupted", file=sys.stderr)
+        return exit_joined(130)
 
 
 def run_command(body, args: argparse.Namespace) -> int:

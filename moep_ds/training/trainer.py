@@ -33,7 +33,9 @@ from moep_ds.moe.shard import expert_shard
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.blocks import apply_block_options
-from moep_ds.training.distributed import init_distributed, leave_process_group, setup_logging, world_size_to_be
+from moep_ds.training.distributed import (
+    init_distributed, launcher_generations, leave_process_group, setup_logging, world_size_to_be,
+)
 from moep_ds.training.ds_config import check_with_deepspeed, precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import (
     check_parallel_layout, expert_parallel_group, moe_layer_classes, setup_expert_parallel, shard_of,
@@ -51,27 +53,20 @@ log = logging.getLogger(__name__)
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
-# a parent process whose command line holds one of these is a launcher; the number is how many generations up
-# to watch (DeepSpeed: the per-node `deepspeed.launcher.launch` and the `deepspeed` runner above it)
-LAUNCHERS = {"deepspeed.launcher.launch": 2, "torch.distributed.run": 1, "torchrun": 1}
-
-
-def launcher_generations(parent_cmdline: list[str]) -> int:
-    """How many ancestors of a trainer belong to its launcher (0: not started by a known launcher)."""
-    return max((n for name, n in LAUNCHERS.items() if any(name in part for part in parent_cmdline)), default=0)
-
-
 class StopRequest:
-    """SIGUSR1 / SIGTERM (SLURM preemption), or the launcher going away, ask for a checkpoint and a clean exit
-    at the next step boundary (`requested`).
+    """SIGUSR1 / SIGTERM (SLURM preemption), SIGINT (Ctrl-C, which reaches every process of the terminal's process
+    group: under `deepspeed` the trainers and their launcher, which then sends SIGTERM), or the launcher going away,
+    ask for a checkpoint and a clean exit at the next step boundary (`requested`). A second SIGINT aborts at once
+    (KeyboardInterrupt): the way out of a checkpoint that takes too long.
 
     SIGTERM to the `deepspeed` runner kills the runner only: its per-node launcher and the trainers go on,
     re-parented. A daemon thread watches the launcher's processes (or the pids in `watch`) every `poll_s`
     seconds and sets `requested` once one of them is gone or has a new parent."""
 
-    def __init__(self, watch: list[int] | None = None, poll_s: float = 5.0):
+    def __init__(self, watch: list[int] | None = None, poll_s: float | None = None):
         self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        poll_s = float(os.environ.get("MOEP_LAUNCHER_POLL_S", 5.0)) if poll_s is None else poll_s
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.handle)
         watch = launcher_chain() if watch is None else watch
         self.parents = {pid: parent_pid(pid) for pid in watch}
@@ -82,8 +77,8 @@ class StopRequest:
     def handle(self, signum, frame) -> None:
         log.warning("received signal %d: checkpointing and stopping after this step", signum)
         self.requested = True
-        # A repeat must not kill the process while it checkpoints or shuts down.
-        signal.signal(signum, signal.SIG_IGN)
+        # A repeat must not kill the process while it checkpoints or shuts down; a second Ctrl-C is meant to.
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_IGN)
 
     def watch_launcher(self, poll_s: float) -> None:
         while not self.requested:
@@ -102,11 +97,14 @@ def parent_pid(pid: int) -> int | None:
 
 
 def launcher_chain() -> list[int]:
-    """This process and the launcher processes above it whose parents must not change while training."""
+    """This process and the launcher processes above it whose parents must not change while training; none when
+    no launcher started this process (a plain `python pretrain.py`, whose shell may exit: nohup ... &)."""
     try:
         parent = psutil.Process(os.getppid())
         generations = launcher_generations(parent.cmdline())
     except psutil.Error:
+        return []
+    if generations == 0:
         return []
     chain = [os.getpid()]
     for _ in range(generations - 1):
@@ -446,16 +444,17 @@ class Trainer:
                 log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s", self.step, self.max_steps,
                          metrics["loss"], metrics["lr"], metrics["tokens_per_s"])
             self.monitor.log_events(self.step, events)
-            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == self.max_steps):  # and the end
-                val_loss = self.evaluate()
-                self.monitor.log_step(self.step, {"val_loss": val_loss}, {})
-                log.info("step %d val_loss %.4f", self.step, val_loss)
             stop = stop or self.step == cfg.exit_at_step
             step_due = cfg.checkpoint.every_steps is not None and self.step % cfg.checkpoint.every_steps == 0
             end_due = cfg.checkpoint.at_end and self.step == self.max_steps
             if stop or time_due or step_due or end_due:
                 self.save()
                 last_save = time.time()
+            # after the step's checkpoint: an evaluation that fails must not take the step's training with it
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == self.max_steps):  # and the end
+                val_loss = self.evaluate()
+                self.monitor.log_step(self.step, {"val_loss": val_loss}, {})
+                log.info("step %d val_loss %.4f", self.step, val_loss)
             if stop:
                 log.warning("stopped at step %d on request; resume with --resume auto", self.step)
                 break
