@@ -24,7 +24,7 @@ from moep_ds.checkpointing import layout, sharded
 from moep_ds.config import Config
 from moep_ds.data.dataset import open_split
 from moep_ds.errors import SharedUserError, UserError
-from moep_ds.data.prepare import check_meta, prepare
+from moep_ds.data.prepare import check_meta, check_tokenizer_fits, prepare
 from moep_ds.data.errors import DataError
 from moep_ds.data.sampler import BatchLoader, eval_batches
 from moep_ds.models.accounting import meta_param_report
@@ -45,6 +45,9 @@ from moep_ds.training.hooks import step_callbacks
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.monitor import Monitor, drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
+from moep_ds.training.rank_errors import agreed
+from moep_ds.training.resume_batch import reconcile_resumed, saved_global_batch
+from moep_ds.training.run_dir import STOP_FILE, claim_run_dir
 from moep_ds.training.state import adopt_unfused_masters, loss_for_backward, loss_scaler
 from moep_ds.training.zero3 import check_partitioned, gathered_for_init, partitioned_construction
 
@@ -63,14 +66,16 @@ class StopRequest:
     re-parented. A daemon thread watches the launcher's processes (or the pids in `watch`) every `poll_s`
     seconds and sets `requested` once one of them is gone or has a new parent."""
 
-    def __init__(self, watch: list[int] | None = None, poll_s: float | None = None):
+    def __init__(self, watch: list[int] | None = None, poll_s: float | None = None,
+                 stop_file: pathlib.Path | None = None):
         self.requested = False
-        poll_s = float(os.environ.get("MOEP_LAUNCHER_POLL_S", 5.0)) if poll_s is None else poll_s
+        self.stop_file = stop_file
+        poll_s = float(os.environ.get("MOEP_STOP_POLL_S", 5.0)) if poll_s is None else poll_s
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.handle)
         watch = launcher_chain() if watch is None else watch
         self.parents = {pid: parent_pid(pid) for pid in watch}
-        if self.parents:
+        if self.parents or stop_file is not None:
             threading.Thread(target=self.watch_launcher, args=(poll_s,), daemon=True,
                              name="moep-launcher-watch").start()
 
@@ -84,7 +89,10 @@ class StopRequest:
         while not self.requested:
             time.sleep(poll_s)
             gone = [pid for pid, parent in self.parents.items() if parent_pid(pid) != parent]
-            if gone:
+            if self.stop_file is not None and self.stop_file.exists():
+                log.warning("found %s: checkpointing and stopping after this step", self.stop_file)
+                self.requested = True
+            elif gone:
                 log.warning("launcher process %s is gone: checkpointing and stopping after this step", gone[0])
                 self.requested = True
 
@@ -134,16 +142,18 @@ PREPARE_TIMEOUT = datetime.timedelta(hours=12)
 def prepare_data(cfg: Config, rank: int, local_rank: int) -> tuple[pathlib.Path, dict]:
     """Rank 0 prepares (or reuses) the packed corpus; then the first rank of every other node, which finds it
     complete where the nodes share the cache folder and prepares its node's copy where they do not; then the rest,
-    who find it complete. The ranks wait in monitored barriers of a gloo group of their own with PREPARE_TIMEOUT,
-    not the collectives' timeout (DeepSpeed's DEEPSPEED_TIMEOUT, 10 minutes), which tokenizing a large corpus on
-    first use could outlast; a rank that fails ends the wait. Copies prepared on several nodes must agree (a
+    who find it complete. The ranks wait in collectives of a gloo group of their own with PREPARE_TIMEOUT, not the
+    collectives' timeout (DeepSpeed's DEEPSPEED_TIMEOUT, 10 minutes), which tokenizing a large corpus on first use
+    could outlast; a rank that fails ends the wait, reports, and the others exit quietly (rank_errors.py). The
+    tokenizer is checked against the model before any tokenizing. Copies prepared on several nodes must agree (a
     sentencepiece tokenizer trained on a sample could differ)."""
-    waiting = dist.new_group(backend="gloo")
+    waiting = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
+    agreed(check_tokenizer_fits, cfg.data, cfg.model.vocab_size, run=rank == 0, group=waiting)
+    prepared = None
     for turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
-        if turn:
-            prepared = prepare(cfg.data)
-        dist.monitored_barrier(group=waiting, timeout=PREPARE_TIMEOUT, wait_all_ranks=True)
-    meta = check_meta(prepared, vocab_size=cfg.model.vocab_size)
+        # an error on the preparing rank: one line from it, the waiting ranks exit quietly (rank_errors.py)
+        prepared = agreed(prepare, cfg.data, run=turn, group=waiting) or prepared
+    meta = agreed(lambda: check_meta(prepared, vocab_size=cfg.model.vocab_size), group=waiting)
     copies = [None] * dist.get_world_size()
     dist.all_gather_object(copies, (meta.get("tokenizer_sha256"), meta["train_tokens"]), group=waiting)
     dist.destroy_process_group(waiting)
@@ -204,17 +214,19 @@ def scored_windows(num_windows: int, train, ds: dict, path) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ds_config_path: str | None, resume: str | None):
+    def __init__(self, cfg: Config, ds_config_path: str | None, resume: str | None, *, overwrite: bool = False,
+                 allow_batch_change: bool = False):
         """Everything up to the first step. A start-up that fails removes train.output_dir if it created it: each
         rank looks before the ranks meet in init_distributed, so before any of them can have created it."""
         created = layout.first_missing(cfg.train.output_dir)
         try:
-            self.set_up(cfg, ds_config_path, resume)
+            self.set_up(cfg, ds_config_path, resume, overwrite, allow_batch_change)
         except BaseException:
             layout.remove_new_dir(cfg.train.output_dir, created)
             raise
 
-    def set_up(self, cfg: Config, ds_config_path: str | None, resume: str | None) -> None:
+    def set_up(self, cfg: Config, ds_config_path: str | None, resume: str | None, overwrite: bool = False,
+               allow_batch_change: bool = False) -> None:
         self.cfg = cfg
         # a bad file fails before the ranks meet (init_distributed waits for all of them and compiles an op)
         raw_ds = read_ds_config(ds_config_path)
@@ -223,12 +235,13 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         setup_logging(self.rank)
         self.run_dir = pathlib.Path(cfg.train.output_dir)
-        ds = reconcile(raw_ds, cfg.train, self.world)
+        ds = reconcile_resumed(raw_ds, cfg.train, self.world, resume, self.run_dir, allow_batch_change)
         ds.setdefault("tensorboard", {"enabled": True, "output_path": str(self.run_dir), "job_name": "tensorboard"})
         check_with_deepspeed(ds)
         self.ds = ds
         check_parallel_layout(cfg, ds, self.world)
         check_output_dir(cfg.train.output_dir)
+        claim_run_dir(self.run_dir, resume, overwrite)
         self.prepared, self.meta = prepare_data(cfg, self.rank, int(os.environ.get("LOCAL_RANK", self.rank)))
         self.resume = resume
         self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
@@ -244,7 +257,7 @@ class Trainer:
         if self.resume_from is not None:
             state = ckpt_io.load_engine_state(self.engine, self.model, self.resume_from, self.ep_group)
             ckpt_io.check_same_tokenizer(state, self.meta, self.resume_from)
-            self.loader.load_state_dict(state["data"])
+            self.loader.load_state_dict(state["data"], global_batch_size=saved_global_batch(state))
             self.step = state["step"]
             log.info("resumed from %s at step %d", self.resume_from, self.step)
             if self.rank == 0:
@@ -254,7 +267,7 @@ class Trainer:
         self.checkpoints = ckpt_io.CheckpointWriter(self.run_dir, cfg.train.checkpoint.keep_last,
                                                     async_save=cfg.train.checkpoint.async_save)
         self.monitor = Monitor(self.run_dir, self.engine, enabled=self.rank == 0)
-        self.stop = StopRequest()
+        self.stop = StopRequest(stop_file=self.run_dir / STOP_FILE if self.rank == 0 else None)
 
     def new_model(self):
         """The model with this rank's experts only (moe/shard.py), under ZeRO-3 with this rank's partition of
@@ -355,11 +368,15 @@ class Trainer:
         minutes = self.cfg.train.checkpoint.every_minutes
         due = minutes is not None and (time.time() - last_save) >= 60 * minutes
         keys = sorted(sums)
-        flags = torch.tensor([float(self.stop.requested), float(due)], device=self.device)
+        flags = torch.tensor([float(self.stop.requested), float(due), float(self.checkpoints.failed())],
+                             device=self.device)
         packed = torch.cat([torch.stack([sums[k] for k in keys]) / self.world, flags])
         dist.all_reduce(packed)  # sum: mean losses, and a flag is set when any rank set it
-        stop, time_due = (v > 0 for v in packed[-2:].tolist())
-        return dict(zip(keys, packed[:-2])), stop, time_due
+        stop, time_due, save_failed = (v > 0 for v in packed[-3:].tolist())
+        if save_failed:  # an asynchronous save failed: its error on every rank now, not at the next save
+            self.checkpoints.wait()
+            raise ckpt_io.CheckpointError("an asynchronous checkpoint save failed on another rank (see its error)")
+        return dict(zip(keys, packed[:-3])), stop, time_due
 
     def save(self) -> None:
         scheduler = self.engine.lr_scheduler
@@ -369,6 +386,7 @@ class Trainer:
             "global_samples": self.engine.global_samples,
             "skipped_steps": self.engine.skipped_steps,
             "data": self.loader.state_dict(),
+            "global_batch_size": self.ds["train_batch_size"],
             "lr_scheduler": {"last_epoch": scheduler.last_epoch} if scheduler is not None else None,
             "loss_scaler": ckpt_io.loss_scaler_state(self.engine),
             "world_size": self.world,
@@ -493,9 +511,9 @@ def set_aside(damaged: list[pathlib.Path]) -> None:
         log.warning("moved the damaged checkpoint %s aside to %s", ckpt, target.name)
 
 
-def fit(cfg: Config, ds_config_path: str | None = None, resume: str | None = None) -> int:
+def fit(cfg: Config, ds_config_path: str | None = None, resume: str | None = None, **options) -> int:
     """Train; every rank leaves the process group together at the end. A rank that fails leaves without waiting
     for the others, which may be in another collective (cli.exit_joined ends it; the launcher stops the rest)."""
-    code = Trainer(cfg, ds_config_path, resume).fit()
+    code = Trainer(cfg, ds_config_path, resume, **options).fit()
     leave_process_group()
     return code
