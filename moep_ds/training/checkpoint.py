@@ -237,7 +237,7 @@ def save_error_reason(err: BaseException, where: pathlib.Path) -> str:
     if not full and any("unexpected pos" in str(e) or "No space left" in str(e) for e in causes):
         full = free_bytes(where) < DISK_FULL_BYTES
     if full:
-        return f"disk full (no space left on device) writing {str(where)!r}: {free_bytes(where) >> 20} MiB free there"
+        return f"disk full (No space left on device) writing {str(where)!r}, {free_bytes(where) >> 20} MiB free there"
     return sharded.first_line(next((e for e in causes if isinstance(e, OSError)), err))
 
 
