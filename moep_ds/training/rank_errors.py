@@ -12,18 +12,28 @@ from moep_ds.errors import ReportedElsewhere, SharedUserError, UserError
 
 
 def agreed(fn: Callable[..., Any], *args: Any, run: bool = True, group=None) -> Any:
-    """`fn(*args)` where `run` (else None), then a collective on `group` (every rank calls this): raises on every
-    rank when `fn` raised a UserError on any rank, as described above."""
+    """`fn(*args)` where `run` (else None), then `raise_agreed` on `group` (every rank calls this)."""
     error, result = None, None
     if run:
         try:
             result = fn(*args)
         except UserError as err:
             error = err
+    raise_agreed(error, group)
+    return result
+
+
+def raise_agreed(error: UserError | None, group=None) -> None:
+    """A collective on `group` (every rank calls it, once every rank is there): raises on every rank when any rank
+    had an `error`: that error on the first such rank, ReportedElsewhere on the others. Off-distributed: `error`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        return
     failed = [False] * dist.get_world_size(group)
     dist.all_gather_object(failed, error is not None, group=group)
     if not any(failed):
-        return result
+        return
     first = failed.index(True)
     if dist.get_rank(group) == first:
         # a SharedUserError is printed by rank 0 only: from another rank it must be printed by that rank

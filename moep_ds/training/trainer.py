@@ -45,7 +45,7 @@ from moep_ds.training.hooks import step_callbacks
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.monitor import Monitor, drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
-from moep_ds.training.rank_errors import agreed
+from moep_ds.training.rank_errors import agreed, raise_agreed
 from moep_ds.training.resume_batch import reconcile_resumed, saved_global_batch
 from moep_ds.training.run_dir import STOP_FILE, claim_run_dir
 from moep_ds.training.state import adopt_unfused_masters, loss_for_backward, loss_scaler
@@ -142,17 +142,21 @@ PREPARE_TIMEOUT = datetime.timedelta(hours=12)
 def prepare_data(cfg: Config, rank: int, local_rank: int) -> tuple[pathlib.Path, dict]:
     """Rank 0 prepares (or reuses) the packed corpus; then the first rank of every other node, which finds it
     complete where the nodes share the cache folder and prepares its node's copy where they do not; then the rest,
-    who find it complete. The ranks wait in collectives of a gloo group of their own with PREPARE_TIMEOUT, not the
-    collectives' timeout (DeepSpeed's DEEPSPEED_TIMEOUT, 10 minutes), which tokenizing a large corpus on first use
-    could outlast; a rank that fails ends the wait, reports, and the others exit quietly (rank_errors.py). The
-    tokenizer is checked against the model before any tokenizing. Copies prepared on several nodes must agree (a
+    who find it complete. The ranks wait in monitored barriers of a gloo group of their own with PREPARE_TIMEOUT,
+    not the collectives' timeout (DeepSpeed's DEEPSPEED_TIMEOUT, 10 minutes), which tokenizing a large corpus on
+    first use could outlast; a rank that fails still comes to the barrier, then reports its error in one line and
+    the others exit quietly (rank_errors.py), instead of ending in the barrier's traceback once it is gone. Copies prepared on several nodes must agree (a
     sentencepiece tokenizer trained on a sample could differ)."""
-    waiting = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
-    agreed(check_tokenizer_fits, cfg.data, cfg.model.vocab_size, run=rank == 0, group=waiting)
+    waiting = dist.new_group(backend="gloo")
     prepared = None
     for turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
-        # an error on the preparing rank: one line from it, the waiting ranks exit quietly (rank_errors.py)
-        prepared = agreed(prepare, cfg.data, run=turn, group=waiting) or prepared
+        error = None
+        try:
+            prepared = prepare(cfg.data) if turn else prepared
+        except UserError as err:
+            error = err
+        dist.monitored_barrier(group=waiting, timeout=PREPARE_TIMEOUT, wait_all_ranks=True)
+        raise_agreed(error, group=waiting)  # one line from the preparing rank, the others exit quietly
     meta = agreed(lambda: check_meta(prepared, vocab_size=cfg.model.vocab_size), group=waiting)
     copies = [None] * dist.get_world_size()
     dist.all_gather_object(copies, (meta.get("tokenizer_sha256"), meta["train_tokens"]), group=waiting)
@@ -242,6 +246,8 @@ class Trainer:
         check_parallel_layout(cfg, ds, self.world)
         check_output_dir(cfg.train.output_dir)
         claim_run_dir(self.run_dir, resume, overwrite)
+        # before any tokenizing (prepare_data), which a tokenizer larger than the model would waste
+        agreed(check_tokenizer_fits, cfg.data, cfg.model.vocab_size, run=self.rank == 0)
         self.prepared, self.meta = prepare_data(cfg, self.rank, int(os.environ.get("LOCAL_RANK", self.rank)))
         self.resume = resume
         self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
