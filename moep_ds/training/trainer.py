@@ -63,8 +63,9 @@ class StopRequest:
     (KeyboardInterrupt): the way out of a checkpoint that takes too long.
 
     SIGTERM to the `deepspeed` runner kills the runner only: its per-node launcher and the trainers go on,
-    re-parented. A daemon thread watches the launcher's processes (or the pids in `watch`) every `poll_s`
-    seconds and sets `requested` once one of them is gone or has a new parent."""
+    re-parented. A daemon thread watches the launcher's processes (or the pids in `watch`; none for a process no
+    launcher started) every `poll_s` seconds (MOEP_STOP_POLL_S, default 5) and sets `requested` once one of them is
+    gone or has a new parent, or once `stop_file` (RUN_DIR/STOP, watched on rank 0) exists."""
 
     def __init__(self, watch: list[int] | None = None, poll_s: float | None = None,
                  stop_file: pathlib.Path | None = None):
@@ -144,9 +145,9 @@ def prepare_data(cfg: Config, rank: int, local_rank: int) -> tuple[pathlib.Path,
     complete where the nodes share the cache folder and prepares its node's copy where they do not; then the rest,
     who find it complete. The ranks wait in monitored barriers of a gloo group of their own with PREPARE_TIMEOUT,
     not the collectives' timeout (DeepSpeed's DEEPSPEED_TIMEOUT, 10 minutes), which tokenizing a large corpus on
-    first use could outlast; a rank that fails still comes to the barrier, then reports its error in one line and
-    the others exit quietly (rank_errors.py), instead of ending in the barrier's traceback once it is gone. Copies prepared on several nodes must agree (a
-    sentencepiece tokenizer trained on a sample could differ)."""
+    first use could outlast. A rank that fails still comes to the barrier; then it reports its error in one line and
+    the others exit quietly (rank_errors.py), where they ended in the barrier's traceback once it was gone. Copies
+    prepared on several nodes must agree (a sentencepiece tokenizer trained on a sample could differ)."""
     waiting = dist.new_group(backend="gloo")
     prepared = None
     for turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
