@@ -111,16 +111,19 @@ def test_ctrl_c_under_deepspeed_checkpoints_at_the_next_step(tmp_path):
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=100000, checkpoint={"every_steps": None,
                                                                                            "at_end": False})
-    proc = subprocess.Popen(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain.py",
-                             "--config", str(recipe)], env=env(), cwd=REPO, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = open(tmp_path / "log", "w")  # a file, not a pipe nobody reads while the run goes on
+    proc = subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                             str(free_port()), "pretrain.py", "--config", str(recipe)], env=env(), cwd=REPO,
+                            start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     try:
         assert wait_until(lambda: len(steps_logged(out)) >= 3 or proc.poll() is not None, 300)
         os.killpg(proc.pid, signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    output = (tmp_path / "log").read_text()
     saved = layout.complete_checkpoints(out)
     assert len(saved) == 1, output[-4000:]
     step = layout.step_of(saved[0])
