@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
+INTERRUPT_ECHO_S = 1.0
+
+
 class StopRequest:
     """SIGUSR1 / SIGTERM (SLURM preemption), SIGINT (Ctrl-C, which reaches every process of the terminal's process
     group: under `deepspeed` the trainers and their launcher, which then sends SIGTERM), or the launcher going away,
@@ -84,7 +87,14 @@ class StopRequest:
         log.warning("received signal %d: checkpointing and stopping after this step", signum)
         self.requested = True
         # A repeat must not kill the process while it checkpoints or shuts down; a second Ctrl-C is meant to.
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_IGN)
+        self.interrupted_at = time.monotonic()
+        signal.signal(signum, self.interrupt_again if signum == signal.SIGINT else signal.SIG_IGN)
+
+    def interrupt_again(self, signum, frame) -> None:
+        """A second Ctrl-C aborts; one within INTERRUPT_ECHO_S of the first is the same Ctrl-C passed on by a
+        launcher (torchrun forwards the SIGINT its agent got to the trainers, which got it from the terminal too)."""
+        if time.monotonic() - self.interrupted_at > INTERRUPT_ECHO_S:
+            raise KeyboardInterrupt
 
     def watch_launcher(self, poll_s: float) -> None:
         while not self.requested:
