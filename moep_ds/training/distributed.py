@@ -85,8 +85,11 @@ def setup_logging(rank: int, all_ranks: bool = False) -> None:
 # torchrun: its elastic agent; srun: the node's slurmstepd, which starts each task).
 LAUNCHER_GENERATIONS = {"deepspeed.launcher.launch": 2, "torch.distributed.run": 1, "torch.distributed.launch": 1,
                         "slurmstepd": 1}
-# console scripts and script files of those launchers, by file name
-LAUNCHER_SCRIPTS = {"torchrun": "torch.distributed.run", "launch.py": None}
+# console scripts of those launchers, by file name
+LAUNCHER_SCRIPTS = {"torchrun": "torch.distributed.run"}
+# script files python may run them as
+LAUNCHER_FILES = {"deepspeed/launcher/launch.py": "deepspeed.launcher.launch",
+                  "torch/distributed/run.py": "torch.distributed.run"}
 # interpreter options that take a value (python -W ignore -m ...)
 PYTHON_VALUE_OPTIONS = ("-W", "-X", "-Q")
 
@@ -101,7 +104,7 @@ def launcher_of(cmdline: list[str]) -> str | None:
     program = os.path.basename(cmdline[0])
     if program.startswith("slurmstepd"):  # its command line reads "slurmstepd: [job.step]"
         return "slurmstepd"
-    if program in LAUNCHER_SCRIPTS and LAUNCHER_SCRIPTS[program]:
+    if program in LAUNCHER_SCRIPTS:
         return LAUNCHER_SCRIPTS[program]
     if not program.startswith("python"):
         return None
@@ -112,16 +115,12 @@ def launcher_of(cmdline: list[str]) -> str | None:
             return module if module in LAUNCHER_GENERATIONS else None
         if arg in PYTHON_VALUE_OPTIONS:
             next(args, None)
-        elif arg == "-c" or arg == "-":
+        elif arg in ("-c", "-"):
             return None
         elif not arg.startswith("-"):  # the script python runs
             path = arg.replace(os.sep, "/")
-            if path.endswith("deepspeed/launcher/launch.py"):
-                return "deepspeed.launcher.launch"
-            if path.endswith("torch/distributed/run.py"):
-                return "torch.distributed.run"
-            script = LAUNCHER_SCRIPTS.get(os.path.basename(arg))
-            return script or None
+            return next((name for end, name in LAUNCHER_FILES.items() if path.endswith(end)),
+                        LAUNCHER_SCRIPTS.get(os.path.basename(arg)))
     return None
 
 
