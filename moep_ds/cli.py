@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from moep_ds.errors import SharedUserError, UserError
+from moep_ds.errors import ReportedElsewhere, SharedUserError, UserError
 from moep_ds.schema import ConfigError
 
 log = logging.getLogger("moep_ds")
@@ -15,15 +15,22 @@ log = logging.getLogger("moep_ds")
 
 STOPPING = """\
 stopping and resuming:
+  touch RUN_DIR/STOP           the run in RUN_DIR (train.output_dir) checkpoints at the end of its current step
+                               and exits 0, within about 5 s; the file is removed when a run starts there
+  Ctrl-C                       the same (a second Ctrl-C aborts without a checkpoint)
   --set train.exit_at_step=N   checkpoint and exit after step N
-  kill -USR1 <trainer pids>    (or -TERM; e.g. pkill -USR1 -f pretrain.py) every trainer checkpoints at the
-                               end of its current step and exits 0; a repeated signal is ignored
+  kill -USR1 <trainer pids>    (or -TERM) the same as the STOP file. Name this run's processes only, e.g.
+                               pkill -USR1 -u "$USER" -f -- "--config configs/x.yaml": a bare `pkill -f pretrain.py`
+                               stops every run on the machine, other users' included where it may
   launchers/local.sh           runs deepspeed for you: `kill -USR1 <pid of local.sh>` checkpoints and stops
-  --resume auto                continues from the newest complete checkpoint in train.output_dir
+  --resume auto                continues from the newest complete checkpoint in train.output_dir; a run started
+                               without it in a folder that holds another run is refused (--overwrite replaces that
+                               run; --allow_batch_change resumes with another global batch size)
 
   SIGTERM to the `deepspeed` runner process kills only the runner (DeepSpeed's launcher does not pass it
   on; the runner exits 143): the trainers go on, orphaned. They check every 5 s whether their launcher is
   gone and then checkpoint and exit as on SIGUSR1; signal the trainers themselves to stop without the wait.
+  A trainer started without a launcher (python pretrain.py ... &) is not watched: it trains on after its shell exits.
 """
 
 
@@ -61,6 +68,11 @@ def pretrain_parser() -> argparse.ArgumentParser:
                    help="recipe overrides, e.g. train.optimizer.lr=1e-3 (may be repeated)")
     p.add_argument("--dry_run", action="store_true", help="print the parameter/FLOP report as one JSON line and exit")
     p.add_argument("--resume", default=None, help="'auto' (latest complete checkpoint in output_dir) or a checkpoint dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the run train.output_dir holds (its checkpoints and logs) and start a new one there")
+    p.add_argument("--allow_batch_change", action="store_true",
+                   help="resume with another global batch size than the checkpoint's (continues from the sample "
+                        "it reached)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 
@@ -115,6 +127,8 @@ def run_guarded(fn, *args) -> int:
     and after the process group is joined."""
     try:
         return fn(*args) or 0
+    except ReportedElsewhere:  # another rank printed the error
+        return exit_joined(2)
     except UserError as err:
         rank = launcher_rank()
         if rank == 0:
@@ -122,6 +136,10 @@ def run_guarded(fn, *args) -> int:
         elif not isinstance(err, (ConfigError, SharedUserError)):  # every rank hits those alike
             print(f"[rank {rank}] error: {err}", file=sys.stderr)
         return exit_joined(2)
+    except KeyboardInterrupt:  # a second Ctrl-C while the trainer checkpoints, or one before training started
+        rank = launcher_rank()
+        print("interrupted" if rank == 0 else f"[rank {rank}] interrupted", file=sys.stderr)
+        return exit_joined(130)
 
 
 def run_command(body, args: argparse.Namespace) -> int:
@@ -145,7 +163,8 @@ def _pretrain(args: argparse.Namespace) -> int:
         return dry_run(cfg)
     from moep_ds.training.trainer import fit
 
-    return fit(cfg, ds_config_path=args.ds_config, resume=args.resume)
+    return fit(cfg, ds_config_path=args.ds_config, resume=args.resume, overwrite=args.overwrite,
+               allow_batch_change=args.allow_batch_change)
 
 
 def pretrain_main(argv: list[str] | None = None) -> int:

@@ -27,3 +27,8 @@ def json_error_reason(err: Exception, *, line: bool = True) -> str:
     if isinstance(err, json.JSONDecodeError):
         return f"{err.msg}: line {err.lineno} column {err.colno}" if line else f"{err.msg}: column {err.colno}"
     return f"not UTF-8 at byte {err.start + 1}" if isinstance(err, UnicodeDecodeError) else str(err)
+
+
+class ReportedElsewhere(UserError):
+    """Another rank failed and reported why (one line); this rank exits with status 2 without a word, where it would
+    otherwise end in a collective's traceback ("Connection closed by peer") once the failed rank is gone."""

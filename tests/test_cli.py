@@ -112,3 +112,34 @@ def test_errors_in_what_every_rank_is_given_are_shared(monkeypatch, capsys, body
         assert run_guarded(body) == 2
         err = capsys.readouterr().err
         assert (err.startswith(f"error: {message}") and err.count("\n") == 1) if printed else err == "", rank
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_rank_whose_error_another_rank_reported_exits_2_without_a_word(monkeypatch, capsys, rank):
+    from moep_ds.errors import ReportedElsewhere
+
+    monkeypatch.setenv("RANK", rank)
+
+    def body():
+        raise ReportedElsewhere("rank 0 failed")
+
+    assert run_guarded(body) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_an_interrupt_before_training_is_one_line(capsys):
+    def body():
+        raise KeyboardInterrupt
+
+    assert run_guarded(body) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_stopping_advice_names_this_run_only():
+    """`pkill -USR1 -f pretrain.py` stopped every user's runs on a shared machine."""
+    from moep_ds.cli import pretrain_parser
+
+    text = pretrain_parser().format_help()
+    assert "touch RUN_DIR/STOP" in text and 'pkill -USR1 -u "$USER" -f -- "--config configs/x.yaml"' in text
+    assert "pkill -USR1 -f pretrain.py" not in text
+    assert "--overwrite" in text and "--allow_batch_change" in text

@@ -115,6 +115,19 @@ def check_windows(meta: dict[str, Any], cfg: DataConfig) -> None:
                         f"data.val_fraction ({cfg.val_fraction}) or set it to 0")
 
 
+def check_tokenizer_fits(cfg: DataConfig, model_vocab_size: int) -> None:
+    """A tokenizer larger than the model, refused before preparing: tokenizing a large corpus with a tokenizer whose
+    ids the model's embedding cannot hold would take hours before check_meta refused the result."""
+    if cfg.tokenizer.path is not None:
+        tok = check_reusable_tokenizer(cfg)
+        if tok.vocab_size > model_vocab_size:
+            raise DataError(f"data.tokenizer.path ({cfg.tokenizer.path!r}) has {tok.vocab_size} ids, more than "
+                            f"model.vocab_size ({model_vocab_size}); a reused tokenizer may only be smaller")
+    elif cfg.tokenizer.vocab_size > model_vocab_size:  # a smaller one: check_meta names the prepared folder
+        raise DataError(f"data.tokenizer.vocab_size ({cfg.tokenizer.vocab_size}) is larger than model.vocab_size "
+                        f"({model_vocab_size}); a trained tokenizer is built at the model's size")
+
+
 def check_reusable_tokenizer(cfg: DataConfig) -> TextTokenizer:
     tok = load_tokenizer(cfg.tokenizer.path)
     if tok.vocab_size != cfg.tokenizer.vocab_size:

@@ -27,10 +27,11 @@ def epoch_permutation(num_items: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def rank_epoch_indices(num_items: int, *, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                       epoch: int, drop_last: bool = True, shuffle: bool = True) -> np.ndarray:
+                       epoch: int, drop_last: bool = True, shuffle: bool = True, offset: int = 0) -> np.ndarray:
     """Rank `dp_rank`'s items of `epoch`, in consumption order.
 
-    Full global batches split into equal contiguous slices. Without drop_last the final partial global
+    Full global batches, from item `offset` of the epoch's order on (a run resumed at another global batch size
+    continues at the sample it reached), split into equal contiguous slices. Without drop_last the final partial global
     batch is split into `dp_size` contiguous, nearly equal slices (some possibly empty), so that over all
     ranks every item appears exactly once per epoch.
     """
@@ -38,6 +39,7 @@ def rank_epoch_indices(num_items: int, *, global_batch_size: int, dp_rank: int, 
         raise ValueError(f"global_batch_size {global_batch_size} must split over dp_size {dp_size} "
                          f"(dp_rank {dp_rank})")
     perm = epoch_permutation(num_items, seed, epoch) if shuffle else np.arange(num_items)
+    perm, num_items = perm[offset:], num_items - offset
     num_full = num_items // global_batch_size
     per_rank = global_batch_size // dp_size
     full_GP = perm[:num_full * global_batch_size].reshape(num_full, dp_size, per_rank)
@@ -54,6 +56,11 @@ class BatchLoader:
     `state_dict()` (taken at optimizer-step boundaries) is the position in global batches, so a resumed
     run, at the same or another dp_size with the same global batch size, sees the batches that the
     uninterrupted run would have seen. The incomplete last global batch of each epoch is dropped.
+
+    A run resumed with another global batch size (--allow_batch_change) continues at the sample reached: position
+    `sample` = offset + global_batch x G (`load_state_dict(..., global_batch_size=the saved G)`); the epoch's
+    batches then start `offset` = sample mod G items in (only until the epoch ends), so nothing is replayed or
+    skipped. `offset` is in the state only when it is not 0.
     """
 
     def __init__(self, dataset: PackedDataset, *, micro_batch_size: int, grad_accum: int, dp_rank: int,
@@ -70,15 +77,19 @@ class BatchLoader:
             raise DataError(f"{len(dataset)} windows of seq_len {getattr(dataset, 'seq_len', '?')} are fewer than "
                             f"one global batch ({micro_batch_size} x {grad_accum} accum x {dp_size} ranks = "
                             f"{self.global_batch_size})")
-        self.epoch, self.global_batch, self.micro_step = 0, 0, 0
-        self._indices_epoch, self._indices = -1, np.empty(0, dtype=np.int64)
+        self.epoch, self.global_batch, self.micro_step, self.offset = 0, 0, 0, 0
+        self._indices_epoch, self._indices = None, np.empty(0, dtype=np.int64)
+
+    def epoch_batches(self) -> int:
+        """Full global batches of the current epoch (fewer than batches_per_epoch after an offset)."""
+        return (len(self.dataset) - self.offset) // self.global_batch_size
 
     def _epoch_indices(self) -> np.ndarray:
-        if self._indices_epoch != self.epoch:
+        if self._indices_epoch != (self.epoch, self.offset):
             self._indices = rank_epoch_indices(len(self.dataset), global_batch_size=self.global_batch_size,
                                                dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed,
-                                               epoch=self.epoch, shuffle=self.shuffle)
-            self._indices_epoch = self.epoch
+                                               epoch=self.epoch, shuffle=self.shuffle, offset=self.offset)
+            self._indices_epoch = (self.epoch, self.offset)
         return self._indices
 
     def next_indices(self) -> np.ndarray:
@@ -88,8 +99,8 @@ class BatchLoader:
         self.micro_step += 1
         if self.micro_step == self.grad_accum:
             self.micro_step, self.global_batch = 0, self.global_batch + 1
-            if self.global_batch == self.batches_per_epoch:
-                self.epoch, self.global_batch = self.epoch + 1, 0
+            if self.global_batch == self.epoch_batches():
+                self.epoch, self.global_batch, self.offset = self.epoch + 1, 0, 0
         return idx_B
 
     def next_micro_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +115,8 @@ class BatchLoader:
         if self.micro_step != 0:
             raise RuntimeError(f"BatchLoader.state_dict() inside a global batch (micro-step {self.micro_step} of "
                                f"{self.grad_accum}); take it at optimizer-step boundaries")
-        return {"epoch": self.epoch, "global_batch": self.global_batch}
+        state = {"epoch": self.epoch, "global_batch": self.global_batch}
+        return {**state, "offset": self.offset} if self.offset else state
 
     def start_at(self, step: int) -> None:
         """Position at optimizer step `step` of a run that never ran steps 0..step-1 (train.start_step): its next
@@ -112,14 +124,22 @@ class BatchLoader:
         epoch, global_batch = divmod(step, self.batches_per_epoch)
         self.load_state_dict({"epoch": epoch, "global_batch": global_batch})
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        epoch, global_batch = int(state["epoch"]), int(state["global_batch"])
-        if epoch < 0 or not 0 <= global_batch <= self.batches_per_epoch:
-            raise DataError(f"data state (epoch {epoch}, global_batch {global_batch}) is outside this dataset's "
-                            f"{self.batches_per_epoch} global batches per epoch")
-        if global_batch == self.batches_per_epoch:  # the end of an epoch is the start of the next
-            epoch, global_batch = epoch + 1, 0
-        self.epoch, self.global_batch, self.micro_step = epoch, global_batch, 0
+    def sample(self) -> int:
+        """The position in the current epoch, in samples (windows) of its order."""
+        return self.offset + self.global_batch * self.global_batch_size
+
+    def load_state_dict(self, state: dict[str, int], global_batch_size: int | None = None) -> None:
+        """Continue at the position `state` holds, saved by a loader of `global_batch_size` (default: this one's)."""
+        saved = global_batch_size or self.global_batch_size
+        epoch, global_batch, offset = int(state["epoch"]), int(state["global_batch"]), int(state.get("offset", 0))
+        sample = offset + global_batch * saved
+        if epoch < 0 or global_batch < 0 or not 0 <= offset < saved or sample > len(self.dataset):
+            raise DataError(f"data state (epoch {epoch}, global_batch {global_batch}, offset {offset}) is outside "
+                            f"this dataset's {self.batches_per_epoch} global batches per epoch")
+        self.epoch, self.micro_step = epoch, 0
+        self.offset, self.global_batch = sample % self.global_batch_size, sample // self.global_batch_size
+        if self.global_batch >= self.epoch_batches():  # the end of an epoch is the start of the next
+            self.epoch, self.global_batch, self.offset = epoch + 1, 0, 0
 
 
 def read_windows(dataset, indices: np.ndarray) -> torch.Tensor:

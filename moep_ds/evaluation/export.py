@@ -111,7 +111,7 @@ def check_creatable(out: Path) -> None:
 
 def check_outside_runs(out: Path, source: Path) -> None:
     """An export replaces --out as a whole (--force): it must not be or hold the checkpoint it reads, nor lie in
-    a run directory's checkpoints, which the trainer owns."""
+    a run directory, which the trainer owns."""
     reason = run_overlap(out.resolve(), source.resolve())
     if reason is not None:
         raise UserError(f"--out ({str(out)!r}) {reason}: an export never writes into a run directory or checkpoint")
@@ -132,6 +132,8 @@ def run_overlap(out: Path, source: Path) -> str | None:
             return "is a run directory"
         if is_run_dir(p) and out.is_relative_to(layout.checkpoint_root(p)):
             return f"is inside the checkpoints of run directory {p}"
+        if is_run_dir(p):  # the run's own folder: its files are the trainer's (run_dir.py), not an export's
+            return f"is inside run directory {p}"
     return None
 
 
@@ -198,7 +200,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moep-export", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="model directory, or run directory (newest complete checkpoint)")
-    p.add_argument("--out", required=True, help="directory to write (not in a run directory's checkpoints)")
+    p.add_argument("--out", required=True, help="directory to write (not in a run directory)")
     p.add_argument("--hf", action="store_true", help="write a Hugging Face (trust_remote_code) directory")
     p.add_argument("--native", action="store_true",
                    help="with --hf: the architecture's own format (GPT-2, Llama, Gemma, GPT-NeoX; dense models only), "

@@ -176,6 +176,38 @@ def generate(
     return torch.cat([input_ids_BT, torch.stack(new, dim=1)], dim=1)
 
 
+@torch.no_grad()
+def generate_sliding(
+    model: nn.Module,
+    input_ids_BT: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    eos_id: int | None = None,
+    **sampling,
+) -> torch.Tensor:
+    """`generate` past the model's context (as the exported Hugging Face model does): while prompt and new tokens fit
+    in max_seq_len this is `generate`; once they fill it, decoding starts again (a new cache) from the last
+    max_seq_len // 2 tokens, so every token is drawn given at least half a context of the tokens before it. A
+    prompt as long as the context is continued from its last max_seq_len // 2 tokens. Returns [B, T + n]."""
+    max_len = model.cfg.max_seq_len
+    keep = max(1, max_len // 2)
+    out_BT = input_ids_BT
+    done_B = torch.zeros(out_BT.shape[0], dtype=torch.bool, device=out_BT.device)
+    produced = 0
+    while produced < max_new_tokens:
+        context_BT = out_BT if out_BT.shape[1] < max_len else out_BT[:, -keep:]
+        n = min(max_new_tokens - produced, max_len - context_BT.shape[1])
+        new_BN = generate(model, context_BT, n, eos_id=eos_id, **sampling)[:, context_BT.shape[1]:]
+        if eos_id is not None:  # rows that ended in an earlier window go on emitting eos
+            new_BN = new_BN.masked_fill(done_B[:, None], eos_id)
+            done_B |= (new_BN == eos_id).any(1)
+        out_BT = torch.cat([out_BT, new_BN], dim=1)
+        produced += new_BN.shape[1]
+        if new_BN.shape[1] < n or bool(done_B.all()):  # generate stopped at eos in every row
+            break
+    return out_BT
+
+
 # ---- moep-generate -----------------------------------------------------------------------------------
 
 
@@ -183,7 +215,9 @@ def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="moep-generate", description="Sample text from a moep_ds checkpoint.")
     p.add_argument("checkpoint", help="model directory, or run directory (newest complete checkpoint)")
     p.add_argument("--prompt", default="", help="text to continue (the prompt starts a new document)")
-    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--max_new_tokens", type=int, default=64,
+                   help="may exceed the model's context: the window then slides (the newest max_seq_len / 2 tokens "
+                        "are kept)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=None)
     p.add_argument("--top_p", type=float, default=None)
@@ -238,24 +272,25 @@ def _main(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise UserError(f"{args.checkpoint} has no tokenizer.json; moep-generate needs one to read the prompt")
     max_len = cfg.model.max_seq_len
-    if args.max_new_tokens >= max_len:
-        raise SharedUserError(f"--max_new_tokens ({args.max_new_tokens}) must be < max_seq_len ({max_len})")
     ids = [tokenizer.eot_id] + tokenizer.encode(args.prompt)
-    keep = max_len - args.max_new_tokens
-    if len(ids) > keep:
-        log.warning("prompt of %d tokens cut to its last %d to fit max_seq_len %d", len(ids), keep, max_len)
-        ids = ids[-keep:]
+    shown = args.prompt
+    if len(ids) >= max_len:  # what the continuation sees of the prompt is what is printed of it
+        seen = ids[-max(1, max_len // 2):]
+        log.warning("prompt of %d tokens is longer than the model's context (max_seq_len %d): continuing its last %d "
+                    "tokens, printed after '...'", len(ids), max_len, len(seen))
+        ids, shown = seen, "..." + tokenizer.decode(seen)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     prompt_BT = torch.tensor([ids] * args.num_samples, device=device)
-    out_BT = generate(model, prompt_BT, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, generator=generator, eos_id=tokenizer.eot_id, use_cache=not args.no_cache)
+    out_BT = generate_sliding(model, prompt_BT, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, generator=generator, eos_id=tokenizer.eot_id,
+                              use_cache=not args.no_cache)
     if dist.is_initialized() and dist.get_rank() > 0:  # a split model's other ranks: rank 0 prints
         return 0
     for row in out_BT.tolist():
         new = row[len(ids):]
         if tokenizer.eot_id in new:
             new = new[: new.index(tokenizer.eot_id)]
-        print(args.prompt + tokenizer.decode(new))  # the generated text is this command's product
+        print(shown + tokenizer.decode(new))  # the generated text is this command's product
     return 0
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Callable
 
 import torch
@@ -146,6 +147,7 @@ def routed_window_attention(
 ) -> torch.Tensor:
     """Sliding-window routed attention in O(N x (W + C)); see the module docstring. Shapes as `routed_attention`."""
     N, H, Dh = q_NHd.shape
+    window, chunk = static_int(window), chunk and static_int(chunk)
     C = chunk or max(window, MIN_CHUNK)
     front = -(-(window - 1) // KEY_ALIGN) * KEY_ALIGN  # >= W-1 earlier keys per chunk; L = C + front
     back = -N % C
@@ -164,6 +166,15 @@ def routed_window_attention(
         q_cCHd.transpose(1, 2), k_cLHd.transpose(1, 2), v_cLHd.transpose(1, 2), attn_mask=mask_cCL[:, None]
     )
     return o_cHCd.transpose(1, 2).reshape(-1, H, Dh)[:N]
+
+
+def static_int(value: int) -> int:
+    """`value` as a constant of a compiled graph. The MSIT experts share one module and pass their windows per call,
+    so torch.compile sees the same frame with another window and, by its automatic dynamic shapes, makes the window
+    a symbol; the chunk geometry derived from it (max, floor division) then fails to lower ("Exponent must be
+    non-negative", seen at the first evaluation under train.compile). `operator.index` of a symbolic int is a
+    specialisation with a guard (SymInt.__index__): one graph per window, of which there are few. Eagerly a no-op."""
+    return operator.index(value)
 
 
 def chunks_with_history(x_N: torch.Tensor, C: int, front: int, back: int, fill_front, fill_back) -> torch.Tensor:

@@ -22,6 +22,7 @@ training goes on while DCP writes them on a gloo group of their own; the rename 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import logging
 import pathlib
@@ -192,7 +193,7 @@ class CheckpointWriter:
             return
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        reason = sharded.first_line(error) if error is not None else "a write failed on another rank"
+        reason = save_error_reason(error, tmp) if error is not None else "a write failed on another rank"
         raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {reason}; the previous checkpoints are kept")
 
     def complete(self, tmp: pathlib.Path, final: pathlib.Path) -> None:
@@ -209,16 +210,62 @@ class CheckpointWriter:
         except (Exception, sharded.DCPError) as err:
             if dist.get_rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {sharded.first_line(err)}; "
+            raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {save_error_reason(err, tmp)}; "
                                   "the previous checkpoints are kept") from None
         if dist.get_rank() == 0:
             self.complete(tmp, final)
+
+    def failed(self) -> bool:
+        """Whether the save in flight has already failed; does not block. The trainer agrees on it over the ranks at
+        every step (Trainer.reduce_step) and then calls `wait`, which raises the error on every rank: a failed
+        asynchronous save stops the run at the first step boundary after the failure, not at the next save."""
+        return self.pending is not None and self.pending.done() and self.pending.exception() is not None
 
     def wait(self) -> None:
         """Block until a save in flight is complete (its error, if any, is raised here)."""
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.result()
+
+
+def save_error_reason(err: BaseException, where: pathlib.Path) -> str:
+    """One line for a failed checkpoint write. A full disk says so, with the path and the space left, whatever
+    wrapped the OSError: DCP's CheckpointException carries each rank's exception, and torch.save's stream writer
+    turns a short write into "[enforce fail at inline_container.cc] unexpected pos N vs M"."""
+    causes = list(exception_chain(err))
+    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in causes)
+    if not full and any("unexpected pos" in str(e) or "No space left" in str(e) for e in causes):
+        full = free_bytes(where) < DISK_FULL_BYTES
+    if full:
+        return f"disk full (No space left on device) writing {str(where)!r}, {free_bytes(where) >> 20} MiB free there"
+    return sharded.first_line(next((e for e in causes if isinstance(e, OSError)), err))
+
+
+DISK_FULL_BYTES = 64 << 20  # a short write with less than this left on the file system is taken for a full disk
+
+
+def free_bytes(path: pathlib.Path) -> int:
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return 0
+
+
+def exception_chain(err: BaseException):
+    """`err`, its causes and contexts, and the per-rank exceptions of a DCP CheckpointException."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
 
 
 # ---- loading --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from moep_ds.checkpointing import layout, sharded
 from moep_ds.config import Config
 from moep_ds.data.dataset import open_split
 from moep_ds.errors import SharedUserError, UserError
-from moep_ds.data.prepare import check_meta, prepare
+from moep_ds.data.prepare import check_meta, check_tokenizer_fits, prepare
 from moep_ds.data.errors import DataError
 from moep_ds.data.sampler import BatchLoader, eval_batches
 from moep_ds.models.accounting import meta_param_report
@@ -35,7 +35,9 @@ from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.balancing import LossFreeBalancing, install_count_reducers
 from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.branch import resolve_start_step
-from moep_ds.training.distributed import init_distributed, leave_process_group, setup_logging, world_size_to_be
+from moep_ds.training.distributed import (
+    init_distributed, launcher_generations, leave_process_group, setup_logging, world_size_to_be,
+)
 from moep_ds.training.ds_config import check_with_deepspeed, precision, read_ds_config, reconcile, zero_stage
 from moep_ds.training.expert_parallel import (
     check_parallel_layout, expert_parallel_group, moe_layer_classes, setup_expert_parallel, shard_of,
@@ -46,6 +48,9 @@ from moep_ds.training.init_from import initialise_from_source
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.monitor import Monitor, drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
+from moep_ds.training.rank_errors import agreed, raise_agreed
+from moep_ds.training.resume_batch import reconcile_resumed, saved_global_batch
+from moep_ds.training.run_dir import STOP_FILE, claim_run_dir
 from moep_ds.training.state import adopt_unfused_masters, loss_for_backward, loss_scaler
 from moep_ds.training.zero3 import check_partitioned, gathered_for_init, partitioned_construction
 
@@ -54,45 +59,54 @@ log = logging.getLogger(__name__)
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
-# a parent process whose command line holds one of these is a launcher; the number is how many generations up
-# to watch (DeepSpeed: the per-node `deepspeed.launcher.launch` and the `deepspeed` runner above it)
-LAUNCHERS = {"deepspeed.launcher.launch": 2, "torch.distributed.run": 1, "torchrun": 1}
-
-
-def launcher_generations(parent_cmdline: list[str]) -> int:
-    """How many ancestors of a trainer belong to its launcher (0: not started by a known launcher)."""
-    return max((n for name, n in LAUNCHERS.items() if any(name in part for part in parent_cmdline)), default=0)
+INTERRUPT_ECHO_S = 1.0
 
 
 class StopRequest:
-    """SIGUSR1 / SIGTERM (SLURM preemption), or the launcher going away, ask for a checkpoint and a clean exit
-    at the next step boundary (`requested`).
+    """SIGUSR1 / SIGTERM (SLURM preemption), SIGINT (Ctrl-C, which reaches every process of the terminal's process
+    group: under `deepspeed` the trainers and their launcher, which then sends SIGTERM), or the launcher going away,
+    ask for a checkpoint and a clean exit at the next step boundary (`requested`). A second SIGINT aborts at once
+    (KeyboardInterrupt): the way out of a checkpoint that takes too long.
 
     SIGTERM to the `deepspeed` runner kills the runner only: its per-node launcher and the trainers go on,
-    re-parented. A daemon thread watches the launcher's processes (or the pids in `watch`) every `poll_s`
-    seconds and sets `requested` once one of them is gone or has a new parent."""
+    re-parented. A daemon thread watches the launcher's processes (or the pids in `watch`; none for a process no
+    launcher started) every `poll_s` seconds (MOEP_STOP_POLL_S, default 5) and sets `requested` once one of them is
+    gone or has a new parent, or once `stop_file` (RUN_DIR/STOP, watched on rank 0) exists."""
 
-    def __init__(self, watch: list[int] | None = None, poll_s: float = 5.0):
+    def __init__(self, watch: list[int] | None = None, poll_s: float | None = None,
+                 stop_file: pathlib.Path | None = None):
         self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        self.stop_file = stop_file
+        poll_s = float(os.environ.get("MOEP_STOP_POLL_S", 5.0)) if poll_s is None else poll_s
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.handle)
         watch = launcher_chain() if watch is None else watch
         self.parents = {pid: parent_pid(pid) for pid in watch}
-        if self.parents:
+        if self.parents or stop_file is not None:
             threading.Thread(target=self.watch_launcher, args=(poll_s,), daemon=True,
                              name="moep-launcher-watch").start()
 
     def handle(self, signum, frame) -> None:
         log.warning("received signal %d: checkpointing and stopping after this step", signum)
         self.requested = True
-        # A repeat must not kill the process while it checkpoints or shuts down.
-        signal.signal(signum, signal.SIG_IGN)
+        # A repeat must not kill the process while it checkpoints or shuts down; a second Ctrl-C is meant to.
+        self.interrupted_at = time.monotonic()
+        signal.signal(signum, self.interrupt_again if signum == signal.SIGINT else signal.SIG_IGN)
+
+    def interrupt_again(self, signum, frame) -> None:
+        """A second Ctrl-C aborts; one within INTERRUPT_ECHO_S of the first is the same Ctrl-C passed on by a
+        launcher (torchrun forwards the SIGINT its agent got to the trainers, which got it from the terminal too)."""
+        if time.monotonic() - self.interrupted_at > INTERRUPT_ECHO_S:
+            raise KeyboardInterrupt
 
     def watch_launcher(self, poll_s: float) -> None:
         while not self.requested:
             time.sleep(poll_s)
             gone = [pid for pid, parent in self.parents.items() if parent_pid(pid) != parent]
-            if gone:
+            if self.stop_file is not None and self.stop_file.exists():
+                log.warning("found %s: checkpointing and stopping after this step", self.stop_file)
+                self.requested = True
+            elif gone:
                 log.warning("launcher process %s is gone: checkpointing and stopping after this step", gone[0])
                 self.requested = True
 
@@ -105,11 +119,14 @@ def parent_pid(pid: int) -> int | None:
 
 
 def launcher_chain() -> list[int]:
-    """This process and the launcher processes above it whose parents must not change while training."""
+    """This process and the launcher processes above it whose parents must not change while training; none when
+    no launcher started this process (a plain `python pretrain.py`, whose shell may exit: nohup ... &)."""
     try:
         parent = psutil.Process(os.getppid())
         generations = launcher_generations(parent.cmdline())
     except psutil.Error:
+        return []
+    if generations == 0:
         return []
     chain = [os.getpid()]
     for _ in range(generations - 1):
@@ -141,14 +158,20 @@ def prepare_data(cfg: Config, rank: int, local_rank: int) -> tuple[pathlib.Path,
     complete where the nodes share the cache folder and prepares its node's copy where they do not; then the rest,
     who find it complete. The ranks wait in monitored barriers of a gloo group of their own with PREPARE_TIMEOUT,
     not the collectives' timeout (DeepSpeed's DEEPSPEED_TIMEOUT, 10 minutes), which tokenizing a large corpus on
-    first use could outlast; a rank that fails ends the wait. Copies prepared on several nodes must agree (a
-    sentencepiece tokenizer trained on a sample could differ)."""
+    first use could outlast. A rank that fails still comes to the barrier; then it reports its error in one line and
+    the others exit quietly (rank_errors.py), where they ended in the barrier's traceback once it was gone. Copies
+    prepared on several nodes must agree (a sentencepiece tokenizer trained on a sample could differ)."""
     waiting = dist.new_group(backend="gloo")
+    prepared = None
     for turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
-        if turn:
-            prepared = prepare(cfg.data)
+        error = None
+        try:
+            prepared = prepare(cfg.data) if turn else prepared
+        except UserError as err:
+            error = err
         dist.monitored_barrier(group=waiting, timeout=PREPARE_TIMEOUT, wait_all_ranks=True)
-    meta = check_meta(prepared, vocab_size=cfg.model.vocab_size)
+        raise_agreed(error, group=waiting)  # one line from the preparing rank, the others exit quietly
+    meta = agreed(lambda: check_meta(prepared, vocab_size=cfg.model.vocab_size), group=waiting)
     copies = [None] * dist.get_world_size()
     dist.all_gather_object(copies, (meta.get("tokenizer_sha256"), meta["train_tokens"]), group=waiting)
     dist.destroy_process_group(waiting)
@@ -209,17 +232,19 @@ def scored_windows(num_windows: int, train, ds: dict, path) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ds_config_path: str | None, resume: str | None):
+    def __init__(self, cfg: Config, ds_config_path: str | None, resume: str | None, *, overwrite: bool = False,
+                 allow_batch_change: bool = False):
         """Everything up to the first step. A start-up that fails removes train.output_dir if it created it: each
         rank looks before the ranks meet in init_distributed, so before any of them can have created it."""
         created = layout.first_missing(cfg.train.output_dir)
         try:
-            self.set_up(cfg, ds_config_path, resume)
+            self.set_up(cfg, ds_config_path, resume, overwrite, allow_batch_change)
         except BaseException:
             layout.remove_new_dir(cfg.train.output_dir, created)
             raise
 
-    def set_up(self, cfg: Config, ds_config_path: str | None, resume: str | None) -> None:
+    def set_up(self, cfg: Config, ds_config_path: str | None, resume: str | None, overwrite: bool = False,
+               allow_batch_change: bool = False) -> None:
         self.cfg = cfg
         # a bad file fails before the ranks meet (init_distributed waits for all of them and compiles an op)
         raw_ds = read_ds_config(ds_config_path)
@@ -228,12 +253,15 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         setup_logging(self.rank)
         self.run_dir = pathlib.Path(cfg.train.output_dir)
-        ds = reconcile(raw_ds, cfg.train, self.world)
+        ds = reconcile_resumed(raw_ds, cfg.train, self.world, resume, self.run_dir, allow_batch_change)
         ds.setdefault("tensorboard", {"enabled": True, "output_path": str(self.run_dir), "job_name": "tensorboard"})
         check_with_deepspeed(ds)
         self.ds = ds
         check_parallel_layout(cfg, ds, self.world)
         check_output_dir(cfg.train.output_dir)
+        claim_run_dir(self.run_dir, resume, overwrite)
+        # before any tokenizing (prepare_data), which a tokenizer larger than the model would waste
+        agreed(check_tokenizer_fits, cfg.data, cfg.model.vocab_size, run=self.rank == 0)
         self.prepared, self.meta = prepare_data(cfg, self.rank, int(os.environ.get("LOCAL_RANK", self.rank)))
         self.resume = resume
         self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
@@ -250,7 +278,7 @@ class Trainer:
         if self.resume_from is not None:
             state = ckpt_io.load_engine_state(self.engine, self.model, self.resume_from, self.ep_group)
             ckpt_io.check_same_tokenizer(state, self.meta, self.resume_from)
-            self.loader.load_state_dict(state["data"])
+            self.loader.load_state_dict(state["data"], global_batch_size=saved_global_batch(state))
             self.step = state["step"]
             log.info("resumed from %s at step %d", self.resume_from, self.step)
             if self.rank == 0:
@@ -262,7 +290,7 @@ class Trainer:
         self.checkpoints = ckpt_io.CheckpointWriter(self.run_dir, cfg.train.checkpoint.keep_last,
                                                     async_save=cfg.train.checkpoint.async_save)
         self.monitor = Monitor(self.run_dir, self.engine, enabled=self.rank == 0)
-        self.stop = StopRequest()
+        self.stop = StopRequest(stop_file=self.run_dir / STOP_FILE if self.rank == 0 else None)
 
     def new_model(self):
         """The model with this rank's experts only (moe/shard.py), under ZeRO-3 with this rank's partition of
@@ -373,13 +401,17 @@ class Trainer:
         minutes = self.cfg.train.checkpoint.every_minutes
         due = minutes is not None and (time.time() - last_save) >= 60 * minutes
         keys = sorted(sums)
-        flags = torch.tensor([float(self.stop.requested), float(due)], device=self.device)
+        flags = torch.tensor([float(self.stop.requested), float(due), float(self.checkpoints.failed())],
+                             device=self.device)
         counts = self.balancing.local_counts().to(self.device)
         dtype = torch.float64 if counts.numel() else torch.float32  # counts exact beyond fp32's 2^24
         packed = torch.cat([torch.stack([sums[k] for k in keys]).to(dtype) / self.world, counts, flags.to(dtype)])
         dist.all_reduce(packed)  # sum: mean losses, global counts, and a flag is set when any rank set it
+        stop, time_due, save_failed = (v > 0 for v in packed[-3:].tolist())
+        if save_failed:  # an asynchronous save failed: its error on every rank now, not at the next save
+            self.checkpoints.wait()
+            raise ckpt_io.CheckpointError("an asynchronous checkpoint save failed on another rank (see its error)")
         self.balancing.end_step(packed[len(keys):len(keys) + counts.numel()])
-        stop, time_due = (v > 0 for v in packed[-2:].tolist())
         return dict(zip(keys, packed[:len(keys)].float())), stop, time_due
 
     def save(self) -> None:
@@ -390,6 +422,7 @@ class Trainer:
             "global_samples": self.engine.global_samples,
             "skipped_steps": self.engine.skipped_steps,
             "data": self.loader.state_dict(),
+            "global_batch_size": self.ds["train_batch_size"],
             "lr_scheduler": {"last_epoch": scheduler.last_epoch} if scheduler is not None else None,
             "loss_scaler": ckpt_io.loss_scaler_state(self.engine),
             "world_size": self.world,
@@ -465,16 +498,17 @@ class Trainer:
                 log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s", self.step, self.max_steps,
                          metrics["loss"], metrics["lr"], metrics["tokens_per_s"])
             self.monitor.log_events(self.step, events)
-            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == self.max_steps):  # and the end
-                val_loss = self.evaluate()
-                self.monitor.log_step(self.step, {"val_loss": val_loss}, {})
-                log.info("step %d val_loss %.4f", self.step, val_loss)
             stop = stop or self.step == cfg.exit_at_step
             step_due = cfg.checkpoint.every_steps is not None and self.step % cfg.checkpoint.every_steps == 0
             end_due = cfg.checkpoint.at_end and self.step == self.max_steps
             if stop or time_due or step_due or end_due:
                 self.save()
                 last_save = time.time()
+            # after the step's checkpoint: an evaluation that fails must not take the step's training with it
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == self.max_steps):  # and the end
+                val_loss = self.evaluate()
+                self.monitor.log_step(self.step, {"val_loss": val_loss}, {})
+                log.info("step %d val_loss %.4f", self.step, val_loss)
             if stop:
                 log.warning("stopped at step %d on request; resume with --resume auto", self.step)
                 break
@@ -513,9 +547,9 @@ def set_aside(damaged: list[pathlib.Path]) -> None:
         log.warning("moved the damaged checkpoint %s aside to %s", ckpt, target.name)
 
 
-def fit(cfg: Config, ds_config_path: str | None = None, resume: str | None = None) -> int:
+def fit(cfg: Config, ds_config_path: str | None = None, resume: str | None = None, **options) -> int:
     """Train; every rank leaves the process group together at the end. A rank that fails leaves without waiting
     for the others, which may be in another collective (cli.exit_joined ends it; the launcher stops the rest)."""
-    code = Trainer(cfg, ds_config_path, resume).fit()
+    code = Trainer(cfg, ds_config_path, resume, **options).fit()
     leave_process_group()
     return code

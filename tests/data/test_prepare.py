@@ -413,3 +413,25 @@ def test_eval_every_needs_validation_data():
                                           r"or a data.val_source"):
         load_config(quickstart, overrides=["data.val_fraction=0"])
     assert load_config(quickstart, overrides=["data.val_fraction=0", "data.val_source=dev.txt"])
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_preparing(tmp_path):
+    """check_tokenizer_fits runs before prepare() (training/trainer.py prepare_data): before, the mismatch was
+    found by check_meta once the whole corpus was tokenized."""
+    from moep_ds.data.prepare import check_tokenizer_fits
+    from moep_ds.data.tokenizer import train_tokenizer
+
+    trained = parse(DataConfig, {"source": "builtin", "seq_len": 8, "tokenizer": {"kind": "bpe", "vocab_size": 1024}},
+                    "data")
+    with pytest.raises(DataError, match=r"^data.tokenizer.vocab_size \(1024\) is larger than model.vocab_size \(512\); "
+                                        r"a trained tokenizer is built at the model's size$"):
+        check_tokenizer_fits(trained, 512)
+    check_tokenizer_fits(trained, 1024)
+    train_tokenizer(["one two three four five six. " * 40], TokenizerConfig(vocab_size=300), tmp_path / "tok")
+    path = str(tmp_path / "tok" / "tokenizer.json")
+    reused = parse(DataConfig, {"source": "builtin", "seq_len": 8, "tokenizer": {"path": path, "vocab_size": 300}},
+                   "data")
+    with pytest.raises(DataError, match=rf"^data.tokenizer.path \('{path}'\) has 300 ids, more than model.vocab_size "
+                                        r"\(256\); a reused tokenizer may only be smaller$"):
+        check_tokenizer_fits(reused, 256)
+    check_tokenizer_fits(reused, 320)  # padded, as Pythia pads 50,277 to 50,304

@@ -127,3 +127,30 @@ def test_loader_rejects_a_dataset_shorter_than_one_window(tmp_path):
     with pytest.raises(DataError, match=r"0 windows of seq_len 4 are fewer than one global batch"):
         BatchLoader(PackedDataset(path, SEQ_LEN, dtype="uint16"), micro_batch_size=1, grad_accum=1, dp_rank=0,
                     dp_size=1, seed=0)
+
+
+def test_another_global_batch_continues_at_the_sample_reached(dataset):
+    """--allow_batch_change: 5 steps of 4 windows, then steps of 6 (on 2 ranks) and, after another save, of 4
+    again: together they consume the epoch's order without a window repeated or skipped, up to the last full
+    batch of the epoch, and the next epoch starts as usual."""
+    first, state = run(dataset, 5, micro=2, accum=2, dp_size=1)
+    bigger = [BatchLoader(dataset, micro_batch_size=3, grad_accum=1, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+    for loader in bigger:
+        loader.load_state_dict(state, global_batch_size=4)
+    assert bigger[0].sample() == 20 and bigger[0].state_dict() == {"epoch": 0, "global_batch": 3, "offset": 2}
+    second = [window_ids(bigger[0].next_micro_batch()[0]) + window_ids(bigger[1].next_micro_batch()[0])
+              for _ in range(3)]
+    state = bigger[0].state_dict()
+    assert bigger[0].sample() == 38 and state == {"epoch": 0, "global_batch": 6, "offset": 2}
+    back = BatchLoader(dataset, micro_batch_size=2, grad_accum=2, dp_rank=0, dp_size=1, seed=3)
+    back.load_state_dict(state, global_batch_size=6)
+    assert back.state_dict() == {"epoch": 0, "global_batch": 9, "offset": 2}
+    rest = []
+    while back.epoch == 0:
+        rest += window_ids(back.next_micro_batch()[0]) + window_ids(back.next_micro_batch()[0])
+    order = epoch_permutation(61, 3, 0).tolist()
+    consumed = [w for step in first + second for w in step] + rest
+    assert consumed == order[:len(consumed)] and len(consumed) == 38 + (61 - 38) // 4 * 4
+    assert back.state_dict() == {"epoch": 1, "global_batch": 0}  # no offset in the next epoch
+    full, _ = run(dataset, 1, micro=2, accum=2, dp_size=1, state={"epoch": 1, "global_batch": 0})
+    assert window_ids(back.next_micro_batch()[0]) + window_ids(back.next_micro_batch()[0]) == full[0]

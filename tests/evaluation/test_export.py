@@ -228,6 +228,7 @@ def test_moep_export_never_writes_into_a_run(tmp_path, capsys):
         old / "hf": f"is inside checkpoint {old}",
         run / "checkpoints" / "step_00000009": f"is inside the checkpoints of run directory {run}",
         other: "is a run directory",
+        run / "hf": f"is inside run directory {run}",  # the README's rule; before, only its checkpoints/ were refused
     }
     before = snapshot(tmp_path)
     for source in (run, ckpt):
@@ -235,7 +236,7 @@ def test_moep_export_never_writes_into_a_run(tmp_path, capsys):
             code = export_main([str(source), "--out", str(out), "--force", "--hf"])
             assert_one_line_error(code, capsys.readouterr().err, f"--out ({str(out)!r}) {why}: {rule}")
     assert snapshot(tmp_path) == before
-    assert export_main([str(run), "--out", str(run / "hf")]) == 0  # beside the checkpoints is fine
+    assert export_main([str(run), "--out", str(tmp_path / "hf")]) == 0  # beside the run is fine
 
 
 def test_moep_export_force_replaces_the_whole_folder(tmp_path, monkeypatch, capsys):

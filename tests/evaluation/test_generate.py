@@ -116,8 +116,7 @@ def test_moep_generate_cli(tmp_path, capsys):
     greedy = generate(model, torch.tensor([prompt]), 12, eos_id=tok.eot_id)[0, len(prompt):].tolist()
     greedy = greedy[: greedy.index(tok.eot_id)] if tok.eot_id in greedy else greedy
     assert capsys.readouterr().out.split("\n")[0] == "The cat" + tok.decode(greedy)
-    for extra, message in [(["--top_p", "1.5"], "--top_p (1.5) must be in (0, 1]"),
-                           (["--max_new_tokens", "48"], "--max_new_tokens (48) must be < max_seq_len (48)")]:
+    for extra, message in [(["--top_p", "1.5"], "--top_p (1.5) must be in (0, 1]")]:  # past the context: below
         assert generate_main([str(ckpt)] + extra) == 2
         assert capsys.readouterr().err == f"error: {message}\n"
     bare = save_model_dir(model, cfg, tmp_path / "bare")
@@ -196,3 +195,34 @@ def test_moep_generate_names_a_damaged_model_directory(tmp_path, capsys, damage)
     assert generate_main([str(ckpt), "--prompt", "x", "--max_new_tokens", "5"]) == 2
     assert capsys.readouterr().err == f"error: {message}\n"
     assert files_under(tmp_path) == before
+
+
+def test_moep_generate_slides_past_the_context_and_prints_what_it_continued(tmp_path, capsys, caplog):
+    """The defaults (64 new tokens) on a model of max_seq_len 48: before, "--max_new_tokens (64) must be <
+    max_seq_len"; and with fewer, the prompt was cut to fit but printed whole."""
+    from moep_ds.checkpointing.model_dir import save_model_dir
+    from moep_ds.data.builtin import generate_corpus
+    from moep_ds.data.config import TokenizerConfig
+    from moep_ds.data.tokenizer import train_tokenizer
+    from moep_ds.evaluation.generate import generate_sliding, main as generate_main
+
+    tok = train_tokenizer(generate_corpus(20_000).split("\n\n"), TokenizerConfig(vocab_size=300), tmp_path / "tok")
+    model, cfg = tiny_model("ssm_moe", vocab_size=tok.vocab_size)
+    ckpt = save_model_dir(model, cfg, tmp_path / "m", tokenizer_dir=tmp_path / "tok")
+    assert generate_main([str(ckpt), "--prompt", "the dog"]) == 0
+    assert capsys.readouterr().out.startswith("the dog")
+    max_len, keep = cfg.model.max_seq_len, cfg.model.max_seq_len // 2
+    prompt = torch.tensor([[tok.eot_id] + tok.encode("the dog")])
+    out = generate_sliding(model, prompt, 100)  # greedy, no eos
+    assert out.shape == (1, prompt.shape[1] + 100)
+    assert torch.equal(out[:, :max_len], generate(model, prompt, max_len - prompt.shape[1]))
+    # then from the newest half of the context, cache rebuilt
+    assert torch.equal(out[:, max_len:max_len + keep], generate(model, out[:, max_len - keep:max_len], keep)[:, keep:])
+    # a prompt longer than the context: what is printed of it is what the model continued
+    long_prompt = " ".join(["the cat sees the dog ."] * 30)
+    assert len(tok.encode(long_prompt)) > max_len
+    assert generate_main([str(ckpt), "--prompt", long_prompt, "--temperature", "0", "--max_new_tokens", "5"]) == 0
+    seen = ([tok.eot_id] + tok.encode(long_prompt))[-keep:]
+    printed = capsys.readouterr().out.split("\n")[0]
+    assert printed.startswith("..." + tok.decode(seen)) and not printed.startswith("the cat")
+    assert "continuing its last 24 tokens" in caplog.text

@@ -1,10 +1,11 @@
 """pretrain.py with a fault injected while checkpoint step N is written, on rank r:
 
-    MOEP_TEST_FAULT=kill|enospc|raise MOEP_TEST_FAULT_STEP=N MOEP_TEST_FAULT_RANK=r torchrun ... pretrain_fault.py <args>
+    MOEP_TEST_FAULT=kill|enospc|raise|eval MOEP_TEST_FAULT_STEP=N MOEP_TEST_FAULT_RANK=r torchrun ... pretrain_fault.py <args>
 
 kill: the process kills itself (SIGKILL) once its shard is written; enospc: writing its shard fails with
 "No space left on device" (as DCP's file writer would on a full disk); raise: rank r alone fails with a one-line
-error after training step N (no checkpoint involved), while the other ranks go on into step N + 1.
+error after training step N (no checkpoint involved), while the other ranks go on into step N + 1; eval: every
+evaluation fails (as a torch.compile error in the evaluation forward did).
 """
 import errno
 import os
@@ -52,7 +53,13 @@ def train_step_then_fail(self):
     return out
 
 
-if FAULT == "kill":
+def failing_evaluate(self):
+    raise RuntimeError("simulated: the evaluation forward failed")
+
+
+if FAULT == "eval":
+    Trainer.evaluate = failing_evaluate
+elif FAULT == "kill":
     sharded.save = save_then_die
 elif FAULT == "raise":
     Trainer.train_step = train_step_then_fail

@@ -1,0 +1,83 @@
+"""A resumed run keeps its checkpoint's global batch size.
+
+The global batch G is part of what a run trains (with the lr schedule it sets the optimisation), and the data
+position is counted in global batches. A checkpoint of 2 processes with micro-batch 8 (G = 16) resumed on 1
+process would otherwise train with G = 8. So on resume, when neither the recipe (train.global_batch_size) nor the
+DeepSpeed JSON (train_batch_size, or micro-batch and gradient_accumulation_steps both given) fixes G, G is the
+checkpoint's and DeepSpeed's gradient accumulation (or, without a micro-batch size, the micro-batch) adapts to
+the new number of processes. A recipe or JSON that fixes another G is refused with one line, unless
+--allow_batch_change: then the run continues with the new G from the exact sample the checkpoint reached
+(BatchLoader.load_state_dict with the saved G), replaying and skipping nothing.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from typing import Any
+
+from moep_ds.errors import SharedUserError
+from moep_ds.training import checkpoint as ckpt_io
+from moep_ds.training.config import TrainConfig
+from moep_ds.training.ds_config import DeepSpeedConfigError, reconcile
+
+log = logging.getLogger(__name__)
+
+
+def saved_global_batch(state: dict[str, Any]) -> int | None:
+    """The global batch size a checkpoint's run trained with: saved since 2026-12-03, before that the engine's
+    sample count over its steps (a constant global batch)."""
+    if state.get("global_batch_size"):
+        return int(state["global_batch_size"])
+    step, samples = state.get("step") or 0, state.get("global_samples") or 0
+    return samples // step if step and samples % step == 0 else None
+
+
+def resume_state(resume: str | None, run_dir: pathlib.Path) -> tuple[pathlib.Path, dict[str, Any]] | None:
+    """(checkpoint, trainer state) of the checkpoint a resume would start from, read before the engine exists;
+    None for a fresh start or a state that cannot be read here (the resume's own checks name the damage)."""
+    try:
+        candidates = ckpt_io.resume_candidates(resume, run_dir)
+    except ckpt_io.CheckpointError:
+        return None
+    for ckpt in candidates:
+        try:
+            return ckpt, json.loads((ckpt / ckpt_io.TRAINER_STATE_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # damaged: --resume auto goes on to an older one, as the resume will
+    return None
+
+
+def reconcile_resumed(raw_ds: dict[str, Any], train: TrainConfig, world_size: int, resume: str | None,
+                      run_dir: pathlib.Path, allow_batch_change: bool = False) -> dict[str, Any]:
+    """`reconcile(raw_ds, train, world_size)`, with the resumed checkpoint's global batch where nothing fixes it."""
+    fresh = reconcile(raw_ds, train, world_size)
+    found = resume_state(resume, run_dir)
+    saved = saved_global_batch(found[1]) if found else None
+    if saved is None or fresh["train_batch_size"] == saved:
+        return fresh
+    ckpt = found[0]
+    kept = None
+    if train.global_batch_size is None and raw_ds.get("train_batch_size") in (None, "auto"):
+        try:
+            kept = reconcile({**raw_ds, "train_batch_size": saved}, train, world_size)
+        except DeepSpeedConfigError:
+            kept = None  # micro-batch and accumulation are both given, or do not divide the saved global batch
+    if kept is not None:
+        log.info("resuming %s: global batch %d kept on %d processes (micro-batch %d x gradient accumulation %d)",
+                 ckpt, saved, world_size, kept["train_micro_batch_size_per_gpu"], kept["gradient_accumulation_steps"])
+        return kept
+    given = (f"train.global_batch_size ({train.global_batch_size})" if train.global_batch_size is not None else
+             f"ds_config train_batch_size ({raw_ds['train_batch_size']})" if raw_ds.get("train_batch_size")
+             not in (None, "auto") else
+             f"train_micro_batch_size_per_gpu ({fresh['train_micro_batch_size_per_gpu']}) x "
+             f"gradient_accumulation_steps ({fresh['gradient_accumulation_steps']}) x {world_size} processes")
+    if not allow_batch_change:
+        raise SharedUserError(
+            f"checkpoint {str(ckpt)!r} was trained with global batch {saved}, this run's {given} = "
+            f"{fresh['train_batch_size']}: leave the global batch unset (ds_config gradient_accumulation_steps "
+            f'"auto", no train_batch_size) to keep {saved}, or pass --allow_batch_change to continue with '
+            f"{fresh['train_batch_size']} from the sample reached")
+    log.warning("--allow_batch_change: resuming %s (global batch %d) with global batch %d, from the sample it reached",
+                ckpt, saved, fresh["train_batch_size"])
+    return fresh

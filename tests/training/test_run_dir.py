@@ -1,0 +1,145 @@
+"""The run directory contract (training/run_dir.py) and resumes that keep the checkpoint's global batch
+(training/resume_batch.py), in-process and end to end with real processes."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from moep_ds.checkpointing import layout
+from moep_ds.errors import SharedUserError
+from moep_ds.training.config import TrainConfig
+from moep_ds.training.resume_batch import reconcile_resumed, saved_global_batch
+from moep_ds.training.run_dir import claim_run_dir, decide
+
+from tiny import DS_CONFIGS, REPO, env, launch, losses, metrics, write_recipe
+
+
+def fake_run(run_dir: pathlib.Path, steps=(2,), state=None) -> None:
+    for step in steps:
+        ckpt = layout.checkpoint_root(run_dir) / layout.checkpoint_tag(step)
+        ckpt.mkdir(parents=True)
+        (ckpt / layout.COMPLETE).touch()
+        (ckpt / "trainer_state.json").write_text(json.dumps(state or {"step": step, "global_samples": 16 * step}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 3)))
+
+
+def test_a_folder_with_another_run_is_refused_naming_the_ways_out(tmp_path):
+    fake_run(tmp_path, steps=(2, 4))
+    action, error = decide(tmp_path, None, overwrite=False)
+    assert "holds another run (checkpoints step_00000002..step_00000004, metrics.jsonl)" in error
+    assert "--resume auto" in error and "new train.output_dir" in error and "--overwrite" in error
+    assert "\n" not in error
+    assert decide(tmp_path, "auto", overwrite=False) == ("continue", None)
+    own = str(layout.checkpoint_root(tmp_path) / "step_00000002")
+    assert decide(tmp_path, own, overwrite=False) == ("continue", None)
+    other = tmp_path.parent / "elsewhere" / "checkpoints" / "step_00000002"
+    assert "--resume" in decide(tmp_path, str(other), overwrite=False)[1]
+    assert "exclude each other" in decide(tmp_path, "auto", overwrite=True)[1]
+    assert decide(tmp_path / "new", None, overwrite=False) == ("new", None)
+    with pytest.raises(SharedUserError, match="holds another run"):
+        claim_run_dir(tmp_path, None, overwrite=False)
+    assert layout.complete_checkpoints(tmp_path)  # nothing touched
+
+
+def test_overwrite_deletes_only_what_a_run_writes(tmp_path):
+    fake_run(tmp_path)
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    claim_run_dir(tmp_path, None, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_resume_auto_without_a_checkpoint_empties_the_logs_it_would_append_to(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (tmp_path / "STOP").touch()
+    claim_run_dir(tmp_path, "auto", overwrite=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert not (tmp_path / "STOP").exists()  # an old stop request would stop the new run at once
+
+
+def test_resume_keeps_the_saved_global_batch_unless_fixed(tmp_path):
+    fake_run(tmp_path, steps=(2,), state={"step": 2, "global_samples": 32, "global_batch_size": 16})
+    auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    train = TrainConfig(micro_batch_size=8)
+    ds = reconcile_resumed(auto, train, 1, "auto", tmp_path)
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (16, 2)
+    assert reconcile_resumed(auto, train, 1, None, tmp_path)["train_batch_size"] == 8  # a new run: its own
+    fixed = {**auto, "gradient_accumulation_steps": 1}
+    with pytest.raises(SharedUserError, match=r"global batch 16, this run's train_micro_batch_size_per_gpu \(8\) x "
+                                              r"gradient_accumulation_steps \(1\) x 1 processes = 8.*--allow_batch_change"):
+        reconcile_resumed(fixed, train, 1, "auto", tmp_path)
+    assert reconcile_resumed(fixed, train, 1, "auto", tmp_path, allow_batch_change=True)["train_batch_size"] == 8
+    with pytest.raises(SharedUserError, match=r"train.global_batch_size \(32\) = 32"):
+        reconcile_resumed(auto, TrainConfig(micro_batch_size=8, global_batch_size=32), 1, "auto", tmp_path)
+    assert saved_global_batch({"step": 3, "global_samples": 48}) == 16  # checkpoints saved before the key
+
+
+QUICKSTART = ["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/quickstart.json"]
+
+
+def pretrain(*args, timeout=600):
+    return subprocess.run([sys.executable, "pretrain.py", *args], env=env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_second_run_into_the_quickstart_folder_is_refused_and_overwrite_replaces_it(tmp_path):
+    """The README's reproduction: the quick start, then another run into the same folder."""
+    out = tmp_path / "quickstart"
+    sets = ["--set", f"train.output_dir={out}", "model.layers[0].repeat=1", "train.eval_every=null",
+            "train.log_every=1", "train.checkpoint.every_steps=2"]
+    first = pretrain(*QUICKSTART, *sets, "train.max_steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = pretrain(*QUICKSTART, *sets, "train.max_steps=2")
+    assert second.returncode == 2
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert "holds another run (checkpoints step_00000002..step_00000004, metrics.jsonl, expert_utilization.jsonl)" \
+        in errors[0]
+    assert [c.name for c in layout.complete_checkpoints(out)] == ["step_00000002", "step_00000004"]
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3, 4]
+    third = pretrain(*QUICKSTART, *sets, "train.max_steps=2", "--overwrite")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert [c.name for c in layout.complete_checkpoints(out)] == ["step_00000002"]
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2]  # the new run's rows only
+
+
+@pytest.mark.slow
+def test_two_process_checkpoint_resumed_on_one_keeps_global_batch_and_sample(tmp_path):
+    """ds_configs/quickstart.json leaves the batch `auto`: 2 processes x micro-batch 8 = global batch 16; on 1
+    process gradient accumulation becomes 2 and the run continues as the 2-process one did. A JSON fixing
+    accumulation at 1 is refused, and with --allow_batch_change continues at global batch 8 from sample 32."""
+    two = tmp_path / "two"
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", two, max_steps=4, micro_batch_size=8,
+                          checkpoint={"every_steps": 2, "keep_last": 2, "at_end": True})
+    launch(2, REPO / "pretrain.py", "--config", str(recipe), "--ds_config", str(DS_CONFIGS / "quickstart.json"))
+    ckpt = two / "checkpoints" / "step_00000002"
+    one = tmp_path / "one"
+    launch(1, REPO / "pretrain.py", "--config", str(recipe), "--ds_config", str(DS_CONFIGS / "quickstart.json"),
+           "--resume", str(ckpt), "--set", f"train.output_dir={one}")
+    state = json.loads((one / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    assert (state["global_batch_size"], state["global_samples"], state["world_size"]) == (16, 64, 1)
+    assert state["data"] == {"epoch": 0, "global_batch": 4}
+    assert [losses(one)[s] for s in (3, 4)] == pytest.approx([losses(two)[s] for s in (3, 4)], abs=1e-5)
+
+    fixed = tmp_path / "accum1.json"
+    fixed.write_text(json.dumps({**json.loads((DS_CONFIGS / "quickstart.json").read_text()),
+                                 "gradient_accumulation_steps": 1}))
+    changed = tmp_path / "changed"
+    args = ["--config", str(recipe), "--ds_config", str(fixed), "--resume", str(ckpt), "--set",
+            f"train.output_dir={changed}"]
+    refused = launch(1, REPO / "pretrain.py", *args, check=False)
+    assert refused.returncode == 2
+    assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: checkpoint {str(ckpt)!r} was trained with global batch 16, this run's train_micro_batch_size_per_gpu "
+        "(8) x gradient_accumulation_steps (1) x 1 processes = 8: leave the global batch unset (ds_config "
+        'gradient_accumulation_steps "auto", no train_batch_size) to keep 16, or pass --allow_batch_change to '
+        "continue with 8 from the sample reached"]
+    launch(1, REPO / "pretrain.py", *args, "--allow_batch_change")
+    state = json.loads((changed / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    # samples 0-31 in the 2 steps of 16, then 32-47 in the 2 steps of 8: nothing replayed, nothing skipped
+    assert (state["global_batch_size"], state["global_samples"]) == (8, 48)
+    assert state["data"] == {"epoch": 0, "global_batch": 6}
