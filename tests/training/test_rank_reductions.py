@@ -76,7 +76,8 @@ def fake_trainer(rank: int, requested: bool, minutes: float | None):
     cfg = types.SimpleNamespace(train=types.SimpleNamespace(checkpoint=types.SimpleNamespace(every_minutes=minutes)))
     return types.SimpleNamespace(cfg=cfg, world=WORLD, rank=rank, device=torch.device("cpu"),
                                  stop=types.SimpleNamespace(requested=requested),
-                                 balancing=LossFreeBalancing(torch.nn.Module()))
+                                 balancing=LossFreeBalancing(torch.nn.Module()),
+                                 checkpoints=types.SimpleNamespace(failed=lambda: False))
 
 
 @pytest.mark.parametrize("stopping_rank", [None, 0, 1])
