@@ -114,11 +114,12 @@ def module_pieces(model: nn.Module, ep: ExpertLayout = ExpertLayout(), partition
 
 def save_module(model: nn.Module, path: Path) -> None:
     """The model part of a sharded checkpoint from one process holding the whole model (a converter, a test):
-    every parameter and buffer whole, tied names recorded, non-tensor state in extra_state.json. `path` is
+    every parameter and buffer whole, tied names recorded, non-tensor state (also in extra_state.json). `path` is
     created; the recipe files are the caller's (`model_dir.write_recipe_files`)."""
     path.mkdir(parents=True, exist_ok=True)
-    sharded.dcp.save(module_pieces(model), storage_writer=sharded.writer(path, tied_names(model)),
-                     planner=sharded.ShardSavePlanner(), no_dist=True)
+    sharded.dcp.save({**module_pieces(model), **extra_states(model)},
+                     storage_writer=sharded.writer(path, tied_names(model)), planner=sharded.ShardSavePlanner(),
+                     no_dist=True)
     sharded.save_json(extra_states(model), path / EXTRA_STATE_FILE)
 
 

@@ -3,7 +3,9 @@
 Every tensor is stored in its true shape under the name `model.state_dict()` gives it (optimizer state under
 `optim/<name>/<key>`), so that `torch.distributed.checkpoint.load(model.state_dict(), checkpoint_id=CKPT)` fills
 a freshly built model with torch alone (README, "Reading weights with torch alone"); a tied head is a second
-name for the embedding's stored chunks (`writer(aliases=...)`), no second copy.
+name for the embedding's stored chunks (`writer(aliases=...)`), no second copy; non-tensor module state (the
+expert lifecycle's event log) is stored as DCP bytes under its `_extra_state` key for torch's loader, and read
+here from extra_state.json only.
 
 What a rank owns of a tensor is a contiguous range of it flattened: a ZeRO-1/2 fragment (an arbitrary range of
 the parameter inside a rank's flat partition), a ZeRO-3 partition (the last one padded in memory; only its valid
@@ -36,6 +38,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException as DCPError  # a BaseException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -54,6 +57,7 @@ OPTIM_PREFIX = "optim/"  # optim/<name>/<state key>, in the parameter's shape
 # the format before 2026-12-03 (read only): 1-D tensors under model/<name>, their shapes in tensors.json
 LEGACY_MODEL_PREFIX = "model/"
 TENSORS_FILE = "tensors.json"  # {canonical name: [N-d shape]}
+EXTRA_STATE_SUFFIX = "_extra_state"  # torch's key of a module's get_extra_state() in state_dict()
 
 
 class CheckpointError(SharedUserError):
@@ -157,7 +161,9 @@ class ShardSavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
-        return obj.box(index.offset) if isinstance(obj, FlatShard) else super().lookup_object(index)
+        if hasattr(obj, "__get_tensor_shard__"):  # a FlatShard (a piece with DCP's checkpointable hooks)
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_object(index)
 
 
 def is_legacy(metadata: Metadata) -> bool:
@@ -185,7 +191,9 @@ class ShardLoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
-        return obj.box(index.offset) if isinstance(obj, FlatShard) else super().lookup_tensor(index)
+        if hasattr(obj, "__get_tensor_shard__"):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value) -> None:  # noqa: ANN001 - DCP's signature
         # DCP's default unpickles stored bytes with torch.load(weights_only=False); this project stores tensors only
@@ -296,8 +304,12 @@ DATA_FILE = re.compile(r"__\d+_\d+\.distcp")  # what writer() names a rank's fil
 
 def check_records(metadata: Metadata) -> None:
     """Only what this project writes: tensors (DCP would unpickle a bytes entry with torch.load, weights_only
-    off) stored in this folder's own data files at plain offsets (no other path, no decompression transforms)."""
+    off) stored in this folder's own data files at plain offsets (no other path, no decompression transforms).
+    Bytes are allowed under a module's extra-state key only: written for torch's own loader, never read here
+    (this project reads extra_state.json; ShardLoadPlanner refuses bytes)."""
     for key, entry in metadata.state_dict_metadata.items():
+        if type(entry) is BytesStorageMetadata and key.endswith(EXTRA_STATE_SUFFIX):
+            continue
         if type(entry) is not TensorStorageMetadata:
             raise pickle.UnpicklingError(f"entry {key!r} is a {type(entry).__name__}, not a stored tensor")
     for index, info in (metadata.storage_data or {}).items():
@@ -347,7 +359,8 @@ def model_tensors(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
                     if LEGACY_MODEL_PREFIX + k in stored}
     except Exception as err:
         raise DamagedCheckpoint(f"checkpoint {str(path)!r} could not be read: {first_line(err)}") from None
-    return {k: (m.properties.dtype, tuple(m.size)) for k, m in stored.items() if not k.startswith(OPTIM_PREFIX)}
+    return {k: (m.properties.dtype, tuple(m.size)) for k, m in stored.items()
+            if isinstance(m, TensorStorageMetadata) and not k.startswith(OPTIM_PREFIX)}
 
 
 def read_shapes(path: Path) -> dict[str, list[int]]:

@@ -185,8 +185,9 @@ class CheckpointWriter:
     def pieces(engine, model, ep: ExpertLayout) -> dict[str, FlatShard]:
         st.init_optimizer_state(engine.optimizer)
         pieces = engine_pieces(engine, model, ep, for_load=False)
-        if dist.get_rank() == 0:  # buffers are the same on every rank
+        if dist.get_rank() == 0:  # buffers and extra state (for torch's loader) are the same on every rank
             pieces.update({MODEL_PREFIX + n: sharded.whole(b) for n, b in model_state.buffers(model).items()})
+            pieces.update({MODEL_PREFIX + n: v for n, v in model_state.extra_states(model).items()})
         return pieces
 
     def check(self, ok: bool, error: BaseException | None, tmp: pathlib.Path, final: pathlib.Path) -> None:
