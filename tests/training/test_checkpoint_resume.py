@@ -175,6 +175,35 @@ def test_sharded_checkpoint_files_and_model_dir(matrix):
     assert all(p.stat().st_mode & 0o777 == mode for p in (tmp / "export").iterdir())
 
 
+def test_weights_load_into_a_fresh_models_state_dict_with_torch_alone(matrix, tmp_path):
+    """The README's snippet on checkpoints of 2 processes: ZeRO-3 (every routed block type, lifecycle events
+    logged), ZeRO-1, ZeRO-2 and expert parallelism 2 (ZeRO-1). moep_ds only builds the empty model; torch's DCP
+    fills its state_dict(), tied head included; the tensors equal the export's (this project's reader) bit for
+    bit, and the extra state the checkpoint's extra_state.json."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from moep_ds import build_model, load_config
+    from moep_ds.evaluation.export import main as export
+
+    _, sources, _ = matrix
+    for source, step in ((3, 6), (1, 4), (2, 3), ("ep", 4)):
+        ckpt = str(sources[source][1] / "checkpoints" / f"step_{step:08d}")
+        model = build_model(load_config(f"{ckpt}/config.yaml").model)  # the README's snippet, as written there
+        sd = model.state_dict()
+        dcp.load(sd, checkpoint_id=ckpt)
+        model.load_state_dict(sd)  # applies the extra state (not a tensor: DCP replaced the entry)
+        assert export([ckpt, "--out", str(tmp_path / str(source))]) == 0
+        exported = load_file(tmp_path / str(source) / "model.safetensors")
+        tensors = {k for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        assert set(exported) == tensors - {"head.weight"} and model.head.weight is model.embed.weight
+        for key, value in exported.items():
+            assert torch.equal(sd[key], value), (source, key)
+        extra = {k: v for k, v in model.state_dict().items() if k not in tensors}
+        assert json.loads(json.dumps(extra)) == json.loads(pathlib.Path(ckpt, "extra_state.json").read_text())
+        assert bool(extra) == (source == 3)  # the lifecycle of the ssm_moe block
+
+
 def test_masters_move_between_bf16_and_fp32(matrix):
     """bf16 compute rounds the forward pass: the first resumed loss is close to the source's, not equal."""
     _, sources, resumed = matrix
