@@ -91,15 +91,41 @@ def matrix(tmp_path_factory):
                      "overrides": [f"train.output_dir={dest}", "train.exit_at_step=4",
                                    f"train.activation_checkpointing={switch}"]})
         resumed[(s, "ac")] = dest
-    # today's consolidated format (written by ZeRO-1 at step 4, beside a sharded checkpoint) resumes the same
+    # today's consolidated format (written by ZeRO-1 at step 4, beside a sharded checkpoint) and the 1-D sharded
+    # layout of before 2026-12-03 resume the same
     for source, suffix in ((1, ""), ("ep", "_ep")):
+        sharded_ckpt = sources[source][1] / "checkpoints/step_00000004"
         for name, ckpt in ((f"from_consolidated{suffix}", tmp / f"consolidated{suffix}"),
-                           (f"from_sharded{suffix}", sources[source][1] / "checkpoints/step_00000004")):
+                           (f"from_sharded{suffix}", sharded_ckpt),
+                           (f"from_legacy{suffix}", to_legacy(sharded_ckpt, tmp / f"legacy{suffix}"))):
             jobs.append({"recipe": str(sources[source][0]), "ds_config": ds(2), "resume": str(ckpt),
                          "overrides": [f"train.output_dir={tmp / name}", "train.exit_at_step=null"]})
     (tmp / "resumes.json").write_text(json.dumps(jobs))
     launch(2, SCRIPTS / "run_many.py", str(tmp / "resumes.json"))
     return tmp, sources, resumed
+
+
+def to_legacy(ckpt: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """`ckpt` as the sharded writer of before 2026-12-03 laid it out (here from one process): every tensor
+    flattened to 1-D, model tensors under model/<name>, optimizer state under optim/<name>/<key>, the shapes in
+    tensors.json, no aliases and no extra-state entries."""
+    import shutil
+
+    from moep_ds import build_model, load_config
+    from moep_ds.checkpointing import model_state, sharded
+
+    shutil.copytree(ckpt, out, ignore=shutil.ignore_patterns("*.distcp", ".metadata"))
+    with torch.device("meta"):
+        shapes = model_state.shapes(build_model(load_config(ckpt / "config.yaml").model))
+    stored, pieces = sharded.read_metadata(ckpt), {}
+    for key, entry in stored.items():
+        if key in shapes or key.startswith(sharded.OPTIM_PREFIX):
+            t = torch.empty(entry.size, dtype=entry.properties.dtype)
+            sharded.load({key: sharded.whole(t)}, ckpt)
+            pieces[sharded.legacy_key(key)] = sharded.whole(t).flat()
+    sharded.dcp.save(pieces, storage_writer=sharded.writer(out), planner=sharded.ShardSavePlanner(), no_dist=True)
+    sharded.save_json({k: list(v) for k, v in shapes.items()}, out / sharded.TENSORS_FILE)
+    return out
 
 
 @pytest.mark.parametrize("source", STAGES)
@@ -136,15 +162,21 @@ def test_zero3_resume_is_bit_identical_with_lifecycle_replacements(matrix):
 
 
 def test_consolidated_checkpoint_of_today_still_resumes_and_loads(matrix):
+    """Also the 1-D sharded layout of before 2026-12-03 (ZeRO-1, and ZeRO-1 with expert parallelism 2)."""
+    from moep_ds.checkpointing import sharded
     from moep_ds.checkpointing.model_dir import load_model_dir
 
     tmp, sources, _ = matrix
     assert (tmp / "consolidated" / "model.safetensors").is_file()
     for suffix in ("", "_ep"):
-        got, reference = losses(tmp / f"from_consolidated{suffix}"), losses(tmp / f"from_sharded{suffix}")
-        assert sorted(got) == [5] and got == reference, suffix
-    model, cfg, _, meta = load_model_dir(tmp / "consolidated")
-    assert meta["step"] == 4
+        reference = losses(tmp / f"from_sharded{suffix}")
+        for old in ("consolidated", "legacy"):
+            got = losses(tmp / f"from_{old}{suffix}")
+            assert sorted(got) == [5] and got == reference, (old, suffix)
+    assert all(len(m.size) == 1 for m in sharded.read_metadata(tmp / "legacy_ep").values())
+    for old in ("consolidated", "legacy"):
+        model, cfg, _, meta = load_model_dir(tmp / old)
+        assert meta["step"] == 4
 
 
 def test_sharded_checkpoint_files_and_model_dir(matrix):
