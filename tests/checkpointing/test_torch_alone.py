@@ -132,6 +132,30 @@ def test_a_model_loads_into_its_own_state_dict_with_torch_alone(tmp_path):
             again.state_dict()[key] == value, key
 
 
+@pytest.mark.slow
+def test_every_rank_of_a_launch_loads_the_whole_model_with_torch_alone(tmp_path):
+    """The snippet under torchrun (2 processes, a process group: DCP plans the reads collectively)."""
+    import pathlib
+    import sys
+
+    from moep_ds.checkpointing.model_dir import write_recipe_files
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
+    from tiny import launch
+
+    source = tiny(0, trained=True)
+    model_state.save_module(source, tmp_path / "ckpt")
+    write_recipe_files(config_from_dict(RECIPE), tmp_path / "ckpt", None, {"step": 0})
+    launch(2, pathlib.Path(__file__).parent / "scripts" / "torch_load.py", str(tmp_path / "ckpt"), str(tmp_path))
+    for rank in (0, 1):
+        held = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert held["tied"]
+        expected = {k: v for k, v in source.state_dict().items() if isinstance(v, torch.Tensor)}
+        assert list(held["tensors"]) == list(expected)
+        for key, value in expected.items():
+            assert torch.equal(held["tensors"][key], value), (rank, key)
+
+
 def save_legacy(model, path):
     """What checkpoints of before 2026-12-03 held: every tensor flattened to 1-D under model/<name>, shapes in
     tensors.json (as that writer did, from the same pieces)."""
