@@ -209,18 +209,20 @@ def test_sharded_checkpoint_files_and_model_dir(matrix):
 
 def test_weights_load_into_a_fresh_models_state_dict_with_torch_alone(matrix, tmp_path):
     """The README's snippet on checkpoints of 2 processes: ZeRO-3 (every routed block type, lifecycle events
-    logged), ZeRO-1, ZeRO-2 and expert parallelism 2 (ZeRO-1). moep_ds only builds the empty model; torch's DCP
-    fills its state_dict(), tied head included; the tensors equal the export's (this project's reader) bit for
-    bit, and the extra state the checkpoint's extra_state.json."""
+    logged; saved synchronously, and asynchronously after a resume), ZeRO-1, ZeRO-2 and expert parallelism 2
+    (ZeRO-1). moep_ds only builds the empty model; torch's DCP fills its state_dict(), tied head included; the
+    tensors equal the export's (this project's reader) bit for bit, and the extra state the checkpoint's
+    extra_state.json."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
     from moep_ds import build_model, load_config
     from moep_ds.evaluation.export import main as export
 
-    _, sources, _ = matrix
-    for source, step in ((3, 6), (1, 4), (2, 3), ("ep", 4)):
-        ckpt = str(sources[source][1] / "checkpoints" / f"step_{step:08d}")
+    _, sources, resumed = matrix
+    runs = {source: sources[source][1] for source in (3, 1, 2, "ep")} | {"async": resumed[(3, 3)]}
+    for source, step in ((3, 6), (1, 4), (2, 3), ("ep", 4), ("async", 6)):
+        ckpt = str(runs[source] / "checkpoints" / f"step_{step:08d}")
         model = build_model(load_config(f"{ckpt}/config.yaml").model)  # the README's snippet, as written there
         sd = model.state_dict()
         dcp.load(sd, checkpoint_id=ckpt)
@@ -233,7 +235,7 @@ def test_weights_load_into_a_fresh_models_state_dict_with_torch_alone(matrix, tm
             assert torch.equal(sd[key], value), (source, key)
         extra = {k: v for k, v in model.state_dict().items() if k not in tensors}
         assert json.loads(json.dumps(extra)) == json.loads(pathlib.Path(ckpt, "extra_state.json").read_text())
-        assert bool(extra) == (source == 3)  # the lifecycle of the ssm_moe block
+        assert bool(extra) == (source in (3, "async"))  # the lifecycle of the ssm_moe block
 
 
 def test_masters_move_between_bf16_and_fp32(matrix):
