@@ -95,7 +95,7 @@ def checkpoint_worker(args) -> None:
     """A sharded checkpoint of the model (every tensor whole, as one process writes it) with its recipe."""
     import torch
 
-    from moep_ds.checkpointing import model_state, sharded
+    from moep_ds.checkpointing import model_state
     from moep_ds.checkpointing.model_dir import CONFIG_FILE
     from moep_ds.config import dump_config
     from moep_ds.models.causal_lm import build_model
@@ -105,9 +105,7 @@ def checkpoint_worker(args) -> None:
     model = build_model(cfg.model)
     out = pathlib.Path(args.out)
     out.mkdir()
-    sharded.dcp.save(model_state.module_pieces(model), storage_writer=sharded.writer(out),
-                     planner=sharded.ShardSavePlanner(), no_dist=True)
-    sharded.save_json({k: list(v) for k, v in model_state.shapes(model).items()}, out / sharded.TENSORS_FILE)
+    model_state.save_module(model, out)
     (out / CONFIG_FILE).write_text(dump_config(cfg))
     params = sum(p.numel() for p in model.parameters())
     (out.parent / "size.json").write_text(json.dumps({"params": params}))

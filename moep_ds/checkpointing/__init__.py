@@ -1,7 +1,7 @@
 """The run-directory and checkpoint format, shared by training and evaluation.
 
     layout.py       run directories: "complete", "newest", atomic directories, umask modes, writable checks
-    sharded.py      DCP state of 1-D pieces (FlatShard), planners, damage checks
+    sharded.py      DCP state in true shapes from flat ranges (FlatShard), planners, damage checks
     model_state.py  a model's tensors under canonical names, expert-parallel offsets, load into a module
     model_dir.py    model directories (consolidated weights + recipe + tokenizer), loaders for every format
 """

@@ -77,24 +77,50 @@ def shapes(model: nn.Module, ep: ExpertLayout = ExpertLayout()) -> dict[str, tup
     return out
 
 
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """{second name: stored name} of every parameter known under several names (a head tied to the embedding):
+    a checkpoint records the second name as an alias of the first (`sharded.Writer`), so that `state_dict()`,
+    which lists both, loads with torch alone."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(name)
+        if id(p) in first and first[id(p)] != name:
+            out[name] = first[id(p)]
+        first.setdefault(id(p), name)
+    return out
+
+
 def module_pieces(model: nn.Module, ep: ExpertLayout = ExpertLayout(), partitions: bool = False
                   ) -> dict[str, FlatShard]:
-    """Every parameter and buffer of `model` as it is held here (local experts at their offset): the target
-    of a load into the module itself, before an engine owns it. ZeRO-3 parameters are left out (a trainer
-    loads them through the engine, into its fp32 masters) unless `partitions`: then each is this rank's
-    partition, in the working precision (a model without an optimizer, e.g. for evaluation)."""
+    """Every parameter and buffer of `model` as it is held here (local experts at their offset), in its global
+    shape: the target of a load into the module itself, before an engine owns it. ZeRO-3 parameters are left
+    out (a trainer loads them through the engine, into its fp32 masters) unless `partitions`: then each is this
+    rank's partition, in the working precision (a model without an optimizer, e.g. for evaluation)."""
     out = {}
     for name, p in model.named_parameters():
+        shape = global_shape(full_shape(p), is_expert_param(p), ep)
         if hasattr(p, "ds_id"):  # partitioned as it was built (ZeRO-3)
             start, valid = zero3_partition(p)
             if partitions and valid:
                 out[MODEL_PREFIX + canonical_name(name)] = FlatShard(p.ds_tensor.data.view(-1)[:valid], start,
-                                                                     p.ds_numel)
+                                                                     p.ds_numel, shape)
             continue
         offset, numel = expert_offset(p.numel(), is_expert_param(p), ep)
-        out[MODEL_PREFIX + canonical_name(name)] = FlatShard(p.data.view(-1), offset, numel)
+        out[MODEL_PREFIX + canonical_name(name)] = FlatShard(p.data.view(-1), offset, numel, shape)
     out.update({MODEL_PREFIX + n: sharded.whole(b) for n, b in buffers(model).items()})
     return out
+
+
+def save_module(model: nn.Module, path: Path) -> None:
+    """The model part of a sharded checkpoint from one process holding the whole model (a converter, a test):
+    every parameter and buffer whole, tied names recorded, non-tensor state (also in extra_state.json). `path` is
+    created; the recipe files are the caller's (`model_dir.write_recipe_files`)."""
+    path.mkdir(parents=True, exist_ok=True)
+    sharded.dcp.save({**module_pieces(model), **extra_states(model)},
+                     storage_writer=sharded.writer(path, tied_names(model)), planner=sharded.ShardSavePlanner(),
+                     no_dist=True)
+    sharded.save_json(extra_states(model), path / EXTRA_STATE_FILE)
 
 
 def load_extra_states(model: nn.Module, path: Path) -> None:

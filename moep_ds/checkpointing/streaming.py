@@ -82,16 +82,16 @@ def sharded_entries(path: Path, shapes: dict[str, tuple[int, ...]], prefix: str 
     """The model tensors `shapes` (canonical names) of the sharded checkpoint at `path`, each read alone."""
     sharded.check_files(path)
     sharded.check_shapes(path, shapes)
-    saved = sharded.read_metadata(path)
+    saved = sharded.model_tensors(path)
 
     def read(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        flat = torch.empty(math.prod(shape), dtype=dtype)
-        sharded.load({MODEL_PREFIX + name: sharded.whole(flat)}, path)
-        return flat.view(shape).to(stored_dtype(dtype))
+        t = torch.empty(shape, dtype=dtype)
+        sharded.load({MODEL_PREFIX + name: sharded.whole(t)}, path)
+        return t.to(stored_dtype(dtype))
 
     entries = []
     for name, shape in shapes.items():
-        dtype = saved[MODEL_PREFIX + name].properties.dtype
+        dtype = saved[name][0]
         entries.append(TensorEntry(prefix + name, stored_dtype(dtype), tuple(shape),
                                    lambda n=name, d=dtype, s=tuple(shape): read(n, d, s)))
     return entries

@@ -1,7 +1,7 @@
 """`moep-import SRC --out RUN_DIR --config RECIPE`: weights from elsewhere as an ordinary moep_ds checkpoint.
 
     RUN_DIR/checkpoints/step_<N>/     the run-directory format training writes (checkpointing/), model only:
-                                      DCP model tensors, tensors.json, extra_state.json, config.yaml (the recipe,
+                                      DCP model tensors (true shapes), extra_state.json, config.yaml (the recipe,
                                       init_from and upcycle cleared: the weights are in it), meta.json (step N
                                       and where the weights came from), the source's tokenizer files, COMPLETE
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from moep_ds.checkpointing import layout, model_state, sharded
+from moep_ds.checkpointing import layout, model_state
 from moep_ds.checkpointing.model_dir import write_recipe_files
 from moep_ds.errors import UserError
 from moep_ds.interop.sources import source_weights
@@ -72,9 +72,7 @@ def write_model_checkpoint(model: torch.nn.Module, cfg: Any, path: Path, tokeniz
     path.mkdir(parents=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
-        sharded.save(model_state.module_pieces(model), path)
-    sharded.save_json({k: list(v) for k, v in model_state.shapes(model).items()}, path / sharded.TENSORS_FILE)
-    sharded.save_json(model_state.extra_states(model), path / model_state.EXTRA_STATE_FILE)
+        model_state.save_module(model, path)  # true shapes, the tied head as an alias: readable by torch alone
     write_recipe_files(cfg, path, tokenizer_dir, meta)
     (path / layout.COMPLETE).touch()
 

@@ -1,9 +1,10 @@
 """Sharded training checkpoints: each rank writes and reads only the optimizer state it owns, at any ZeRO stage.
 
 RUN_DIR/checkpoints/step_00000100/
-    .metadata, __<rank>_0.distcp   DCP: model/<name> fp32 masters and buffers, optim/<name>/<key> Adam moments,
-                                   all flattened to 1-D under canonical names (checkpointing/sharded.py)
-    tensors.json                   N-d shapes; extra_state.json: non-tensor module state (lifecycle event logs)
+    .metadata, __<rank>_0.distcp   DCP: fp32 masters and buffers under their state_dict() names (a tied head as
+                                   an alias), optim/<name>/<key> Adam moments, all in their true shapes
+                                   (checkpointing/sharded.py; torch.distributed.checkpoint.load reads them alone)
+    extra_state.json               non-tensor module state (lifecycle event logs)
     trainer_state.json             step, Adam's step, data position, lr schedule, loss scaler, engine counters
     rng_rank{r}.pt                 each rank's RNG states (tensors and tuples: loads with weights_only=True)
     config.yaml, meta.json, tokenizer files, COMPLETE
@@ -40,6 +41,7 @@ from moep_ds.checkpointing import layout, model_state, sharded
 from moep_ds.checkpointing.model_dir import read_meta, write_recipe_files
 from moep_ds.checkpointing.model_state import ExpertLayout, canonical_name, is_expert_param
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
+from moep_ds.moe.shard import full_shape
 from moep_ds.training import state as st
 
 log = logging.getLogger(__name__)
@@ -92,9 +94,10 @@ def engine_pieces(engine, model, ep: ExpertLayout, for_load: bool) -> dict[str, 
     for name, p in model.named_parameters():
         name = canonical_name(name)
         base, numel = model_state.expert_offset(p_numel(p), is_expert_param(p), ep)
+        shape = model_state.global_shape(full_shape(p), is_expert_param(p), ep)
         for start, views in local_pieces(p, engine.optimizer, whole_replicas=for_load):
             for key, view in views.items():
-                out[piece_name(name, key)] = FlatShard(view, base + start, numel)
+                out[piece_name(name, key)] = FlatShard(view, base + start, numel, shape)
     return out
 
 
@@ -159,19 +162,18 @@ class CheckpointWriter:
             if rank == 0:
                 sharded.save_json({**trainer_state, "optimizer_step": st.optimizer_step_count(engine.optimizer)},
                                   tmp / TRAINER_STATE_FILE)
-                sharded.save_json({k: list(v) for k, v in model_state.shapes(model, ep).items()}, tmp / sharded.TENSORS_FILE)
                 sharded.save_json(model_state.extra_states(model), tmp / model_state.EXTRA_STATE_FILE)
                 write_recipe_files(cfg, tmp, tokenizer_dir, {"step": step, **(meta or {})})
         except OSError as err:
             error = err
         self.check(sharded.agree(error is None), error, tmp, final)
-        pieces = self.pieces(engine, model, ep)
+        pieces, aliases = self.pieces(engine, model, ep), model_state.tied_names(model)
         if self.executor is not None:
-            upload = sharded.async_save(pieces, tmp, self.group)
+            upload = sharded.async_save(pieces, tmp, self.group, aliases)
             self.pending = self.executor.submit(self.finish_async, upload, tmp, final)
             return final
         try:
-            sharded.save(pieces, tmp)
+            sharded.save(pieces, tmp, aliases=aliases)
         except (Exception, sharded.DCPError) as err:  # DCP raises the same exception on every rank
             error = err
         self.check(error is None, error, tmp, final)
@@ -184,8 +186,9 @@ class CheckpointWriter:
     def pieces(engine, model, ep: ExpertLayout) -> dict[str, FlatShard]:
         st.init_optimizer_state(engine.optimizer)
         pieces = engine_pieces(engine, model, ep, for_load=False)
-        if dist.get_rank() == 0:  # buffers are the same on every rank
+        if dist.get_rank() == 0:  # buffers and extra state (for torch's loader) are the same on every rank
             pieces.update({MODEL_PREFIX + n: sharded.whole(b) for n, b in model_state.buffers(model).items()})
+            pieces.update({MODEL_PREFIX + n: v for n, v in model_state.extra_states(model).items()})
         return pieces
 
     def check(self, ok: bool, error: BaseException | None, tmp: pathlib.Path, final: pathlib.Path) -> None:

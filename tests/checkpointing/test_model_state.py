@@ -21,10 +21,8 @@ def tiny(seed: int):
 
 
 def save_whole(model, path):
-    """What the trainer writes, from one process: every tensor whole, plus the shapes."""
-    pieces = model_state.module_pieces(model)
-    sharded.dcp.save(pieces, storage_writer=sharded.writer(path), planner=sharded.ShardSavePlanner(), no_dist=True)
-    sharded.save_json({k: list(v) for k, v in model_state.shapes(model).items()}, path / sharded.TENSORS_FILE)
+    """What the trainer writes, from one process: every tensor whole."""
+    model_state.save_module(model, path)
 
 
 def test_compile_and_activation_checkpoint_wrappers_do_not_change_names():

@@ -12,7 +12,7 @@ from lm_eval.api.instance import Instance
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moep_ds.checkpointing import model_dir, model_state, sharded
+from moep_ds.checkpointing import model_dir, model_state
 from moep_ds.config import config_from_dict
 from moep_ds.data.builtin import generate_corpus
 from moep_ds.data.config import TokenizerConfig
@@ -58,11 +58,7 @@ def model_dirs(tmp_path_factory):
     with torch.no_grad():  # routers see a training batch: thresholds and the lifecycle's counts move
         model.train()(torch.randint(0, 320, (4, 32)))
     ckpt = root / "sharded"
-    ckpt.mkdir()
-    sharded.dcp.save(model_state.module_pieces(model), storage_writer=sharded.writer(ckpt),
-                     planner=sharded.ShardSavePlanner(), no_dist=True)
-    sharded.save_json({k: list(v) for k, v in model_state.shapes(model).items()}, ckpt / sharded.TENSORS_FILE)
-    sharded.save_json(model_state.extra_states(model), ckpt / model_state.EXTRA_STATE_FILE)
+    model_state.save_module(model, ckpt)
     model_dir.write_recipe_files(cfg, ckpt, root / "tok", {"step": 1})
     assert export.main([str(ckpt), "--out", str(root / "plain")]) == 0
     assert export.main([str(ckpt), "--out", str(root / "hf"), "--hf"]) == 0

@@ -51,6 +51,25 @@ def test_imported_logits_equal_transformers(tmp_path, case, fmt):
     torch.testing.assert_close(ours_BTV, expected_BTV, **TOLERANCE)
 
 
+def test_an_imported_checkpoint_loads_with_torch_alone(tmp_path):
+    """The import writes the trainer's format through the same writer: torch's DCP fills a freshly built model's own
+    state_dict() from it (the tied head resolved), equal to what moep_ds loads."""
+    import torch.distributed.checkpoint as dcp
+
+    from moep_ds import build_model
+
+    case = "gpt2"  # tied embeddings: the head is an alias of the stored embedding
+    src = save(hf_model(case), tmp_path / "hf", "safetensors")
+    cfg = config_from_dict(recipe(case))
+    ckpt = import_checkpoint(str(src), cfg, tmp_path / "run")
+    model = build_model(cfg.model)
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=str(ckpt))
+    ours, _, _, _ = load_model_dir(tmp_path / "run")
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(sd[name], tensor), name
+
+
 def stored(run: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint, read through the export's streaming reader."""
     from moep_ds.checkpointing.model_dir import load_recipe, stored_weights

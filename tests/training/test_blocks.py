@@ -183,11 +183,9 @@ def test_activation_checkpointing_saves_activation_memory():
 
 def save_module(model: nn.Module, path: pathlib.Path) -> None:
     """The model part of a sharded checkpoint, from one process (the trainer's canonical names and shapes)."""
-    from moep_ds.checkpointing import model_state, sharded
+    from moep_ds.checkpointing import model_state
 
-    sharded.dcp.save(model_state.module_pieces(model), storage_writer=sharded.writer(path),
-                     planner=sharded.ShardSavePlanner(), no_dist=True)
-    sharded.save_json({k: list(v) for k, v in model_state.shapes(model).items()}, path / sharded.TENSORS_FILE)
+    model_state.save_module(model, path)
 
 
 def assert_same_state(a: nn.Module, b: nn.Module) -> None:

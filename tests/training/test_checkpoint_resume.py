@@ -91,15 +91,41 @@ def matrix(tmp_path_factory):
                      "overrides": [f"train.output_dir={dest}", "train.exit_at_step=4",
                                    f"train.activation_checkpointing={switch}"]})
         resumed[(s, "ac")] = dest
-    # today's consolidated format (written by ZeRO-1 at step 4, beside a sharded checkpoint) resumes the same
+    # today's consolidated format (written by ZeRO-1 at step 4, beside a sharded checkpoint) and the 1-D sharded
+    # layout of before 2026-12-03 resume the same
     for source, suffix in ((1, ""), ("ep", "_ep")):
+        sharded_ckpt = sources[source][1] / "checkpoints/step_00000004"
         for name, ckpt in ((f"from_consolidated{suffix}", tmp / f"consolidated{suffix}"),
-                           (f"from_sharded{suffix}", sources[source][1] / "checkpoints/step_00000004")):
+                           (f"from_sharded{suffix}", sharded_ckpt),
+                           (f"from_legacy{suffix}", to_legacy(sharded_ckpt, tmp / f"legacy{suffix}"))):
             jobs.append({"recipe": str(sources[source][0]), "ds_config": ds(2), "resume": str(ckpt),
                          "overrides": [f"train.output_dir={tmp / name}", "train.exit_at_step=null"]})
     (tmp / "resumes.json").write_text(json.dumps(jobs))
     launch(2, SCRIPTS / "run_many.py", str(tmp / "resumes.json"))
     return tmp, sources, resumed
+
+
+def to_legacy(ckpt: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """`ckpt` as the sharded writer of before 2026-12-03 laid it out (here from one process): every tensor
+    flattened to 1-D, model tensors under model/<name>, optimizer state under optim/<name>/<key>, the shapes in
+    tensors.json, no aliases and no extra-state entries."""
+    import shutil
+
+    from moep_ds import build_model, load_config
+    from moep_ds.checkpointing import model_state, sharded
+
+    shutil.copytree(ckpt, out, ignore=shutil.ignore_patterns("*.distcp", ".metadata"))
+    with torch.device("meta"):
+        shapes = model_state.shapes(build_model(load_config(ckpt / "config.yaml").model))
+    stored, pieces = sharded.read_metadata(ckpt), {}
+    for key, entry in stored.items():
+        if key in shapes or key.startswith(sharded.OPTIM_PREFIX):
+            t = torch.empty(entry.size, dtype=entry.properties.dtype)
+            sharded.load({key: sharded.whole(t)}, ckpt)
+            pieces[sharded.legacy_key(key)] = sharded.whole(t).flat()
+    sharded.dcp.save(pieces, storage_writer=sharded.writer(out), planner=sharded.ShardSavePlanner(), no_dist=True)
+    sharded.save_json({k: list(v) for k, v in shapes.items()}, out / sharded.TENSORS_FILE)
+    return out
 
 
 @pytest.mark.parametrize("source", STAGES)
@@ -136,15 +162,21 @@ def test_zero3_resume_is_bit_identical_with_lifecycle_replacements(matrix):
 
 
 def test_consolidated_checkpoint_of_today_still_resumes_and_loads(matrix):
+    """Also the 1-D sharded layout of before 2026-12-03 (ZeRO-1, and ZeRO-1 with expert parallelism 2)."""
+    from moep_ds.checkpointing import sharded
     from moep_ds.checkpointing.model_dir import load_model_dir
 
     tmp, sources, _ = matrix
     assert (tmp / "consolidated" / "model.safetensors").is_file()
     for suffix in ("", "_ep"):
-        got, reference = losses(tmp / f"from_consolidated{suffix}"), losses(tmp / f"from_sharded{suffix}")
-        assert sorted(got) == [5] and got == reference, suffix
-    model, cfg, _, meta = load_model_dir(tmp / "consolidated")
-    assert meta["step"] == 4
+        reference = losses(tmp / f"from_sharded{suffix}")
+        for old in ("consolidated", "legacy"):
+            got = losses(tmp / f"from_{old}{suffix}")
+            assert sorted(got) == [5] and got == reference, (old, suffix)
+    assert all(len(m.size) == 1 for m in sharded.read_metadata(tmp / "legacy_ep").values())
+    for old in ("consolidated", "legacy"):
+        model, cfg, _, meta = load_model_dir(tmp / old)
+        assert meta["step"] == 4
 
 
 def test_sharded_checkpoint_files_and_model_dir(matrix):
@@ -173,6 +205,37 @@ def test_sharded_checkpoint_files_and_model_dir(matrix):
         if isinstance(a, torch.Tensor):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     assert all(p.stat().st_mode & 0o777 == mode for p in (tmp / "export").iterdir())
+
+
+def test_weights_load_into_a_fresh_models_state_dict_with_torch_alone(matrix, tmp_path):
+    """The README's snippet on checkpoints of 2 processes: ZeRO-3 (every routed block type, lifecycle events
+    logged; saved synchronously, and asynchronously after a resume), ZeRO-1, ZeRO-2 and expert parallelism 2
+    (ZeRO-1). moep_ds only builds the empty model; torch's DCP fills its state_dict(), tied head included; the
+    tensors equal the export's (this project's reader) bit for bit, and the extra state the checkpoint's
+    extra_state.json."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from moep_ds import build_model, load_config
+    from moep_ds.evaluation.export import main as export
+
+    _, sources, resumed = matrix
+    runs = {source: sources[source][1] for source in (3, 1, 2, "ep")} | {"async": resumed[(3, 3)]}
+    for source, step in ((3, 6), (1, 4), (2, 3), ("ep", 4), ("async", 6)):
+        ckpt = str(runs[source] / "checkpoints" / f"step_{step:08d}")
+        model = build_model(load_config(f"{ckpt}/config.yaml").model)  # the README's snippet, as written there
+        sd = model.state_dict()
+        dcp.load(sd, checkpoint_id=ckpt)
+        model.load_state_dict(sd)  # applies the extra state (not a tensor: DCP replaced the entry)
+        assert export([ckpt, "--out", str(tmp_path / str(source))]) == 0
+        exported = load_file(tmp_path / str(source) / "model.safetensors")
+        tensors = {k for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        assert set(exported) == tensors - {"head.weight"} and model.head.weight is model.embed.weight
+        for key, value in exported.items():
+            assert torch.equal(sd[key], value), (source, key)
+        extra = {k: v for k, v in model.state_dict().items() if k not in tensors}
+        assert json.loads(json.dumps(extra)) == json.loads(pathlib.Path(ckpt, "extra_state.json").read_text())
+        assert bool(extra) == (source in (3, "async"))  # the lifecycle of the ssm_moe block
 
 
 def test_masters_move_between_bf16_and_fp32(matrix):

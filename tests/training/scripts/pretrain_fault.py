@@ -27,8 +27,8 @@ def here(path) -> bool:
     return str(path).endswith(TAG) and int(os.environ.get("RANK", "0")) == RANK
 
 
-def save_then_die(state, path, group=None):
-    original_save(state, path, group)
+def save_then_die(state, path, group=None, **kwargs):
+    original_save(state, path, group, **kwargs)
     if here(path):
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -38,8 +38,8 @@ class FullDiskWriter(sharded.dcp.FileSystemWriter):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
 
 
-def writer(path):
-    return FullDiskWriter(path, single_file_per_rank=True) if here(path) else original_writer(path)
+def writer(path, *args, **kwargs):
+    return FullDiskWriter(path, single_file_per_rank=True) if here(path) else original_writer(path, *args, **kwargs)
 
 
 original_train_step = Trainer.train_step
