@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from moep_ds.checkpointing import model_state
-from moep_ds.checkpointing.sharded import MODEL_PREFIX
+from moep_ds.checkpointing.sharded import OPTIM_PREFIX
 from moep_ds.interop.sources import source_weights
 from moep_ds.interop.weights import fill_pieces
 from moep_ds.training import state as st
@@ -33,7 +33,7 @@ def initialise_from_source(engine, model, cfg: Any, ep_group=None) -> None:
     ep = expert_layout(ep_group)
     fill_pieces(model_state.module_pieces(model, ep), weights, keep, label)
     st.init_optimizer_state(engine.optimizer)  # zero moments, step 0: what a fresh optimizer's first step makes
-    masters = {k: v for k, v in engine_pieces(engine, model, ep, for_load=True).items() if k.startswith(MODEL_PREFIX)}
+    masters = {k: v for k, v in engine_pieces(engine, model, ep, for_load=True).items() if not k.startswith(OPTIM_PREFIX)}
     fill_pieces(masters, weights, keep, label)
     commit_partitions(model, masters)
     st.refresh_working_copies(engine.optimizer)
