@@ -50,5 +50,5 @@ def test_a_failed_async_save_stops_the_run_at_the_next_step(tmp_path, monkeypatc
                                 f"(No space left on device) writing '{tmp}', "), errors[0]
     assert errors[0].endswith(" MiB free there; the previous checkpoints are kept")
     last = max(m["step"] for m in metrics(out) if "loss" in m)
-    assert 4 < last < 8, last
+    assert 4 <= last < 8, last  # stopped at the first step boundary after the failed save (it went on to 8 before)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == []  # step 4 never marked complete
