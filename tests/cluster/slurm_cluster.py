@@ -13,9 +13,9 @@ Every process is started here and its PID kept; `down()` kills every process lef
 included) by PID, then deletes the namespaces and /etc/netns/NS. Needs root, iproute2, util-linux, and Debian's
 slurm-wlm, munge, openssh-server and pdsh (`missing()` names what is absent).
 
-    python tests/cluster/cluster.py up [--nodes 2] [--dir DIR]     # prints the folder; stays up
-    python tests/cluster/cluster.py exec DIR node1 sinfo
-    python tests/cluster/cluster.py down DIR
+    python tests/cluster/slurm_cluster.py up [--nodes 2] [--dir DIR]     # prints the folder; stays up
+    python tests/cluster/slurm_cluster.py exec DIR node1 sinfo
+    python tests/cluster/slurm_cluster.py down DIR
 """
 from __future__ import annotations
 
