@@ -1,17 +1,17 @@
-"""A real SLURM cluster on this machine, for the launcher tests and for trying the launchers by hand.
+"""A real SLURM cluster on this machine, for the launcher tests and for trying the launchers by hand
+(tests/cluster/README.md).
 
-Each node is a network namespace (`ip netns`) with its own hostname (a UTS namespace) and /etc/hosts
-(`/etc/netns/NS/hosts`, which `ip netns exec` binds over /etc/hosts), and runs one slurmd and one sshd; node1
-also runs slurmctld. Two nodes are joined by a veth pair whose addresses (10.77.0.1 and 10.77.0.2) exist only
-inside the two namespaces: nothing is routed to or from the machine's own network. One munged (a unix socket in
-the cluster folder) serves both. ssh: a key made for the cluster, accepted by the nodes' sshd for root from the
-nodes' addresses only; the nodes' ssh client configuration (bound over /etc/ssh/ssh_config inside the nodes
-only) uses it and the cluster's known_hosts. The file system is shared: a job sees the checkout and its run
-folders at the same paths on both nodes, as on a cluster with a shared file system.
+Each node is a network namespace (`ip netns add`) with its own PID, UTS (hostname) and mount namespaces (the
+node's /etc/hosts and ssh client configuration bound over the machine's, inside that namespace only), and runs
+one slurmd and one sshd; node1 also runs slurmctld. Two nodes are joined by a veth pair whose addresses
+(10.77.0.1 and 10.77.0.2) exist only inside the two namespaces: nothing is routed to or from the machine's own
+network. One munged (a unix socket in the cluster folder) serves both. ssh: a key made for the cluster, accepted
+by the nodes' sshd for root from the nodes' addresses only. The file system is shared: a job sees the checkout
+and its run folders at the same paths on both nodes, as on a cluster with a shared file system.
 
 Every process is started here and its PID kept; `down()` kills every process left in the namespaces (jobs
-included) by PID, then deletes the namespaces and /etc/netns/NS. Needs root, iproute2, util-linux, and Debian's
-slurm-wlm, munge, openssh-server and pdsh (`missing()` names what is absent).
+included) by PID, then deletes the namespaces. Needs root, iproute2, util-linux, and Debian's slurm-wlm, munge,
+openssh-server and pdsh (`missing()` names what is absent).
 
     python tests/cluster/slurm_cluster.py up [--nodes 2] [--dir DIR]     # prints the folder; stays up
     python tests/cluster/slurm_cluster.py exec DIR node1 sinfo
@@ -36,6 +36,14 @@ NEEDED = {"slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-wlm"
           "sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "pdsh": "pdsh",
           "ip": "iproute2", "nsenter": "util-linux", "unshare": "util-linux"}
 SBIN = ("/usr/sbin", "/sbin")
+# PID 1 of a node: reaps the processes orphaned there (a PID namespace's init must), ends with the namespace
+REAPER = """import os, time
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        time.sleep(1)
+#moep-holder"""
 
 
 def which(prog: str) -> str | None:
@@ -228,32 +236,40 @@ class Cluster:
                             "dev", dev], check=True)
             if dev == "eth1":
                 subprocess.run(["ip", "-n", ns, "link", "set", "eth1", "up"], check=True)
-            # the holder: a process that keeps the node's hostname (UTS namespace) and mount namespace (the
-            # node's /etc/hosts and ssh client configuration bound over the machine's), inside the node's network
-            # namespace; everything on the node enters its namespaces. Not `ip netns exec`: it mounts a new /sys,
-            # which hides the cgroup file systems slurmd needs.
-            binds = [(self.folder / node / "hosts", "/etc/hosts"), (self.folder / "ssh" / "ssh_config", "/etc/ssh/ssh_config")]
+            # the holder: PID 1 of the node's PID namespace (a node sees only its own processes, as the
+            # launchers' signal_trainers.sh expects), keeping the node's hostname (UTS namespace) and mount
+            # namespace (its own /proc, the node's /etc/hosts and ssh client configuration bound over the
+            # machine's), inside the node's network namespace; it reaps orphans. Everything on the node enters
+            # its namespaces. Not `ip netns exec`: it mounts a new /sys, hiding the cgroup file systems slurmd needs.
+            binds = [(self.folder / node / "hosts", "/etc/hosts"),
+                     (self.folder / "ssh" / "ssh_config", "/etc/ssh/ssh_config")]
             script = " && ".join([f"hostname {node}", *(f"mount --bind {a} {b}" for a, b in binds),
-                                  f"exec nsenter --net=/run/netns/{ns} sleep infinity"])
+                                  f"exec nsenter --net=/run/netns/{ns} {sys.executable} -c '{REAPER}'"])
             with open(self.folder / node / "holder.out", "w") as out:
-                holder = subprocess.Popen(["unshare", "--uts", "--mount", "--propagation", "slave", "sh", "-c",
-                                           script], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
-            self.state["holders"][node] = holder.pid
-            self.state["pids"].append(holder.pid)
+                unshare = subprocess.Popen(["unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc",
+                                            "--propagation", "slave", "sh", "-c", script], stdin=subprocess.DEVNULL,
+                                           stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.state["pids"].append(unshare.pid)
             self.save()
-        for node in self.nodes:  # the holder is ready once its hostname is set and it sleeps
             deadline = time.time() + 20
-            while self.run(node, ["hostname"], check=False).stdout.strip() != node or not self._sleeping(node):
-                if time.time() > deadline:
-                    raise RuntimeError(f"{node}: namespace holder did not start")
+            while not self._holder_ready(node, unshare.pid):
+                if time.time() > deadline or unshare.poll() is not None:
+                    raise RuntimeError(f"{node}: namespace holder did not start: "
+                                       f"{(self.folder / node / 'holder.out').read_text()}")
                 time.sleep(0.1)
+            self.state["pids"].append(self.state["holders"][node])
+            self.save()
 
-    def _sleeping(self, node: str) -> bool:
+    def _holder_ready(self, node: str, unshare_pid: int) -> bool:
+        """unshare's child (PID 1 of the node) has become the reaper."""
         try:
-            return pathlib.Path(f"/proc/{self.state['holders'][node]}/comm").read_text().strip() == "sleep"
-        except OSError:
+            [child] = pathlib.Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
+            if not pathlib.Path(f"/proc/{child}/cmdline").read_bytes().endswith(b"#moep-holder\0"):
+                return False
+        except (OSError, ValueError):
             return False
+        self.state["holders"][node] = int(child)
+        return True
 
     def _munge(self) -> None:
         m = self.folder / "munge"
@@ -276,7 +292,7 @@ class Cluster:
 
     def _enter(self, node: str, cwd=None) -> list[str]:
         # --wd: entering a mount namespace would start the command in / (sbatch takes its folder as the job's)
-        return ["nsenter", "-t", str(self.state["holders"][node]), "--net", "--uts", "--mount",
+        return ["nsenter", "-t", str(self.state["holders"][node]), "--net", "--uts", "--mount", "--pid",
                 f"--wd={cwd or os.getcwd()}", "--"]
 
     def _spawn(self, node: str, command: list[str], out: pathlib.Path) -> subprocess.Popen:
@@ -326,7 +342,7 @@ class Cluster:
     # ---- stop
     def down(self) -> None:
         """Kill every process started here and every process left in the namespaces (jobs), by PID, then remove
-        the namespaces, the veth pair (it goes with them) and /etc/netns/NS. Safe to call twice."""
+        the namespaces and the veth pair (it goes with them). Safe to call twice."""
         pids = set(self.state.get("pids", []))
         for ns in self.state.get("namespaces", {}).values():
             listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()

@@ -7,7 +7,9 @@ wrappers on PATH (see `install`). Every call appends {"prog", "argv", "cwd", "en
   SLURM_LOCALID / SLURM_NODEID, forwards SIGUSR1 / SIGUSR2 / SIGTERM to them (as srun does) and exits with the
   first non-zero status; otherwise only records.
 - scontrol: `show hostnames LIST` expands a host list (`gpu[01-02],login1`); `requeue ID` records.
-- deepspeed: records; with STUB_FAKE_TRAINER=path starts 2 copies of that script as `python -u path
+- sinfo: `-h -o %G` prints $STUB_GRES (default gpu:4; "(null)" is a cluster without GPU gres).
+- deepspeed: records, and copies its hostfile and DS_ENV_FILE (mode kept) into $STUB_SEEN (the launcher removes
+  them when the job ends); with STUB_FAKE_TRAINER=path starts 2 copies of that script as `python -u path
   --local_rank=i` with MASTER_PORT set from --master_port, plus one decoy with another port that must never
   be signalled, and waits for the two.
 """
@@ -17,12 +19,13 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
-PROGS = ("sbatch", "srun", "scontrol", "deepspeed")
+PROGS = ("sbatch", "srun", "scontrol", "deepspeed", "sinfo")
 RECORDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "MOEP_ROOT", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                 "DS_ENV_FILE")
 
@@ -96,8 +99,10 @@ def sbatch(argv: list[str]) -> None:
     env.update(SLURM_JOB_ID=os.environ.get("STUB_JOB_ID", "4242"), SLURM_JOB_NAME=opts.get("job-name", script.name),
                SLURM_SUBMIT_DIR=os.getcwd(), SLURM_JOB_NODELIST=os.environ["STUB_NODELIST"],
                SLURM_JOB_NUM_NODES=str(nodes), SLURM_NNODES=str(nodes))
-    if "gpus-per-node" in opts:
+    if "gpus-per-node" in opts and opts["gpus-per-node"] != "0":
         env["SLURM_GPUS_ON_NODE"] = opts["gpus-per-node"]
+    if "ntasks-per-node" in opts:
+        env["SLURM_NTASKS_PER_NODE"] = opts["ntasks-per-node"]
     os.execve("/bin/bash", ["/bin/bash", *command], env)
 
 
@@ -140,7 +145,20 @@ def scontrol(argv: list[str]) -> int:
     return 1
 
 
+def sinfo(argv: list[str]) -> int:
+    if argv == ["-h", "-o", "%G"]:
+        print(os.environ.get("STUB_GRES", "gpu:4"))
+        return 0
+    print(f"stub sinfo: unsupported {argv}", file=sys.stderr)
+    return 1
+
+
 def deepspeed(argv: list[str]) -> int:
+    seen = pathlib.Path(os.environ["STUB_SEEN"])
+    seen.mkdir(exist_ok=True)
+    for path in (argv[argv.index("--hostfile") + 1] if "--hostfile" in argv else None, os.environ.get("DS_ENV_FILE")):
+        if path and os.path.exists(path):
+            shutil.copy2(path, seen / os.path.basename(path))
     fake = os.environ.get("STUB_FAKE_TRAINER")
     if not fake:
         return 0
@@ -159,7 +177,7 @@ def deepspeed(argv: list[str]) -> int:
 def main() -> int:
     prog, argv = sys.argv[1], sys.argv[2:]
     record(prog, argv)
-    return {"sbatch": sbatch, "srun": srun, "scontrol": scontrol, "deepspeed": deepspeed}[prog](argv) or 0
+    return {"sbatch": sbatch, "srun": srun, "scontrol": scontrol, "deepspeed": deepspeed, "sinfo": sinfo}[prog](argv) or 0
 
 
 if __name__ == "__main__":
