@@ -185,7 +185,7 @@ stop_local_trainers() {
 # for them, then (--requeue) `scontrol requeue` the job, which resumes with --resume auto. On SIGTERM (scancel,
 # preemption) only STOP_FN: a cancelled job must stay cancelled.
 run_preemptible() {
-    REQUEUE=0 STOP_SENT=0
+    REQUEUE=0 STOP_SENT=0 INTERRUPTED=0
     local requeue=0 status=0
     if [ "$1" = --requeue ]; then requeue=1; shift; fi
     STOP_FN=$1
@@ -195,10 +195,13 @@ run_preemptible() {
     log "launch: $(printf '%q ' "$@")"
     "$@" &
     LAUNCH_PID=$!
-    wait "$LAUNCH_PID" || status=$?
-    while kill -0 "$LAUNCH_PID" 2>/dev/null; do  # a trapped signal interrupted `wait`: the launch is stopping
-        status=0
+    # A trapped signal interrupts `wait` (status 128 + signal) whether or not the launch is still running; wait
+    # again for its own status (bash keeps it for a launch that ended meanwhile), or a job stopped cleanly
+    # would end with 138.
+    while :; do
+        INTERRUPTED=0 status=0
         wait "$LAUNCH_PID" || status=$?
+        if [ "$INTERRUPTED" = 0 ]; then break; fi
     done
     trap - USR1 TERM
     if [ "$requeue" = 1 ] && [ "$REQUEUE" = 1 ]; then
@@ -209,6 +212,7 @@ run_preemptible() {
 }
 
 on_stop_signal() {
+    INTERRUPTED=1
     if [ "$1" = USR1 ]; then REQUEUE=1; fi
     if [ "$STOP_SENT" = 1 ]; then  # a repeat could kill a trainer that is already shutting down
         log "received SIG$1: the trainers are already stopping"

@@ -5,7 +5,7 @@ wrappers on PATH (see `install`). Every call appends {"prog", "argv", "cwd", "en
   $STUB_NODELIST whose size comes from --nodes / --gpus-per-node (command line, else the script's #SBATCH lines).
 - srun: with STUB_SRUN_SPAWN=1 starts nodes x ntasks-per-node local processes with SLURM_PROCID / SLURM_NTASKS /
   SLURM_LOCALID / SLURM_NODEID, forwards SIGUSR1 / SIGUSR2 / SIGTERM to them (as srun does) and exits with the
-  first non-zero status; otherwise only records.
+  first non-zero status, STUB_SRUN_LINGER_S seconds after they ended; otherwise only records.
 - scontrol: `show hostnames LIST` expands a host list (`gpu[01-02],login1`); `requeue ID` records.
 - sinfo: `-h -o %G` prints $STUB_GRES (default gpu:4; "(null)" is a cluster without GPU gres).
 - deepspeed: records, and copies its hostfile and DS_ENV_FILE (mode kept) into $STUB_SEEN (the launcher removes
@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 PROGS = ("sbatch", "srun", "scontrol", "deepspeed", "sinfo")
@@ -132,7 +133,9 @@ def srun(argv: list[str]) -> int:
         env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_NTASKS=str(nodes * per_node),
                    SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node), SLURM_STEP_ID="0")
         tasks.append((command, env))
-    return spawn(tasks, forward_signals=True)
+    status = spawn(tasks, forward_signals=True)
+    time.sleep(float(os.environ.get("STUB_SRUN_LINGER_S", 0)))  # a slow srun: returns after its tasks ended
+    return status
 
 
 def scontrol(argv: list[str]) -> int:

@@ -289,8 +289,10 @@ def finish(cluster, proc) -> str:
 
 @pytest.mark.slow
 def test_usr1_in_deepspeed_mode_stops_the_trainers_on_every_node_then_requeues(cluster):
+    """The stop request's srun returns after the launch has ended (STUB_SRUN_LINGER_S): the job's status is still
+    the launch's (0), not the 138 of the `wait` the signal interrupted."""
     proc, out = start_with_fake_trainers(cluster, "slurm_multi_node.sbatch", STUB_NODELIST="gpu[01-02]",
-                                         NODES="2", GPUS_PER_NODE="4", STUB_SRUN_SPAWN="1")
+                                         NODES="2", GPUS_PER_NODE="4", STUB_SRUN_SPAWN="1", STUB_SRUN_LINGER_S="3")
     proc.send_signal(signal.SIGUSR1)
     log = finish(cluster, proc)
     assert sorted(p.name for p in out.glob("stopped-*")) == ["stopped-0", "stopped-1"], log  # not the decoy
