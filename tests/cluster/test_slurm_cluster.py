@@ -4,7 +4,7 @@ CPU-only cluster without GPU gres), end to end with the quick start shortened to
 Few, combined scenarios (each launch costs ~30 s of start-up on 2 cores):
 - the single-node script, uninterrupted: the reference losses;
 - multi-node, deepspeed mode (pdsh + ssh): `scancel --signal=USR1 --batch` -> checkpoint, requeue, resume; the
-  environment on the second node; then `scancel` -> checkpoint, no requeue;
+  environment on the second node; then `scancel` -> checkpoint, no requeue; a resubmission resumes and finishes;
 - multi-node, srun mode: `scontrol requeue` -> checkpoint, resume; the time-limit warning -> checkpoint, requeue,
   resume; node loss (kill -9 of the second node's trainer) -> the job fails at once naming the lost task (rank);
   a resubmission resumes from the newest complete checkpoint and finishes;
@@ -203,7 +203,7 @@ def test_single_node_script_trains_on_a_cpu_cluster(reference):
     assert "1 node x 2 process(es)" in reference["log"].read_text()
 
 
-def test_deepspeed_mode_usr1_requeues_and_resumes_then_scancel_checkpoints(slurm, cache_dir, reference, tmp_path):
+def test_deepspeed_mode_usr1_requeue_resume_then_scancel_and_resubmission(slurm, cache_dir, reference, tmp_path):
     run_dir = tmp_path / "run"
     env = job_env(slurm, cache_dir, tmp_path, **RECIPE, RUN_DIR=str(run_dir), NODES="2",
                   MOEP_PROBE="seen on node2", HF_HOME=str(cache_dir / "hf"))
@@ -245,6 +245,16 @@ def test_deepspeed_mode_usr1_requeues_and_resumes_then_scancel_checkpoints(slurm
     assert steps(run_dir) == list(range(1, second + 1))
     assert losses(run_dir) == reference["losses"][:second]
     wait_for(lambda: not list((tmp_path / "jobtmp").iterdir()), 30, "the job's files removed", log)
+
+    # resubmitted: resumes from the scancel checkpoint and reaches the last step in deepspeed mode too
+    again, _ = launch(slurm, "slurm_multi_node.sbatch", env, tmp_path)
+    log2 = tmp_path / f"slurm-{again}.out"
+    wait_state(slurm, again, {"COMPLETED", "FAILED", "CANCELLED"}, log2)
+    assert state(slurm, again) == "COMPLETED", log2.read_text()[-6000:]
+    assert resumed_at(log2) == [second]
+    assert steps(run_dir) == list(range(1, STEPS + 1))
+    assert losses(run_dir) == reference["losses"]
+    assert not list((tmp_path / "jobtmp").iterdir())
 
 
 def test_srun_mode_requeue_time_limit_and_node_loss(slurm, cache_dir, reference, tmp_path):
