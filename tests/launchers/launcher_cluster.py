@@ -29,7 +29,8 @@ class Cluster:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_")) and k not in LEAKY}
         self.env.update(
             PATH=os.pathsep.join([str(self.bin), str(pathlib.Path(sys.executable).parent), os.environ["PATH"]]),
-            PYTHON=sys.executable, STUB_LOG=str(self.log), STUB_SEEN=str(tmp / "seen"), TMPDIR=str(tmp), OMP_NUM_THREADS="1",
+            PYTHON=sys.executable, STUB_LOG=str(self.log), STUB_SEEN=str(tmp / "seen"), TMPDIR=str(tmp),
+            OMP_NUM_THREADS="1",
             HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
         )
 

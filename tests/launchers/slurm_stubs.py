@@ -180,7 +180,8 @@ def deepspeed(argv: list[str]) -> int:
 def main() -> int:
     prog, argv = sys.argv[1], sys.argv[2:]
     record(prog, argv)
-    return {"sbatch": sbatch, "srun": srun, "scontrol": scontrol, "deepspeed": deepspeed, "sinfo": sinfo}[prog](argv) or 0
+    progs = {"sbatch": sbatch, "srun": srun, "scontrol": scontrol, "deepspeed": deepspeed, "sinfo": sinfo}
+    return progs[prog](argv) or 0
 
 
 if __name__ == "__main__":

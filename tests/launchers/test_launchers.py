@@ -149,7 +149,8 @@ def test_sbatch_options_come_from_the_script_unless_set(cluster):
 @pytest.mark.parametrize("env,options,slots", [
     ({}, ["--gpus-per-node=0", "--ntasks-per-node=1"], 1),  # found by sinfo: no GPU gres
     ({"NPROC_PER_NODE": "2"}, ["--gpus-per-node=0", "--ntasks-per-node=2"], 2),
-    ({"GPUS_PER_NODE": "0", "NPROC_PER_NODE": "3", "STUB_GRES": "gpu:8"}, ["--gpus-per-node=0", "--ntasks-per-node=3"], 3),
+    ({"GPUS_PER_NODE": "0", "NPROC_PER_NODE": "3", "STUB_GRES": "gpu:8"},
+     ["--gpus-per-node=0", "--ntasks-per-node=3"], 3),
 ])
 def test_cpu_only_clusters_get_no_gpu_request_and_tasks_per_node(cluster, env, options, slots):
     env = {"STUB_NODELIST": "cpu[1-2]", "NODES": "2", "MASTER_PORT": "29517", "STUB_GRES": "(null)", **RECIPE, **env}
