@@ -203,6 +203,7 @@ def test_single_node_script_trains_on_a_cpu_cluster(reference):
     assert "1 node x 2 process(es)" in reference["log"].read_text()
 
 
+@pytest.mark.timeout(1200)  # several launches in a row; a loaded machine doubles their time
 def test_deepspeed_mode_usr1_requeue_resume_then_scancel_and_resubmission(slurm, cache_dir, reference, tmp_path):
     run_dir = tmp_path / "run"
     env = job_env(slurm, cache_dir, tmp_path, **RECIPE, RUN_DIR=str(run_dir), NODES="2",
@@ -257,6 +258,7 @@ def test_deepspeed_mode_usr1_requeue_resume_then_scancel_and_resubmission(slurm,
     assert not list((tmp_path / "jobtmp").iterdir())
 
 
+@pytest.mark.timeout(1200)  # several launches in a row; a loaded machine doubles their time
 def test_srun_mode_requeue_time_limit_and_node_loss(slurm, cache_dir, reference, tmp_path):
     run_dir = tmp_path / "run"
     env = job_env(slurm, cache_dir, tmp_path, **RECIPE, RUN_DIR=str(run_dir), NODES="2", LAUNCHER="srun",
