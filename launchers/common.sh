@@ -43,11 +43,17 @@ require_int() {
     printf -v "$name" '%d' "$((10#$value))"
 }
 
-# check_launch_numbers: NODES, GPUS_PER_NODE and MASTER_PORT, those that are set, before anything is submitted
-# (srun or deepspeed would refuse them later, in their own words, or take 0 as something else)
+# check_launch_numbers: NODES, GPUS_PER_NODE (0: a CPU-only job), NPROC_PER_NODE and MASTER_PORT, those that are
+# set, before anything is submitted (srun or deepspeed would refuse them later, in their own words, or take 0 as
+# something else)
 check_launch_numbers() {
     if [ -n "${NODES:-}" ]; then require_int NODES "a positive integer (nodes)" 1; fi
-    if [ -n "${GPUS_PER_NODE:-}" ]; then require_int GPUS_PER_NODE "a positive integer (GPUs per node)" 1; fi
+    if [ -n "${GPUS_PER_NODE:-}" ]; then
+        require_int GPUS_PER_NODE "a whole number (GPUs per node; 0 for CPU only)" 0
+    fi
+    if [ -n "${NPROC_PER_NODE:-}" ]; then
+        require_int NPROC_PER_NODE "a positive integer (processes per node)" 1
+    fi
     if [ -n "${MASTER_PORT:-}" ]; then require_int MASTER_PORT "an integer from 1 to 65535" 1 65535; fi
 }
 
@@ -100,29 +106,73 @@ free_port() {
     "${PYTHON:-python3}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 }
 
-# submit_self SCRIPT [ARG...]: outside a SLURM job, submit SCRIPT with NODES and GPUS_PER_NODE as sbatch options
-# (its #SBATCH lines give the defaults; sbatch's own SBATCH_ACCOUNT, SBATCH_PARTITION, ... apply). The job gets
-# this environment (sbatch exports it) and finds the repository through MOEP_ROOT.
+# cluster_has_gpus: 1 unless sinfo answers and no partition offers a GPU gres (a CPU-only cluster, where
+# `--gpus-per-node=N` is refused: "Invalid generic resource (gres) specification").
+cluster_has_gpus() {
+    local gres
+    gres=$(sinfo -h -o %G 2>/dev/null) || return 0
+    [[ $gres == *gpu* ]]
+}
+
+# submit_self SCRIPT [ARG...]: outside a SLURM job, submit SCRIPT with NODES, GPUS_PER_NODE and NPROC_PER_NODE as
+# sbatch options (its #SBATCH lines give the defaults; sbatch's own SBATCH_ACCOUNT, SBATCH_PARTITION, ... apply).
+# On a cluster without GPU gres, GPUS_PER_NODE defaults to 0: `--gpus-per-node=0` overrides the scripts'
+# `#SBATCH --gpus-per-node=8`, and NPROC_PER_NODE (default 1 there) gives the tasks per node. The job gets this
+# environment (sbatch exports it) and finds the repository through MOEP_ROOT.
 submit_self() {
     local -a opts=()
+    local nproc=${NPROC_PER_NODE:-}
     if [ -n "${NODES:-}" ]; then opts+=("--nodes=$NODES"); fi
-    if [ -n "${GPUS_PER_NODE:-}" ]; then opts+=("--gpus-per-node=$GPUS_PER_NODE" "--ntasks-per-node=$GPUS_PER_NODE"); fi
+    if [ -z "${GPUS_PER_NODE:-}" ] && ! cluster_has_gpus; then
+        GPUS_PER_NODE=0
+        log "the cluster has no GPU gres (sinfo): submitting a CPU-only job (GPUS_PER_NODE=0)"
+    fi
+    if [ -n "${GPUS_PER_NODE:-}" ]; then
+        opts+=("--gpus-per-node=$GPUS_PER_NODE")
+        if [ -z "$nproc" ]; then
+            if [ "$GPUS_PER_NODE" -gt 0 ]; then nproc=$GPUS_PER_NODE; else nproc=1; fi
+        fi
+        export GPUS_PER_NODE
+    fi
+    if [ -n "$nproc" ]; then opts+=("--ntasks-per-node=$nproc"); fi
     export MOEP_ROOT=$ROOT
     log "not inside a SLURM job: submitting $1 with sbatch ${opts[*]}"
     exec sbatch "${opts[@]}" "$@"
 }
 
-# slurm_layout NODES: HOSTS = the first NODES hosts of the job's allocation, and GPUS_PER_NODE (processes per
-# node) defaulting to the GPUs SLURM gave the job per node.
+# procs_per_node: NPROC_PER_NODE (processes per node) defaults to GPUS_PER_NODE when that is above 0, else to the
+# GPUs SLURM gave the job per node, else to the job's tasks per node (a CPU-only job: --ntasks-per-node).
+procs_per_node() {
+    local gpus=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
+    if [ -z "${NPROC_PER_NODE:-}" ]; then
+        if [[ $gpus =~ ^[0-9]+$ ]] && [ "$gpus" -gt 0 ]; then
+            NPROC_PER_NODE=$gpus
+        elif [[ ${SLURM_NTASKS_PER_NODE:-} =~ ^[0-9]+$ ]]; then
+            NPROC_PER_NODE=$SLURM_NTASKS_PER_NODE
+        else
+            die "set NPROC_PER_NODE or GPUS_PER_NODE (the job has neither GPUs nor --ntasks-per-node)"
+        fi
+    fi
+    require_int NPROC_PER_NODE "a positive integer (processes per node)" 1
+}
+
+# slurm_layout NODES: HOSTS = the first NODES hosts of the job's allocation, and NPROC_PER_NODE (procs_per_node).
 slurm_layout() {
     local listing
     listing=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
     mapfile -t HOSTS <<<"$listing"
     if [ "${#HOSTS[@]}" -lt "$1" ]; then die "NODES ($1) exceeds the job's ${#HOSTS[@]} node(s) ($SLURM_JOB_NODELIST)"; fi
     HOSTS=("${HOSTS[@]:0:$1}")
-    GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
-    if [ -z "$GPUS_PER_NODE" ]; then die "set GPUS_PER_NODE (the job has no SLURM_GPUS_ON_NODE: no --gpus-per-node?)"; fi
+    procs_per_node
 }
+
+# remove_on_exit FILE...: delete the job's temporary files (hostfile, environment file) when the script exits,
+# however it ends (a requeued job writes them again).
+remove_on_exit() {
+    TEMP_FILES+=("$@")
+    trap 'rm -f -- "${TEMP_FILES[@]}"' EXIT
+}
+TEMP_FILES=()
 
 # stop_local_trainers: SIGUSR1 to this machine's trainers of this launch (the deepspeed launcher does not
 # forward SIGUSR1 to its children).
@@ -135,7 +185,7 @@ stop_local_trainers() {
 # for them, then (--requeue) `scontrol requeue` the job, which resumes with --resume auto. On SIGTERM (scancel,
 # preemption) only STOP_FN: a cancelled job must stay cancelled.
 run_preemptible() {
-    REQUEUE=0 STOP_SENT=0
+    REQUEUE=0 STOP_SENT=0 INTERRUPTED=0
     local requeue=0 status=0
     if [ "$1" = --requeue ]; then requeue=1; shift; fi
     STOP_FN=$1
@@ -145,10 +195,13 @@ run_preemptible() {
     log "launch: $(printf '%q ' "$@")"
     "$@" &
     LAUNCH_PID=$!
-    wait "$LAUNCH_PID" || status=$?
-    while kill -0 "$LAUNCH_PID" 2>/dev/null; do  # a trapped signal interrupted `wait`: the launch is stopping
-        status=0
+    # A trapped signal interrupts `wait` (status 128 + signal) whether or not the launch is still running; wait
+    # again for its own status (bash keeps it for a launch that ended meanwhile), or a job stopped cleanly
+    # would end with 138.
+    while :; do
+        INTERRUPTED=0 status=0
         wait "$LAUNCH_PID" || status=$?
+        if [ "$INTERRUPTED" = 0 ]; then break; fi
     done
     trap - USR1 TERM
     if [ "$requeue" = 1 ] && [ "$REQUEUE" = 1 ]; then
@@ -159,6 +212,7 @@ run_preemptible() {
 }
 
 on_stop_signal() {
+    INTERRUPTED=1
     if [ "$1" = USR1 ]; then REQUEUE=1; fi
     if [ "$STOP_SENT" = 1 ]; then  # a repeat could kill a trainer that is already shutting down
         log "received SIG$1: the trainers are already stopping"

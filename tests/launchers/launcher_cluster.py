@@ -16,7 +16,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 LAUNCHERS = REPO / "launchers"
 FAKE_TRAINER = pathlib.Path(__file__).resolve().parent / "fake_trainer" / "pretrain.py"
 LEAKY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MOEP_ROOT", "CONFIG", "DS_CONFIG",
-         "RUN_DIR", "RESUME", "NODES", "GPUS_PER_NODE", "NPROC", "LAUNCHER", "HOSTFILE", "DEEPSPEED_ARGS")
+         "RUN_DIR", "RESUME", "NODES", "GPUS_PER_NODE", "NPROC", "NPROC_PER_NODE", "LAUNCHER", "HOSTFILE",
+         "DEEPSPEED_ARGS", "SLURM_CONF")
 
 
 class Cluster:
@@ -28,7 +29,8 @@ class Cluster:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_")) and k not in LEAKY}
         self.env.update(
             PATH=os.pathsep.join([str(self.bin), str(pathlib.Path(sys.executable).parent), os.environ["PATH"]]),
-            PYTHON=sys.executable, STUB_LOG=str(self.log), TMPDIR=str(tmp), OMP_NUM_THREADS="1",
+            PYTHON=sys.executable, STUB_LOG=str(self.log), STUB_SEEN=str(tmp / "seen"), TMPDIR=str(tmp),
+            OMP_NUM_THREADS="1",
             HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
         )
 

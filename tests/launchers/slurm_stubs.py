@@ -5,9 +5,11 @@ wrappers on PATH (see `install`). Every call appends {"prog", "argv", "cwd", "en
   $STUB_NODELIST whose size comes from --nodes / --gpus-per-node (command line, else the script's #SBATCH lines).
 - srun: with STUB_SRUN_SPAWN=1 starts nodes x ntasks-per-node local processes with SLURM_PROCID / SLURM_NTASKS /
   SLURM_LOCALID / SLURM_NODEID, forwards SIGUSR1 / SIGUSR2 / SIGTERM to them (as srun does) and exits with the
-  first non-zero status; otherwise only records.
+  first non-zero status, STUB_SRUN_LINGER_S seconds after they ended; otherwise only records.
 - scontrol: `show hostnames LIST` expands a host list (`gpu[01-02],login1`); `requeue ID` records.
-- deepspeed: records; with STUB_FAKE_TRAINER=path starts 2 copies of that script as `python -u path
+- sinfo: `-h -o %G` prints $STUB_GRES (default gpu:4; "(null)" is a cluster without GPU gres).
+- deepspeed: records, and copies its hostfile and DS_ENV_FILE (mode kept) into $STUB_SEEN (the launcher removes
+  them when the job ends); with STUB_FAKE_TRAINER=path starts 2 copies of that script as `python -u path
   --local_rank=i` with MASTER_PORT set from --master_port, plus one decoy with another port that must never
   be signalled, and waits for the two.
 """
@@ -17,12 +19,14 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-PROGS = ("sbatch", "srun", "scontrol", "deepspeed")
+PROGS = ("sbatch", "srun", "scontrol", "deepspeed", "sinfo")
 RECORDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "MOEP_ROOT", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                 "DS_ENV_FILE")
 
@@ -96,8 +100,10 @@ def sbatch(argv: list[str]) -> None:
     env.update(SLURM_JOB_ID=os.environ.get("STUB_JOB_ID", "4242"), SLURM_JOB_NAME=opts.get("job-name", script.name),
                SLURM_SUBMIT_DIR=os.getcwd(), SLURM_JOB_NODELIST=os.environ["STUB_NODELIST"],
                SLURM_JOB_NUM_NODES=str(nodes), SLURM_NNODES=str(nodes))
-    if "gpus-per-node" in opts:
+    if "gpus-per-node" in opts and opts["gpus-per-node"] != "0":
         env["SLURM_GPUS_ON_NODE"] = opts["gpus-per-node"]
+    if "ntasks-per-node" in opts:
+        env["SLURM_NTASKS_PER_NODE"] = opts["ntasks-per-node"]
     os.execve("/bin/bash", ["/bin/bash", *command], env)
 
 
@@ -127,7 +133,9 @@ def srun(argv: list[str]) -> int:
         env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_NTASKS=str(nodes * per_node),
                    SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node), SLURM_STEP_ID="0")
         tasks.append((command, env))
-    return spawn(tasks, forward_signals=True)
+    status = spawn(tasks, forward_signals=True)
+    time.sleep(float(os.environ.get("STUB_SRUN_LINGER_S", 0)))  # a slow srun: returns after its tasks ended
+    return status
 
 
 def scontrol(argv: list[str]) -> int:
@@ -140,7 +148,20 @@ def scontrol(argv: list[str]) -> int:
     return 1
 
 
+def sinfo(argv: list[str]) -> int:
+    if argv == ["-h", "-o", "%G"]:
+        print(os.environ.get("STUB_GRES", "gpu:4"))
+        return 0
+    print(f"stub sinfo: unsupported {argv}", file=sys.stderr)
+    return 1
+
+
 def deepspeed(argv: list[str]) -> int:
+    seen = pathlib.Path(os.environ["STUB_SEEN"])
+    seen.mkdir(exist_ok=True)
+    for path in (argv[argv.index("--hostfile") + 1] if "--hostfile" in argv else None, os.environ.get("DS_ENV_FILE")):
+        if path and os.path.exists(path):
+            shutil.copy2(path, seen / os.path.basename(path))
     fake = os.environ.get("STUB_FAKE_TRAINER")
     if not fake:
         return 0
@@ -159,7 +180,8 @@ def deepspeed(argv: list[str]) -> int:
 def main() -> int:
     prog, argv = sys.argv[1], sys.argv[2:]
     record(prog, argv)
-    return {"sbatch": sbatch, "srun": srun, "scontrol": scontrol, "deepspeed": deepspeed}[prog](argv) or 0
+    progs = {"sbatch": sbatch, "srun": srun, "scontrol": scontrol, "deepspeed": deepspeed, "sinfo": sinfo}
+    return progs[prog](argv) or 0
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def test_srun_mode_trains_the_quickstart_on_two_processes(cluster):
     assert logged_steps(run_dir) == [1, 2, 3]
     assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
     [launch] = cluster.argv("srun")
-    assert launch[:5] == ["--nodes=1", "--ntasks-per-node=2", "--kill-on-bad-exit=1", "bash",
+    assert launch[:6] == ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--kill-on-bad-exit=1", "bash",
                           str(LAUNCHERS / "srun_task.sh")]
     assert "| 2 ranks |" in proc.stderr  # both tasks joined one process group
 

@@ -45,7 +45,8 @@ def test_multi_node_deepspeed_submits_writes_hostfile_and_launches(cluster):
     assert cluster.argv("sbatch") == [["--nodes=2", "--gpus-per-node=4", "--ntasks-per-node=4", script, *OVERRIDES]]
     assert cluster.argv("scontrol") == [["show", "hostnames", "gpu[01-02]"]]
     hostfile = cluster.tmp / "moep_ds-4242.hostfile"
-    assert hostfile.read_text() == "gpu01 slots=4\ngpu02 slots=4\n"
+    assert (cluster.tmp / "seen" / hostfile.name).read_text() == "gpu01 slots=4\ngpu02 slots=4\n"
+    assert not hostfile.exists() and not (cluster.tmp / "moep_ds-4242.env").exists()  # removed when the job ends
     [launch] = cluster.calls("deepspeed")
     assert launch["argv"] == ["--hostfile", str(hostfile), "--master_addr", "gpu01", "--master_port", "29517",
                               "pretrain.py", *expected_pretrain_args(run_dir)]
@@ -68,7 +69,7 @@ def test_multi_node_deepspeed_hands_the_runs_environment_to_the_other_nodes(clus
     [launch] = cluster.calls("deepspeed")
     env_file = cluster.tmp / "moep_ds-4242.env"
     assert launch["env"]["DS_ENV_FILE"] == str(env_file)
-    lines = env_file.read_text().splitlines()
+    lines = (cluster.tmp / "seen" / env_file.name).read_text().splitlines()
     assert lines[-1] == "NCCL_IB_DISABLE=1" and all("=" in line for line in lines)  # the user's, last: it wins
     for key in ("MOEP_DATA_DIR", "MOEP_CACHE_DIR", "HF_HUB_OFFLINE", "DEEPSPEED_TIMEOUT", "OMP_NUM_THREADS"):
         assert f"{key}={env[key]}" in lines, key
@@ -92,7 +93,7 @@ def test_the_deepspeed_env_file_survives_deepspeeds_quoting_and_the_remote_shell
            "MOEP_Z": "line\nbreak"}
     proc = cluster.run("slurm_multi_node.sbatch", *OVERRIDES, **TWO_NODES, **env)
     assert proc.returncode == 0, proc.stderr
-    env_file = Path(cluster.calls("deepspeed")[0]["env"]["DS_ENV_FILE"])
+    env_file = cluster.tmp / "seen" / Path(cluster.calls("deepspeed")[0]["env"]["DS_ENV_FILE"]).name
     assert env_file.stat().st_mode & 0o077 == 0  # the user's own
     runner = SimpleNamespace(exports={})
     for var in env_file.read_text().splitlines():  # deepspeed/launcher/runner.py
@@ -118,7 +119,7 @@ def test_a_users_own_deepspeed_env_file_is_read_once(cluster):
     proc = cluster.run("slurm_multi_node.sbatch", *OVERRIDES, **TWO_NODES, DS_ENV_FILE=str(user))
     assert proc.returncode == 0, proc.stderr
     [launch] = cluster.calls("deepspeed")
-    lines = Path(launch["env"]["DS_ENV_FILE"]).read_text().splitlines()
+    lines = (cluster.tmp / "seen" / Path(launch["env"]["DS_ENV_FILE"]).name).read_text().splitlines()
     assert lines.count("NCCL_DEBUG=INFO") == 1 and user.read_text() == "NCCL_DEBUG=INFO\n"  # the user's is unchanged
 
 
@@ -127,7 +128,7 @@ def test_multi_node_srun_mode_launches_one_task_per_gpu(cluster):
     proc = cluster.run("slurm_multi_node.sbatch", *OVERRIDES, RUN_DIR=str(run_dir), LAUNCHER="srun", **TWO_NODES)
     assert proc.returncode == 0, proc.stderr
     [launch] = cluster.calls("srun")
-    assert launch["argv"] == ["--nodes=2", "--ntasks-per-node=4", "--kill-on-bad-exit=1",
+    assert launch["argv"] == ["--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--kill-on-bad-exit=1",
                               "bash", str(LAUNCHERS / "srun_task.sh"), *expected_pretrain_args(run_dir)]
     assert launch["env"]["MASTER_ADDR"] == "gpu01" and launch["env"]["MASTER_PORT"] == "29517"
     assert launch["env"]["MOEP_ROOT"] == str(REPO)
@@ -140,9 +141,33 @@ def test_sbatch_options_come_from_the_script_unless_set(cluster):
     proc = subprocess.run(["sbatch", str(LAUNCHERS / "slurm_multi_node.sbatch")], env={**cluster.env, **env},
                           cwd=cluster.tmp, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert (cluster.tmp / "moep_ds-4242.hostfile").read_text() == "node7 slots=8\nnode8 slots=8\n"
+    assert (cluster.tmp / "seen" / "moep_ds-4242.hostfile").read_text() == "node7 slots=8\nnode8 slots=8\n"
     assert cluster.argv("deepspeed")[0][:6] == ["--hostfile", str(cluster.tmp / "moep_ds-4242.hostfile"),
                                                 "--master_addr", "node7", "--master_port", "29517"]
+
+
+@pytest.mark.parametrize("env,options,slots", [
+    ({}, ["--gpus-per-node=0", "--ntasks-per-node=1"], 1),  # found by sinfo: no GPU gres
+    ({"NPROC_PER_NODE": "2"}, ["--gpus-per-node=0", "--ntasks-per-node=2"], 2),
+    ({"GPUS_PER_NODE": "0", "NPROC_PER_NODE": "3", "STUB_GRES": "gpu:8"},
+     ["--gpus-per-node=0", "--ntasks-per-node=3"], 3),
+])
+def test_cpu_only_clusters_get_no_gpu_request_and_tasks_per_node(cluster, env, options, slots):
+    env = {"STUB_NODELIST": "cpu[1-2]", "NODES": "2", "MASTER_PORT": "29517", "STUB_GRES": "(null)", **RECIPE, **env}
+    proc = cluster.run("slurm_multi_node.sbatch", *OVERRIDES, **env)
+    assert proc.returncode == 0, proc.stderr
+    script = str(LAUNCHERS / "slurm_multi_node.sbatch")
+    assert cluster.argv("sbatch") == [["--nodes=2", *options, script, *OVERRIDES]]
+    assert (cluster.tmp / "seen" / "moep_ds-4242.hostfile").read_text() == f"cpu1 slots={slots}\ncpu2 slots={slots}\n"
+
+
+def test_single_node_cpu_job_runs_its_tasks_per_node(cluster):
+    env = {**RECIPE, "STUB_NODELIST": "cpu1", "NPROC_PER_NODE": "2", "MASTER_PORT": "29517", "RESUME": "",
+           "STUB_GRES": "(null)"}
+    proc = cluster.run("slurm_single_node.sbatch", "--set", "train.max_steps=3", **env)
+    assert proc.returncode == 0, proc.stderr
+    assert cluster.argv("sbatch")[0][:2] == ["--gpus-per-node=0", "--ntasks-per-node=2"]
+    assert cluster.argv("deepspeed")[0][:2] == ["--num_gpus", "2"]
 
 
 def test_single_node_launch(cluster):
@@ -199,7 +224,8 @@ def test_srun_task_takes_its_rank_from_slurm(cluster):
     ("slurm_multi_node.sbatch", {**RECIPE, "LAUNCHER": "mpirun"}, "LAUNCHER (mpirun) must be deepspeed or srun"),
     ("slurm_single_node.sbatch", {**RECIPE, "NODES": "2"}, "NODES (2) must be 1 here"),
     ("slurm_multi_node.sbatch", {**RECIPE, "NODES": "0"}, "NODES (0) must be a positive integer (nodes)"),
-    ("slurm_multi_node.sbatch", {**RECIPE, "GPUS_PER_NODE": "x"}, "GPUS_PER_NODE (x) must be a positive integer"),
+    ("slurm_multi_node.sbatch", {**RECIPE, "GPUS_PER_NODE": "x"}, "GPUS_PER_NODE (x) must be a whole number"),
+    ("slurm_multi_node.sbatch", {**RECIPE, "NPROC_PER_NODE": "0"}, "NPROC_PER_NODE (0) must be a positive integer"),
     ("slurm_single_node.sbatch", {**RECIPE, "MASTER_PORT": "70000"}, "MASTER_PORT (70000) must be an integer from 1"),
     ("local.sh", {}, "no recipe"),
 ])
@@ -264,12 +290,14 @@ def finish(cluster, proc) -> str:
 
 @pytest.mark.slow
 def test_usr1_in_deepspeed_mode_stops_the_trainers_on_every_node_then_requeues(cluster):
+    """The stop request's srun returns after the launch has ended (STUB_SRUN_LINGER_S): the job's status is still
+    the launch's (0), not the 138 of the `wait` the signal interrupted."""
     proc, out = start_with_fake_trainers(cluster, "slurm_multi_node.sbatch", STUB_NODELIST="gpu[01-02]",
-                                         NODES="2", GPUS_PER_NODE="4", STUB_SRUN_SPAWN="1")
+                                         NODES="2", GPUS_PER_NODE="4", STUB_SRUN_SPAWN="1", STUB_SRUN_LINGER_S="3")
     proc.send_signal(signal.SIGUSR1)
     log = finish(cluster, proc)
     assert sorted(p.name for p in out.glob("stopped-*")) == ["stopped-0", "stopped-1"], log  # not the decoy
-    assert cluster.argv("srun") == [["--overlap", "--nodes=2", "--ntasks-per-node=1", "bash",
+    assert cluster.argv("srun") == [["--overlap", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "bash",
                                      str(LAUNCHERS / "signal_trainers.sh"), "USR1", "29517"]]
     assert cluster.argv("scontrol") == [["show", "hostnames", "gpu[01-02]"], ["requeue", "4242"]]
     assert "received SIGUSR1" in log and "requeueing job 4242" in log
