@@ -19,11 +19,11 @@ ranks and applying the update after the optimizer step is the trainer's job
 """
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 from torch import nn
 
+from moep_ds.routing.buffers import KeepBufferDtypes
 from moep_ds.recompute import add_recording_flag
 
 
@@ -36,7 +36,7 @@ def loss_free_bias_update(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: fl
     return bias_E + (rate * torch.sign(counts.mean() - counts)).to(bias_E.dtype)
 
 
-class ExpertBias(nn.Module):
+class ExpertBias(KeepBufferDtypes):
     """One router's selection bias `bias_E` [E] (fp32) and the counts of the step so far `step_counts_E` [E]
     (fp64, exact)."""
 
@@ -48,13 +48,6 @@ class ExpertBias(nn.Module):
         self.register_buffer("step_counts_E", torch.zeros(num_experts, dtype=torch.float64), persistent=False)
         add_recording_flag(self)
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        # model.bfloat16() (DeepSpeed does it) would round the bias to steps of ~0.004 at 1 and the counts too
-        dtypes = {name: buf.dtype for name, buf in self._buffers.items() if buf is not None}
-        super()._apply(fn, recurse)
-        for name, dtype in dtypes.items():
-            self._buffers[name] = self._buffers[name].to(dtype)
-        return self
 
     def count(self, counts_E: torch.Tensor) -> None:
         """Add a training forward's assignments per expert to the step's counts (not in a recomputation, not in

@@ -32,11 +32,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import zlib
-from typing import Annotated, Any, Callable, Sequence
+from typing import Annotated, Any, Sequence
 
 import torch
 from torch import nn
 
+from moep_ds.routing.buffers import KeepBufferDtypes
 from moep_ds.recompute import add_recording_flag
 from moep_ds.routing.plan import counts_on
 from moep_ds.schema import Between, NonNegativeFloat, NonNegativeInt, PositiveInt
@@ -135,7 +136,7 @@ def clone_with_noise(src: torch.Tensor, noise_std: float, generator: torch.Gener
 # per-layer state
 
 
-class ExpertLifecycle(nn.Module):
+class ExpertLifecycle(KeepBufferDtypes):
     """Statistics, ages, exploration biases and event log of one top-k MoE layer's experts (all E of them,
     also when this rank holds only L: the statistics are summed over all ranks before they are folded in).
 
@@ -159,13 +160,6 @@ class ExpertLifecycle(nn.Module):
         add_recording_flag(self)  # false while activation checkpointing recomputes a forward
         self.events: list[dict[str, Any]] = []  # every replacement so far
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        # model.half()/.bfloat16() (DeepSpeed does it) would round the EMAs and ages; keep our dtypes
-        dtypes = {name: buf.dtype for name, buf in self._buffers.items() if buf is not None}
-        super()._apply(fn, recurse)
-        for name, dtype in dtypes.items():
-            self._buffers[name] = self._buffers[name].to(dtype)
-        return self
 
     # ---- called during forward / backward
 
