@@ -94,6 +94,7 @@ class Trainer(TrainModule):
         except BaseException:
             layout.remove_new_dir(cfg.train.output_dir, created)
             raise
+
     def set_up(self, cfg: Config, ds_config_path: str | None, resume: str | None, overwrite: bool = False,
                allow_batch_change: bool = False) -> None:
         self.cfg = cfg
