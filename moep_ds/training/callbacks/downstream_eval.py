@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from moep_ds.schema import PositiveInt, fail
 from moep_ds.training.callbacks.base import CALLBACKS, Callback, EvalEvent, StepEvent
@@ -125,8 +126,13 @@ class DownstreamEval(Callback):
         finally:
             model.train()
             restore()
-        return {f"eval/{task}/{metric}": value for task, scores in flat_scores(results).items()
-                for metric, value in scores.items() if metric in LOGGED}
+        # lm-eval reports on rank 0 only (its results are None elsewhere): every rank gets rank 0's numbers
+        metrics = [None if results is None else {
+            f"eval/{task}/{metric}": value for task, scores in flat_scores(results).items()
+            for metric, value in scores.items() if metric in LOGGED}]
+        if t.world > 1:
+            dist.broadcast_object_list(metrics, src=0)
+        return metrics[0]
 
     def at_end(self, event) -> None:
         if self.tmp is not None:
