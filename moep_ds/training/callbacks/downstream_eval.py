@@ -101,6 +101,9 @@ class DownstreamEval(Callback):
             self.tasks = TaskManager(include_defaults=False, include_path=str(rendered.path)), list(self.cfg.tasks)
         return self.tasks
 
+    def before_step(self, event: StepEvent) -> None:
+        self.task_manager()  # at the first step: an unknown task or missing data fails now, not at step `every`
+
     def after_step(self, event: StepEvent) -> None:
         if event.step % self.cfg.every == 0:
             metrics = self.evaluate()

@@ -57,3 +57,16 @@ def tensorboard_tags(run: pathlib.Path) -> set[str]:
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
     return tags
+
+
+def test_an_unknown_task_fails_at_the_first_step_naming_it(tmp_path):
+    import types
+
+    from moep_ds.errors import UserError
+    from moep_ds.training.callbacks import StepEvent, build_callback, parse_callback
+
+    callback = build_callback(parse_callback({"type": "downstream_eval", "tasks": ["grammar_pairs", "no_such_task"]},
+                                             "train.callbacks[0]"))
+    callback.trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(eval=types.SimpleNamespace(data_dir=None)))
+    with pytest.raises(UserError, match="no_such_task"):
+        callback.before_step(StepEvent(1))
