@@ -9,7 +9,7 @@ Activation checkpointing and compilation belong to the recipe alone (a DeepSpeed
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from moep_ds.schema import Between, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, fail
 
@@ -82,3 +82,12 @@ class TrainConfig:
     # recompute each block's activations in backward (torch non-reentrant checkpoint; training/blocks.py)
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each block in place (Module.compile(); parameter names unchanged)
+    # callbacks the trainer runs at its hooks (training/callbacks/): [{type: downstream_eval, tasks: [...]}, ...];
+    # a type is a registered name or module:Class of the user's own module
+    callbacks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def validate(self, path: str) -> None:
+        from moep_ds.training.callbacks import parse_callback  # imports a user's module named here
+
+        for i, entry in enumerate(self.callbacks):
+            parse_callback(entry, f"{path}.callbacks[{i}]")

@@ -1,18 +1,12 @@
-"""Callbacks the trainer runs after each optimizer step (`after_optimizer_step(step)` returns new events)."""
+"""Routing state kept alike on every rank after each optimizer step (the RouterThresholdSync callback,
+training/callbacks/builtin.py)."""
 from __future__ import annotations
-
-from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moep_ds.routing.expert_choice import ExpertChoiceRouter
-from moep_ds.training.lifecycle import ExpertLifecycleCallback
-
-
-class StepCallback(Protocol):
-    def after_optimizer_step(self, step: int) -> list[dict[str, Any]]: ...
 
 
 @torch.no_grad()
@@ -32,17 +26,3 @@ def sync_router_thresholds(model: nn.Module) -> None:
     flat /= world
     for b, value in zip(buffers, flat.split([b.numel() for b in buffers])):
         b.copy_(value.view_as(b))
-
-
-class RouterThresholdSync:
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def after_optimizer_step(self, step: int) -> list[dict[str, Any]]:
-        sync_router_thresholds(self.model)
-        return []
-
-
-def step_callbacks(engine: Any, ep_group: Any = None) -> list[StepCallback]:
-    """Keep routing state consistent across ranks, then run the expert lifecycle managers."""
-    return [RouterThresholdSync(engine.module), ExpertLifecycleCallback.for_engine(engine, ep_group)]

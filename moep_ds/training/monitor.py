@@ -56,9 +56,11 @@ def reduce_over_ranks(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def tensorboard_events(metrics: dict[str, float], scalars: dict[str, float],
                        vectors: dict[str, list[float]]) -> dict[str, float]:
-    """Tags and values: `train/<metric>`, `val/loss` (metric `val_loss`), `moe/<stat>`,
+    """Tags and values: `train/<metric>`, `val/loss` (metric `val_loss`), `eval/<task>/<metric>` as they are
+    (training/callbacks/downstream_eval.py), `moe/<stat>`,
     `moe/<layer>.tokens_per_expert/expert_<e>` as shares."""
-    events = {"val/loss" if k == "val_loss" else f"train/{k}": v for k, v in metrics.items()}
+    events = {"val/loss" if k == "val_loss" else k if k.startswith("eval/") else f"train/{k}": v
+              for k, v in metrics.items()}
     events.update({f"moe/{k}": v for k, v in scalars.items()})
     for key, values in vectors.items():
         total = sum(values) if is_count(key) else 1.0
