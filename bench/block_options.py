@@ -59,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from moep_ds.config import load_config
     from moep_ds.data.prepare import prepare
-    from moep_ds.training.distributed import init_distributed
+    from moep_ds.distributed.process_group import init_distributed
     from moep_ds.training.ds_config import read_ds_config
     from moep_ds.training.host_memory import return_freed_buffers_to_os
     from moep_ds.training.trainer import Trainer

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     args.steps = args.steps or (2 if args.dry_run else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 3)
-    from moep_ds.training.distributed import init_distributed
+    from moep_ds.distributed.process_group import init_distributed
 
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_mfu: no CUDA device here; use --dry_run to check the path on CPU", file=sys.stderr)

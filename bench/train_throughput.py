@@ -255,7 +255,7 @@ def worker(row: Row, args: argparse.Namespace) -> None:
     import moep_ds.training.trainer  # noqa: F401 - imported before the memory baseline, like everything below
     from moep_ds.config import load_config
     from moep_ds.data.prepare import prepare
-    from moep_ds.training.distributed import init_distributed
+    from moep_ds.distributed.process_group import init_distributed
     from moep_ds.training.state import inner_optimizer
 
     device = init_distributed()  # both kinds of row pay for the process group before the baseline

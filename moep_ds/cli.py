@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from moep_ds.distributed.launcher import launcher_rank
 from moep_ds.errors import ReportedElsewhere, SharedUserError, UserError
 from moep_ds.schema import ConfigError
 
@@ -77,28 +78,8 @@ def pretrain_parser() -> argparse.ArgumentParser:
     return p
 
 
-# what MPI launchers (DeepSpeed's --launcher openmpi / mpich / mvapich) set instead of RANK and WORLD_SIZE
-MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
-MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def first_env(names) -> str | None:
-    return next((os.environ[name] for name in names if os.environ.get(name)), None)
-
-
-def launcher_rank() -> int:
-    """This process's rank as a multi-process launcher sets it (deepspeed, torchrun: RANK; srun: SLURM_PROCID; MPI
-    launchers: their own variables)."""
-    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or first_env(MPI_RANK_VARS) or 0)
-
-
-def mpi_world_size() -> int:
-    """The size of the MPI job this process was started in (1 when none)."""
-    return int(first_env(MPI_SIZE_VARS) or 1)
-
-
 def exit_joined(code: int) -> int:
-    """`code`, for a command that failed while still in its process group (training/distributed.py
+    """`code`, for a command that failed while still in its process group (distributed/process_group.py
     `leave_process_group`): the interpreter's teardown could race gloo's worker threads, which let go of the last
     collective's tensors just after it returned, and abort the process (seen in ~1 of 10 two-process runs that
     agreed on a bad output directory). A process alone in its group leaves it here. With several ranks the others
@@ -108,7 +89,7 @@ def exit_joined(code: int) -> int:
     if dist is None or not dist.is_initialized():
         return code
     if dist.get_world_size() == 1:
-        from moep_ds.training.distributed import leave_process_group
+        from moep_ds.distributed.process_group import leave_process_group
 
         leave_process_group()
         return code

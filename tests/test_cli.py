@@ -13,7 +13,7 @@ from moep_ds.errors import SharedUserError
 from moep_ds.evaluation.harness import check_dtype, check_model_args
 from moep_ds.evaluation.lm_eval_cli import unknown_tasks_error
 from moep_ds.training.ds_config import read_ds_config, reconcile
-from moep_ds.training.expert_parallel import check_parallel_layout
+from moep_ds.distributed.expert_parallel import check_parallel_layout
 
 from repo_paths import REPO
 

@@ -160,7 +160,7 @@ LEAVES_ALONE_AFTER_A_FAILURE = """
 import torch.distributed as dist
 from moep_ds.cli import run_guarded
 from moep_ds.errors import UserError
-from moep_ds.training.distributed import free_port
+from moep_ds.distributed.process_group import free_port
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 def fails():

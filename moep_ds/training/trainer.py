@@ -35,11 +35,10 @@ from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.balancing import LossFreeBalancing, install_count_reducers
 from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.branch import resolve_start_step
-from moep_ds.training.distributed import (
-    init_distributed, launcher_generations, leave_process_group, setup_logging, world_size_to_be,
-)
+from moep_ds.distributed.launcher import launcher_generations
+from moep_ds.distributed.process_group import init_distributed, leave_process_group, setup_logging, world_size_to_be
 from moep_ds.training.ds_config import check_with_deepspeed, precision, read_ds_config, reconcile, zero_stage
-from moep_ds.training.expert_parallel import (
+from moep_ds.distributed.expert_parallel import (
     check_parallel_layout, expert_parallel_group, moe_layer_classes, setup_expert_parallel, shard_of,
 )
 from moep_ds.training.grad_norm import ExactClipping
@@ -48,11 +47,11 @@ from moep_ds.training.init_from import initialise_from_source
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.monitor import Monitor, drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
-from moep_ds.training.rank_errors import agreed, raise_agreed
+from moep_ds.distributed.rank_errors import agreed, raise_agreed
 from moep_ds.training.resume_batch import reconcile_resumed, saved_global_batch
 from moep_ds.training.run_dir import STOP_FILE, claim_run_dir
 from moep_ds.training.state import adopt_unfused_masters, loss_for_backward, loss_scaler
-from moep_ds.training.zero3 import check_partitioned, gathered_for_init, partitioned_construction
+from moep_ds.distributed.zero3 import check_partitioned, gathered_for_init, partitioned_construction
 
 log = logging.getLogger(__name__)
 

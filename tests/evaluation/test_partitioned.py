@@ -21,8 +21,8 @@ from moep_ds.evaluation import export, generate, lm_eval_cli, run_eval
 from moep_ds.evaluation.harness import MoepLM
 from moep_ds.errors import UserError
 from moep_ds.models.causal_lm import build_model
-from moep_ds.training.expert_parallel import expert_stages
-from moep_ds.training.inference import inference_ds_config
+from moep_ds.distributed.expert_parallel import expert_stages
+from moep_ds.distributed.inference import inference_ds_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
 from tiny import LAYERS, launch  # noqa: E402
@@ -34,7 +34,7 @@ CONTEXTS = ["the dog", "a cat sees the", "every bird"]
 
 def launch_command(*args: str):
     """A console command on 2 processes, which must exit 0 on both: before `leave_process_group`, ~1 launch in 15
-    aborted after finishing ("terminate called without an active exception", training/distributed.py)."""
+    aborted after finishing ("terminate called without an active exception", distributed/process_group.py)."""
     return launch(2, "-m", *args)
 
 
