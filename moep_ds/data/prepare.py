@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import shutil
 import sys
 import time
@@ -33,13 +32,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moep_ds.checkpointing.layout import remove_empty_dirs
 from moep_ds.data.builtin import default_cache_dir
 from moep_ds.data.config import MEGATRON, DataConfig
 from moep_ds.data.errors import DataError
 from moep_ds.data.sources import Part, load_documents, megatron_prefix, resolve_sources, scan_sources
 from moep_ds.data.tokenizer import (TOKENIZER_FILE, TextTokenizer, copy_tokenizer, load_tokenizer, save_tokenizer,
                                     tokenizer_file, tokenizer_sha256, train_tokenizer)
+from moep_ds.fsutil import atomic_dir
 
 logger = logging.getLogger(__name__)
 
@@ -290,21 +289,10 @@ def megatron_ranges(cfg: DataConfig) -> dict[str, tuple[Any, int, int]]:
 
 
 def build_atomically(out: Path, build_into: Callable[[Path], Any]) -> None:
-    """`build_into(work)` fills a fresh folder beside `out`, which then replaces `out`; nothing is left behind
-    on failure."""
-    created = [p for p in out.parents if not p.exists()]  # deepest first; removed again on failure
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    work.mkdir()  # not mkdtemp: the folder is renamed into place and keeps the usual permissions
-    done = False
-    try:
+    """`build_into(work)` fills a fresh folder beside `out`, which is then published as `out`; nothing is left
+    behind on failure."""
+    with atomic_dir(out, publish=publish) as work:
         build_into(work)
-        publish(work, out)
-        done = True
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if not done:
-            remove_empty_dirs(created)  # after work is gone, or its parent is not empty
 
 
 def publish(work: Path, out: Path) -> None:
