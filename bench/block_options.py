@@ -38,7 +38,7 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from moep_ds.cli import positive_int  # noqa: E402
+from moep_ds.distributed.commands import positive_int  # noqa: E402
 from train_throughput import current_rss, warm_up_lazy_init, worker_env  # noqa: E402
 
 log = logging.getLogger("block_options")

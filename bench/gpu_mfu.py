@@ -38,7 +38,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/gpu_mfu.py` from a checkout, installed or not
 
 import torch  # noqa: E402
-from moep_ds.cli import non_negative_int, positive_int  # noqa: E402
+from moep_ds.distributed.commands import non_negative_int, positive_int  # noqa: E402
 
 log = logging.getLogger("gpu_mfu")
 

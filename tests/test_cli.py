@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from moep_ds.cli import run_guarded
+from moep_ds.distributed.commands import run_guarded
 from moep_ds.config import config_from_dict
 from moep_ds.errors import SharedUserError
 from moep_ds.evaluation.harness import check_dtype, check_model_args
@@ -137,7 +137,7 @@ def test_an_interrupt_before_training_is_one_line(capsys):
 
 def test_stopping_advice_names_this_run_only():
     """`pkill -USR1 -f pretrain.py` stopped every user's runs on a shared machine."""
-    from moep_ds.cli import pretrain_parser
+    from moep_ds.cli.pretrain import pretrain_parser
 
     text = pretrain_parser().format_help()
     assert "touch RUN_DIR/STOP" in text and 'pkill -USR1 -u "$USER" -f -- "--config configs/x.yaml"' in text

@@ -7,7 +7,8 @@ import sys
 import pytest
 import yaml
 
-from moep_ds.cli import pretrain_main, run_guarded
+from moep_ds.cli.pretrain import main as pretrain_main
+from moep_ds.distributed.commands import run_guarded
 from moep_ds.config import config_from_dict, load_config
 from moep_ds.errors import UserError
 from moep_ds.schema import ConfigError
@@ -158,7 +159,7 @@ def test_under_a_launcher_config_errors_are_printed_by_rank_0_only(tmp_path, cap
 
 LEAVES_ALONE_AFTER_A_FAILURE = """
 import torch.distributed as dist
-from moep_ds.cli import run_guarded
+from moep_ds.distributed.commands import run_guarded
 from moep_ds.errors import UserError
 from moep_ds.distributed.process_group import free_port
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from moep_ds.cli import run_command
+from moep_ds.distributed.commands import run_command
 from moep_ds.errors import UserError
 from moep_ds.checkpointing import layout
 from moep_ds.checkpointing.model_dir import state_entries

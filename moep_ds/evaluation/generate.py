@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moep_ds.cli import ArgumentParser, run_command
+from moep_ds.distributed.commands import ArgumentParser, run_command
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.evaluation.partitioned import (
     load_eval_model, model_device, run_split, split_over_ranks,

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moep_ds.checkpointing import layout
-from moep_ds.cli import ArgumentParser, run_command
+from moep_ds.distributed.commands import ArgumentParser, run_command
 from moep_ds.errors import SharedUserError
 
 log = logging.getLogger(__name__)

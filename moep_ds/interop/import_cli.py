@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moep_ds.cli import run_command
+from moep_ds.distributed.commands import run_command
 
 
 def parser() -> argparse.ArgumentParser:

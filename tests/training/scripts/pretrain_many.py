@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from moep_ds.cli import pretrain_main
+from moep_ds.cli.pretrain import main as pretrain_main
 from moep_ds.distributed.process_group import free_port
 
 
