@@ -38,11 +38,11 @@ setup(
         "console_scripts": [
             "moep-pretrain = moep_ds.cli.pretrain:main",
             "moep-prepare = moep_ds.cli.prepare:main",
-            "moep-eval = moep_ds.evaluation.run_eval:main",
-            "moep-export = moep_ds.evaluation.export:main",
-            "moep-generate = moep_ds.evaluation.generate:main",
+            "moep-eval = moep_ds.cli.eval:main",
+            "moep-export = moep_ds.cli.export:main",
+            "moep-generate = moep_ds.cli.generate:main",
             "moep-analyze = moep_ds.cli.analyze:main",
-            "moep-import = moep_ds.interop.import_cli:main",
+            "moep-import = moep_ds.cli.import_model:main",
         ]
     },
     package_data={"moep_ds.evaluation": ["hf_template/*.py"]},

@@ -113,7 +113,7 @@ def checkpoint_worker(args) -> None:
 
 def export_worker(args) -> None:
     from moep_ds.checkpointing.model_dir import load_model_dir, save_model_dir
-    from moep_ds.evaluation.export import main as export
+    from moep_ds.cli.export import main as export
 
     from moep_ds.training.host_memory import return_freed_buffers_to_os
 

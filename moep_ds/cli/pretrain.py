@@ -31,7 +31,7 @@ stopping and resuming:
 
 
 def pretrain_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="moep-pretrain", description="Pre-train a moep_ds model under DeepSpeed.", epilog=STOPPING,
+    p = ArgumentParser(description="Pre-train a moep_ds model under DeepSpeed.", epilog=STOPPING,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
     p.add_argument("--ds_config", help="DeepSpeed JSON config (ds_configs/*.json)")

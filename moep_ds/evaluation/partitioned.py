@@ -1,7 +1,7 @@
 """Evaluation on several processes without any of them holding the whole model.
 
-    torchrun --nproc_per_node N -m moep_ds.evaluation.run_eval runs/x ...          (or deepspeed --num_gpus N
-    --module moep_ds.evaluation.run_eval ..., or lm_eval_cli under either launcher)
+    torchrun --nproc_per_node N -m moep_ds.cli.eval runs/x ...          (or deepspeed --num_gpus N
+    --module moep_ds.cli.eval ..., or lm_eval_cli under either launcher)
 
 Under a launcher (WORLD_SIZE > 1) the model is split over the ranks in one of two ways (distributed/inference.py):
 

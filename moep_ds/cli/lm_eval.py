@@ -1,6 +1,6 @@
 """lm-eval's own command line with the `moep_ds` model registered (lm-eval has no plugin lookup for --model).
 
-    python -m moep_ds.evaluation.lm_eval_cli --model moep_ds --model_args pretrained=runs/x --batch_size 16 \
+    python -m moep_ds.cli.lm_eval --model moep_ds --model_args pretrained=runs/x --batch_size 16 \
         --tasks blimp_filtered --include_path "$(moep-eval --render_tasks /tmp/moep_tasks)"
 
 Under `torchrun -m` or `deepspeed --module` the model is split over the ranks (evaluation/partitioned.py); only

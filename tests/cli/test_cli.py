@@ -11,7 +11,7 @@ from moep_ds.distributed.commands import run_guarded
 from moep_ds.config import config_from_dict
 from moep_ds.errors import SharedUserError
 from moep_ds.evaluation.harness import check_dtype, check_model_args
-from moep_ds.evaluation.lm_eval_cli import unknown_tasks_error
+from moep_ds.cli.lm_eval import unknown_tasks_error
 from moep_ds.training.ds_config import read_ds_config, reconcile
 from moep_ds.distributed.expert_parallel import check_parallel_layout
 
@@ -31,8 +31,8 @@ MODEL = {"flavour": "llama", "vocab_size": 64, "d_model": 32, "max_seq_len": 16,
 
 @pytest.mark.slow  # two processes per case
 @pytest.mark.parametrize("command, message", [
-    (["-m", "moep_ds.evaluation.run_eval", "{tmp}", "--batch_size", "0"], "--batch_size (0) must be >= 1"),
-    (["-m", "moep_ds.evaluation.run_eval", "{tmp}", "--device", "gpu0"],
+    (["-m", "moep_ds.cli.eval", "{tmp}", "--batch_size", "0"], "--batch_size (0) must be >= 1"),
+    (["-m", "moep_ds.cli.eval", "{tmp}", "--device", "gpu0"],
      "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
     (["-m", "moep_ds.evaluation.generate", "{tmp}", "--top_p", "2"], "--top_p (2.0) must be in (0, 1]"),
     (["pretrain.py", "--config", "{tmp}/recipe.yaml", "--dry_run"], "model.d_model (-1) must be > 0"),
@@ -52,7 +52,7 @@ def test_an_argument_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, 
 @pytest.mark.slow  # two processes per case
 @pytest.mark.parametrize("command", [
     [str(REPO / "pretrain.py"), "--config", "r.yaml", "--bogus"],
-    ["-m", "moep_ds.evaluation.run_eval", "ckpt", "--batch_size", "two"],
+    ["-m", "moep_ds.cli.eval", "ckpt", "--batch_size", "two"],
     ["-m", "moep_ds.evaluation.generate", "ckpt", "--max_new_tokens", "x"],
 ])
 def test_a_usage_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, command):
