@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from moep_ds.distributed.commands import Parser, run_command
 
@@ -21,3 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run_command(body, args)  # logging set up as in the other console scripts: warnings show as such
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@ with --dry_run, print the parameter / FLOP report."""
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 
 from moep_ds.distributed.commands import ArgumentParser, run_guarded
@@ -70,3 +71,7 @@ def _pretrain(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = pretrain_parser().parse_args(argv)
     return run_guarded(_pretrain, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
