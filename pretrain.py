@@ -4,7 +4,7 @@
     torchrun --nproc_per_node N pretrain.py ...   |   python pretrain.py ...
     python pretrain.py --config configs/Y.yaml --dry_run     # parameter/FLOP report, no allocation
 """
-from moep_ds.cli import pretrain_main
+from moep_ds.cli.pretrain import main as pretrain_main
 
 if __name__ == "__main__":
     raise SystemExit(pretrain_main())

@@ -17,7 +17,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         TORCH,
-        "deepspeed>=0.16",
+        "deepspeed>=0.19,<0.20",  # the range tested (training/ reads some of its internals)
         "tokenizers>=0.19",
         "datasets>=2.19",
         "sentencepiece",
@@ -33,16 +33,16 @@ setup(
         "numpy",
         "psutil",  # the trainer watches its launcher processes
     ],
-    extras_require={"test": ["pytest>=8", "pytest-timeout"]},
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "import-linter>=2.1"]},
     entry_points={
         "console_scripts": [
-            "moep-pretrain = moep_ds.cli:pretrain_main",
-            "moep-prepare = moep_ds.data.prepare:main",
-            "moep-eval = moep_ds.evaluation.run_eval:main",
-            "moep-export = moep_ds.evaluation.export:main",
-            "moep-generate = moep_ds.evaluation.generate:main",
-            "moep-analyze = moep_ds.cli:analyze_main",
-            "moep-import = moep_ds.interop.import_cli:main",
+            "moep-pretrain = moep_ds.cli.pretrain:main",
+            "moep-prepare = moep_ds.cli.prepare:main",
+            "moep-eval = moep_ds.cli.eval:main",
+            "moep-export = moep_ds.cli.export:main",
+            "moep-generate = moep_ds.cli.generate:main",
+            "moep-analyze = moep_ds.cli.analyze:main",
+            "moep-import = moep_ds.cli.import_model:main",
         ]
     },
     package_data={"moep_ds.evaluation": ["hf_template/*.py"]},

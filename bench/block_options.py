@@ -38,7 +38,7 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from moep_ds.cli import positive_int  # noqa: E402
+from moep_ds.distributed.commands import positive_int  # noqa: E402
 from train_throughput import current_rss, warm_up_lazy_init, worker_env  # noqa: E402
 
 log = logging.getLogger("block_options")
@@ -59,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from moep_ds.config import load_config
     from moep_ds.data.prepare import prepare
-    from moep_ds.training.distributed import init_distributed
+    from moep_ds.distributed.process_group import init_distributed
     from moep_ds.training.ds_config import read_ds_config
     from moep_ds.training.host_memory import return_freed_buffers_to_os
     from moep_ds.training.trainer import Trainer

@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))  # `python bench/compare_small.py` from a checkout
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from moep_ds.cli import positive_int  # noqa: E402
+from moep_ds.distributed.commands import positive_int  # noqa: E402
 
 log = logging.getLogger("compare_small")
 

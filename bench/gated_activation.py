@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from moep_ds.cli import positive_int
+from moep_ds.distributed.commands import positive_int
 from moep_ds.layers import glu
 
 SIZES = [(512, 256), (1024, 256), (1024, 512), (2048, 512), (4096, 512), (1024, 2048), (8192, 896)]

@@ -38,7 +38,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/gpu_mfu.py` from a checkout, installed or not
 
 import torch  # noqa: E402
-from moep_ds.cli import non_negative_int, positive_int  # noqa: E402
+from moep_ds.distributed.commands import non_negative_int, positive_int  # noqa: E402
 
 log = logging.getLogger("gpu_mfu")
 
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     args.steps = args.steps or (2 if args.dry_run else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 3)
-    from moep_ds.training.distributed import init_distributed
+    from moep_ds.distributed.process_group import init_distributed
 
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_mfu: no CUDA device here; use --dry_run to check the path on CPU", file=sys.stderr)

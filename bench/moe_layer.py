@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moep_ds.cli import positive_int
+from moep_ds.distributed.commands import positive_int
 from moep_ds.layers import glu
 from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.experts import expert_ffn

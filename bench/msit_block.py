@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from moep_ds.blocks.msit import MSITBlockConfig, MSITExpertConfig, MSITExperts
-from moep_ds.cli import positive_int
+from moep_ds.distributed.commands import positive_int
 from moep_ds.layers.norm import NormConfig
 from moep_ds.layers.routed_attention import routed_attention
 from moep_ds.registry import ROUTERS

@@ -66,8 +66,8 @@ def build_worker(args) -> None:
     import torch.distributed as dist
 
     from moep_ds.models.causal_lm import build_model
-    from moep_ds.training.distributed import init_distributed
-    from moep_ds.training.expert_parallel import expert_parallel_group, setup_expert_parallel
+    from moep_ds.distributed.process_group import init_distributed
+    from moep_ds.distributed.expert_parallel import expert_parallel_group, setup_expert_parallel
     from moep_ds.training.trainer import build_rank_model
 
     import deepspeed.runtime.zero.partition_parameters  # noqa: F401 - imported before measuring, for every way
@@ -113,7 +113,7 @@ def checkpoint_worker(args) -> None:
 
 def export_worker(args) -> None:
     from moep_ds.checkpointing.model_dir import load_model_dir, save_model_dir
-    from moep_ds.evaluation.export import main as export
+    from moep_ds.cli.export import main as export
 
     from moep_ds.training.host_memory import return_freed_buffers_to_os
 
@@ -136,7 +136,7 @@ def eval_worker(args) -> None:
 
     from moep_ds.checkpointing.model_dir import load_model_dir
     from moep_ds.evaluation.partitioned import load_partitioned_model_dir, model_device
-    from moep_ds.training.distributed import init_distributed
+    from moep_ds.distributed.process_group import init_distributed
     from moep_ds.training.host_memory import return_freed_buffers_to_os
 
     import deepspeed.runtime.zero.partition_parameters  # noqa: F401 - imported before measuring, for every way

@@ -56,7 +56,7 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/train_throughput.py` from a checkout, installed or not
-from moep_ds.cli import non_negative_int, positive_int  # noqa: E402
+from moep_ds.distributed.commands import non_negative_int, positive_int  # noqa: E402
 log = logging.getLogger("train_throughput")
 RECIPES = {"dense": "configs/nova_dense.yaml", "nova_moe": "configs/nova_moe.yaml", "msit": "configs/msit_babylm.yaml"}
 ZERO2_VS_PLAIN = 0.90  # target: ZeRO-2 on one process, tok/s over the plain loop's
@@ -255,7 +255,7 @@ def worker(row: Row, args: argparse.Namespace) -> None:
     import moep_ds.training.trainer  # noqa: F401 - imported before the memory baseline, like everything below
     from moep_ds.config import load_config
     from moep_ds.data.prepare import prepare
-    from moep_ds.training.distributed import init_distributed
+    from moep_ds.distributed.process_group import init_distributed
     from moep_ds.training.state import inner_optimizer
 
     device = init_distributed()  # both kinds of row pay for the process group before the baseline

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`, like pretrain.py
 
 from moep_ds.checkpointing import layout  # noqa: E402
-from moep_ds.cli import run_guarded  # noqa: E402
+from moep_ds.distributed.commands import run_guarded  # noqa: E402
 from moep_ds.errors import UserError  # noqa: E402
 from moep_ds.evaluation.report import (  # noqa: E402
     check, comparison_chart, comparison_markdown, is_number, load_records, load_reference, model_list,

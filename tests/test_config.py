@@ -7,7 +7,8 @@ import sys
 import pytest
 import yaml
 
-from moep_ds.cli import pretrain_main, run_guarded
+from moep_ds.cli.pretrain import main as pretrain_main
+from moep_ds.distributed.commands import run_guarded
 from moep_ds.config import config_from_dict, load_config
 from moep_ds.errors import UserError
 from moep_ds.schema import ConfigError
@@ -158,9 +159,9 @@ def test_under_a_launcher_config_errors_are_printed_by_rank_0_only(tmp_path, cap
 
 LEAVES_ALONE_AFTER_A_FAILURE = """
 import torch.distributed as dist
-from moep_ds.cli import run_guarded
+from moep_ds.distributed.commands import run_guarded
 from moep_ds.errors import UserError
-from moep_ds.training.distributed import free_port
+from moep_ds.distributed.process_group import free_port
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 def fails():

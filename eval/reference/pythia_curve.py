@@ -21,8 +21,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # run from a checkout without `pip install -e .`, like eval/compare.py
 
-from moep_ds.checkpointing.layout import apply_umask  # noqa: E402
-from moep_ds.cli import run_guarded  # noqa: E402
+from moep_ds.fsutil import apply_umask  # noqa: E402
+from moep_ds.distributed.commands import run_guarded  # noqa: E402
 from moep_ds.errors import UserError  # noqa: E402
 from moep_ds.evaluation.report import is_number, read_json_object, show  # noqa: E402
 

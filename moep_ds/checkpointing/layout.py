@@ -1,4 +1,5 @@
-"""Run directories and their checkpoints: what "complete" and "newest" mean, and how directories appear atomically.
+"""Run directories and their checkpoints: what "complete" and "newest" mean (directories appear atomically through
+moep_ds/fsutil.py).
 
     RUN_DIR/checkpoints/step_00000100/    a checkpoint; it counts once it holds the empty file COMPLETE
     RUN_DIR/checkpoints/.tmp-step_.../    one being written (never read; removed by the next save)
@@ -12,19 +13,15 @@ writers create private files; a checkpoint should read like any other file of th
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import re
-import secrets
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator
 
-from moep_ds.errors import UserError
+# the file-system helpers live in moep_ds/fsutil.py; these names stay importable from here for the checkpoint code
+from moep_ds.fsutil import (  # noqa: F401
+    ASIDE_HEX, apply_umask, atomic_dir, check_dir_target, check_writable, first_missing, is_empty_dir, output_dir,
+    remove_empty_dirs, remove_left_aside, remove_new_dir, replace_dir, umask,
+)
 
-log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 CHECKPOINTS = "checkpoints"
@@ -62,174 +59,3 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
-
-
-def umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current
-
-
-def apply_umask(path: Path) -> None:
-    """Give `path` (recursively) the modes a plain open()/mkdir() would have given it."""
-    mask = umask()
-    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
-    for p in paths:
-        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
-
-
-ASIDE_HEX = 12  # hex digits after ".old-" in the name of a folder set aside by replace_dir
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Put the finished directory `tmp` at `final`. An old `final` is renamed aside first (a hidden sibling that
-    no reader lists) and deleted once the new one is in place: a crash leaves the old or the new one whole,
-    where deleting it first could leave it half gone. Old copies of `final` that an earlier call, killed before
-    deleting them, left aside are removed once the new one is in place (remove_left_aside)."""
-    old = None
-    if final.exists() or final.is_symlink():  # a link, even a dangling one, is replaced too
-        # random, not the pid: a pid can repeat after a crash
-        old = final.with_name(f".{final.name}.old-{secrets.token_hex(ASIDE_HEX // 2)}")
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        if old is not None:
-            os.replace(old, final)
-        raise
-    if old is not None and old.is_symlink():
-        old.unlink()
-    elif old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    remove_left_aside(final.parent, re.escape(final.name), keep=old)
-
-
-def remove_left_aside(parent: Path, name: str, keep: Path | None = None) -> None:
-    """Tidy the folders in `parent` named as replace_dir sets a folder whose name matches the regular expression
-    `name` aside (`.NAME.old-` and 12 hex digits; `keep`, the current call's own, excepted): only a replacement
-    killed between its two renames leaves one. Where NAME is there, the copy is removed; where it is not, the copy
-    is the only one and is renamed back. A warning each; links and files of such a name, and any other name, are
-    left alone."""
-    aside = re.compile(rf"\.({name})\.old-[0-9a-f]{{{ASIDE_HEX}}}")
-    for path in sorted(parent.iterdir()):
-        found = aside.fullmatch(path.name)
-        if not found or path == keep or not path.is_dir() or path.is_symlink():
-            continue
-        original = parent / found.group(1)
-        if original.exists() or original.is_symlink():
-            log.warning("removing %s: an old copy of %s that an interrupted replacement left", path, original.name)
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            log.warning("restoring %s from %s, where an interrupted replacement left it", original.name, path)
-            os.replace(path, original)
-
-
-@contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike, *, tmp: Path | None = None) -> Iterator[Path]:
-    """Yield a temporary sibling of `final` to write into; on success it becomes `final` in one rename (with
-    umask modes); on any error it is removed, as are the parent folders made for it, and `final` is left as it
-    was."""
-    final = Path(final)
-    created = [p for p in final.parents if not p.exists()]  # deepest first
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if tmp is None:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-        else:
-            tmp.mkdir(parents=True)
-    except BaseException:
-        remove_empty_dirs(created)
-        raise
-    done = False
-    try:
-        yield tmp
-        apply_umask(tmp)
-        replace_dir(tmp, final)
-        done = True
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not done:
-            remove_empty_dirs(created)  # after tmp is gone, or its parent is not empty
-
-
-def is_empty_dir(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
-
-
-@contextlib.contextmanager
-def output_dir(final: str | os.PathLike) -> Iterator[Path]:
-    """Where to write a directory that must appear whole: a temporary sibling (atomic_dir), or, when `final` is
-    an existing empty folder, that folder itself, emptied again on error (a mount point, or a folder made for
-    the output in a parent this process cannot write: no sibling can be made there, and nothing is replaced)."""
-    final = Path(final)
-    if not is_empty_dir(final):
-        with atomic_dir(final) as tmp:
-            yield tmp
-        return
-    try:
-        yield final
-        for child in final.iterdir():  # not the folder itself: it is the caller's (perhaps a mount point)
-            apply_umask(child)
-    except BaseException:
-        for child in final.iterdir():
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-        raise
-
-
-def remove_empty_dirs(dirs: list[Path]) -> None:
-    """Remove `dirs` (deepest first) as long as they are empty: a failed write leaves no new folders behind,
-    and never removes one that something else has filled meanwhile."""
-    for d in dirs:
-        try:
-            d.rmdir()
-        except OSError:
-            return
-
-
-def check_dir_target(option: str, path: Path) -> None:
-    """Refuse a directory to write into that is a file or lies under one, before any work (mkdir's error would
-    be a traceback, and often only once the work is done)."""
-    for existing in (path, *path.parents):
-        if existing.is_dir():
-            return
-        if existing.exists() or existing.is_symlink():  # a file, or a link to nothing
-            if existing == path:
-                raise UserError(f"{option} ({str(path)!r}) exists and is not a directory")
-            raise UserError(f"{option} ({str(path)!r}) cannot be created: {str(existing)!r} is not a directory")
-
-
-def check_writable(directory: str | os.PathLike, field: str) -> Path:
-    """Create `directory` if needed and make sure files can be written there; one-line UserError otherwise."""
-    path = Path(directory)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", delete=True)
-        probe.close()
-    except OSError as err:
-        raise UserError(f"{field} ({str(path)!r}) is not writable: {err.strerror or err}") from None
-    return path
-
-
-def first_missing(directory: str | os.PathLike) -> Path | None:
-    """The outermost folder on the way to `directory` that does not exist yet (None: `directory` exists)."""
-    path, missing = Path(directory).absolute(), None
-    while not path.exists() and path != path.parent:
-        missing, path = path, path.parent
-    return missing
-
-
-def remove_new_dir(directory: str | os.PathLike, created: Path | None) -> None:
-    """Undo the creation of `directory`, whose outermost new folder was `created` (`first_missing` before): the
-    directory goes with what this run wrote there; the new folders above it only while empty, since another run
-    started at the same time may have put its own directory beside this one."""
-    if created is None:
-        return
-    directory = Path(directory).absolute()
-    shutil.rmtree(directory, ignore_errors=True)
-    for parent in directory.parents:
-        if not parent.is_relative_to(created):
-            break
-        try:
-            parent.rmdir()
-        except OSError:  # not empty (or gone)
-            break

@@ -12,34 +12,30 @@ hashes is reused as is.
 A `megatron:PREFIX` source is already tokenised: its folder holds only the reused tokenizer and a meta.json that
 fixes the train and validation sequence ranges (moep_ds/data/megatron.py reads the tokens in place).
 
-    moep-prepare --source shared:corpus --vocab-size 16384 --seq-len 512 --num-proc 2 --out prepared/corpus
-    python -m moep_ds.data.prepare --config configs/msit_babylm.yaml          # its `data` section
+The command line is moep_ds/cli/prepare.py (`moep-prepare`).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import math
 import os
 import re
-import secrets
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from moep_ds.checkpointing.layout import remove_empty_dirs
 from moep_ds.data.builtin import default_cache_dir
 from moep_ds.data.config import MEGATRON, DataConfig
 from moep_ds.data.errors import DataError
 from moep_ds.data.sources import Part, load_documents, megatron_prefix, resolve_sources, scan_sources
 from moep_ds.data.tokenizer import (TOKENIZER_FILE, TextTokenizer, copy_tokenizer, load_tokenizer, save_tokenizer,
                                     tokenizer_file, tokenizer_sha256, train_tokenizer)
+from moep_ds.fsutil import atomic_dir
 
 logger = logging.getLogger(__name__)
 
@@ -290,21 +286,10 @@ def megatron_ranges(cfg: DataConfig) -> dict[str, tuple[Any, int, int]]:
 
 
 def build_atomically(out: Path, build_into: Callable[[Path], Any]) -> None:
-    """`build_into(work)` fills a fresh folder beside `out`, which then replaces `out`; nothing is left behind
-    on failure."""
-    created = [p for p in out.parents if not p.exists()]  # deepest first; removed again on failure
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    work.mkdir()  # not mkdtemp: the folder is renamed into place and keeps the usual permissions
-    done = False
-    try:
+    """`build_into(work)` fills a fresh folder beside `out`, which is then published as `out`; nothing is left
+    behind on failure."""
+    with atomic_dir(out, publish=publish) as work:
         build_into(work)
-        publish(work, out)
-        done = True
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if not done:
-            remove_empty_dirs(created)  # after work is gone, or its parent is not empty
 
 
 def publish(work: Path, out: Path) -> None:
@@ -497,93 +482,3 @@ def with_eot(flat_N: np.ndarray, lengths_D: np.ndarray, keep_D: np.ndarray, eot_
     """Tokens of the kept documents in order, each document followed by `eot_id`."""
     kept_N = flat_N[np.repeat(keep_D, lengths_D)]
     return np.insert(kept_N, np.cumsum(lengths_D[keep_D]), eot_id)
-
-
-# ---- command line --------------------------------------------------------------------------------------
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moep-prepare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help="a recipe YAML; its `data` section is the starting point")
-    p.add_argument("--source", nargs="+",
-                   help="paths, globs, folders, builtin[:MB], shared:NAME, hf:NAME[:CONFIG], megatron:PREFIX")
-    p.add_argument("--val-source", nargs="+", help="validation documents from these sources (same forms as "
-                   "--source; hf:NAME reads its validation split) instead of holding out --val-fraction")
-    p.add_argument("--out", dest="prepared_dir", help="output folder (default: a cache folder)")
-    p.add_argument("--tokenizer", dest="kind", choices=["bpe", "sentencepiece_unigram", "sentencepiece_bpe"])
-    p.add_argument("--vocab-size", type=int)
-    p.add_argument("--tokenizer-path", help="reuse this tokenizer: a folder, a tokenizer.json or hf:REPO_ID")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--val-fraction", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--num-proc", type=int)
-    p.add_argument("--sample-by", choices=["line", "paragraph", "document"])
-    p.add_argument("--text-field")
-    p.add_argument("--force", action="store_true", help="rebuild even if a matching output exists")
-    p.add_argument("--check", action="store_true",
-                   help="only check the prepared folder's meta.json against --vocab-size and its tokenizer")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
-
-
-def recipe_sections(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The `data` and `model` sections of the recipe given as --config (read as pretrain.py reads it)."""
-    from moep_ds.config import read_yaml
-    from moep_ds.schema import fail
-
-    recipe = read_yaml(path, what="--config")
-    for name in ("data", "model"):
-        if not isinstance(recipe.get(name) or {}, dict):
-            fail(name, recipe[name], f"must be a mapping (--config {path!r})")
-    return dict(recipe.get("data") or {}), dict(recipe.get("model") or {})
-
-
-def config_from_args(args: argparse.Namespace) -> DataConfig:
-    from moep_ds.schema import parse
-
-    data: dict[str, Any] = {}
-    model: dict[str, Any] = {}
-    if args.config:
-        data, model = recipe_sections(args.config)
-    tokenizer = dict(data.get("tokenizer") or {})
-    for key, value in (("kind", args.kind), ("vocab_size", args.vocab_size), ("path", args.tokenizer_path)):
-        if value is not None:
-            tokenizer[key] = value
-    if tokenizer:
-        data["tokenizer"] = tokenizer
-    for key in ("prepared_dir", "seq_len", "val_fraction", "seed", "num_proc", "sample_by", "text_field"):
-        if getattr(args, key) is not None:
-            data[key] = getattr(args, key)
-    for key in ("source", "val_source"):
-        if getattr(args, key):
-            data[key] = getattr(args, key) if len(getattr(args, key)) > 1 else getattr(args, key)[0]
-    if "seq_len" not in data and model.get("max_seq_len") is not None:
-        data["seq_len"] = model["max_seq_len"]  # a recipe's context length, when its data section omits it
-    return parse(DataConfig, data, "data")
-
-
-def main(argv: list[str] | None = None) -> int:
-    from moep_ds.schema import ConfigError
-
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        if args.check:
-            if not args.prepared_dir or args.vocab_size is None:
-                raise DataError("--check needs --out DIR and --vocab-size N")
-            meta = check_meta(args.prepared_dir, vocab_size=args.vocab_size)
-            print(json.dumps({"prepared_dir": args.prepared_dir, "ok": True, "vocab_size": meta["vocab_size"]}))
-            return 0
-        cfg = config_from_args(args)
-        out = prepare(cfg, force=args.force)
-    except (DataError, ConfigError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    meta = json.loads((out / META).read_text())
-    summary = {k: meta[k] for k in (MEGATRON_SUMMARY if "megatron" in meta else SUMMARY)}
-    print(json.dumps({"prepared_dir": str(out), **summary}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

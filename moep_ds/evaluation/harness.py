@@ -4,7 +4,7 @@
 
     lm = MoepLM(pretrained="runs/x")                                  # newest complete checkpoint of a run
     simple_evaluate(model=lm, tasks=[...], task_manager=...)
-    python -m moep_ds.evaluation.lm_eval_cli --model moep_ds --model_args pretrained=DIR --batch_size 16 ...
+    python -m moep_ds.cli.lm_eval --model moep_ds --model_args pretrained=DIR --batch_size 16 ...
 
 model_args: pretrained, overrides (';'-separated a.b=v), batch_size, device, max_length (capped at the model's
 max_seq_len), dtype (float32 | bfloat16 | float16), expert_parallel (true | false); any other key is an error.

@@ -1,9 +1,9 @@
 """Evaluation on several processes without any of them holding the whole model.
 
-    torchrun --nproc_per_node N -m moep_ds.evaluation.run_eval runs/x ...          (or deepspeed --num_gpus N
-    --module moep_ds.evaluation.run_eval ..., or lm_eval_cli under either launcher)
+    torchrun --nproc_per_node N -m moep_ds.cli.eval runs/x ...          (or deepspeed --num_gpus N
+    --module moep_ds.cli.eval ..., or lm_eval_cli under either launcher)
 
-Under a launcher (WORLD_SIZE > 1) the model is split over the ranks in one of two ways (training/inference.py):
+Under a launcher (WORLD_SIZE > 1) the model is split over the ranks in one of two ways (distributed/inference.py):
 
   ZeRO-3 (default)   built inside `deepspeed.zero.Init`; every rank reads only its partition of each weight from
                      the checkpoint (of a stored tensor larger than that, one at a time), and a DeepSpeed engine
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from moep_ds.checkpointing.sharded import all_reduce_value
 from moep_ds.errors import SharedUserError
-from moep_ds.training.distributed import leave_process_group
+from moep_ds.distributed.process_group import leave_process_group
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,11 @@ def load_partitioned_model_dir(path: str, overrides: list[str] | None = None, dt
                                expert_parallel: bool = False) -> tuple[Any, Any, Any, dict[str, Any], Any]:
     """`load_model_dir` for one rank of a launched group: (model holding this rank's part, root Config,
     tokenizer, meta, the DeepSpeed engine around a ZeRO-3 model, whose hooks gather its parameters while it
-    runs: keep it as long as the model; None for expert parallelism). `training/inference.py` splits it."""
+    runs: keep it as long as the model; None for expert parallelism). `distributed/inference.py` splits it."""
     from moep_ds.checkpointing.model_dir import load_recipe, tokenizer_and_meta
     from moep_ds.models.causal_lm import build_model
-    from moep_ds.training.expert_parallel import expert_stages
-    from moep_ds.training.inference import inference_ds_config, split_model
+    from moep_ds.distributed.expert_parallel import expert_stages
+    from moep_ds.distributed.inference import inference_ds_config, split_model
 
     inference_ds_config(dtype)  # a bad dtype is one line before anything is read
     world = launched_world_size()

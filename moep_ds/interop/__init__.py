@@ -6,7 +6,6 @@
     upcycle.py      a dense model's weights as an FFN-MoE's (experts copied, routers from the recipe's seed)
     sources.py      source_weights: the one implementation behind moep-import and model.init_from
     weights.py      Weight, and filling what a process holds (its experts, its ZeRO-3 partitions) from weights
-    importer.py     moep-import: a checkpoint of the run-directory format, model only, at step 0 or the revision's
-    import_cli.py   the moep-import command line
+    importer.py     what moep-import (moep_ds/cli/import_model.py) writes: a checkpoint of the run-directory format, model only, at step 0 or the revision's
     export_native.py  moep-export --hf --native: a dense model in its architecture's own transformers format
 """

@@ -54,7 +54,7 @@ class CausalLM(nn.Module):
         out_scale so the residual stream's variance does not grow with depth (`ModelConfig.init` picks both:
         GPT-2's or GPT-NeoX's). A submodule with an `init_weights(std, out_scale)` method initialises its own
         parameters after that. `materialize(module)`, if given, holds a module's parameters while it is
-        initialised (partitioned parameters: training/zero3.py)."""
+        initialised (partitioned parameters: distributed/zero3.py)."""
         hold = materialize or (lambda module: contextlib.nullcontext())
         std, out_scale = self.cfg.init_scales(len(self.blocks))
         for name, module in self.named_modules():

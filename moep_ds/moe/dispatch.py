@@ -165,7 +165,7 @@ class ExpertStage(nn.Module):
 
     Subclasses hold their expert parameters in `experts` (`num_local_experts`, `keep_experts_(start, count)`;
     every parameter stacked [E_local, ...]) and define `run_experts(ExpertBatch) -> y_SD`. Expert parallelism
-    (training/expert_parallel.py) shards `experts`, marks its parameters and sets an AllToAllDispatcher.
+    (distributed/expert_parallel.py) shards `experts`, marks its parameters and sets an AllToAllDispatcher.
     """
 
     def __init__(self, num_experts: int):

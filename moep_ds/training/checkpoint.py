@@ -43,6 +43,7 @@ from moep_ds.checkpointing.model_state import ExpertLayout, canonical_name, is_e
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
 from moep_ds.moe.shard import full_shape
 from moep_ds.training import state as st
+from moep_ds.training.rng import rng_state
 
 log = logging.getLogger(__name__)
 
@@ -407,16 +408,6 @@ def loss_scaler_state(engine) -> dict[str, Any] | None:
     if scaler is None:
         return None
     return {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
-
-
-def rng_state() -> dict[str, Any]:
-    """Tensors, tuples and numbers only (torch.load(weights_only=True) reads them back)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    out = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state()
-    return out
 
 
 def restore_rng(ckpt: pathlib.Path, rank: int, state: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from moep_ds.checkpointing.model_state import is_expert_param
 from moep_ds.moe.shard import full_shape
 from moep_ds.checkpointing.sharded import CheckpointError, DamagedCheckpoint, first_line
 from moep_ds.training import state as st
+from moep_ds.training.rng import rng_state
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -94,8 +95,6 @@ def collect_full_state(engine, model, ep_group) -> tuple[dict[str, torch.Tensor]
 
 def save_consolidated(engine, model, cfg, out: pathlib.Path, trainer_state: dict[str, Any], ep_group=None) -> None:
     """Today's format, written to `out` (collective; every rank holds the full state meanwhile)."""
-    from moep_ds.training.checkpoint import rng_state
-
     params, moments = collect_full_state(engine, model, ep_group)
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)

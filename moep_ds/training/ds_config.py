@@ -21,6 +21,7 @@ import json
 import pathlib
 from typing import Any
 
+from moep_ds.distributed.ds_fields import precision, zero_stage  # noqa: F401 - part of this module's interface
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.training.config import TrainConfig
 
@@ -277,15 +278,3 @@ def fill_batch_sizes(ds: dict[str, Any], world_size: int) -> None:
             f"gradient_accumulation_steps ({accum}) x data-parallel size ({world_size}) = {expected}"
         )
     ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=expected)
-
-
-def precision(ds: dict[str, Any]) -> str:
-    if ds.get("bf16", {}).get("enabled"):
-        return "bf16"
-    if ds.get("fp16", {}).get("enabled"):
-        return "fp16"
-    return "fp32"
-
-
-def zero_stage(ds: dict[str, Any]) -> int:
-    return int(ds.get("zero_optimization", {}).get("stage", 0))

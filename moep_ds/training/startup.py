@@ -16,8 +16,8 @@ from moep_ds.errors import SharedUserError, UserError
 from moep_ds.models.causal_lm import build_model
 from moep_ds.moe.shard import expert_shard
 from moep_ds.training.ds_config import zero_stage
-from moep_ds.training.expert_parallel import shard_of
-from moep_ds.training.zero3 import check_partitioned, gathered_for_init, partitioned_construction
+from moep_ds.distributed.expert_parallel import shard_of
+from moep_ds.distributed.zero3 import check_partitioned, gathered_for_init, partitioned_construction
 
 log = logging.getLogger(__name__)
 

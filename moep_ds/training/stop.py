@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from moep_ds.training.distributed import launcher_generations
+from moep_ds.distributed.launcher import launcher_generations
 
 log = logging.getLogger(__name__)
 

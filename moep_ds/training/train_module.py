@@ -23,7 +23,7 @@ from moep_ds.training.balancing import install_count_reducers
 from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.branch import resolve_start_step
 from moep_ds.training.ds_config import precision, zero_stage
-from moep_ds.training.expert_parallel import expert_parallel_group, moe_layer_classes, setup_expert_parallel
+from moep_ds.distributed.expert_parallel import expert_parallel_group, moe_layer_classes, setup_expert_parallel
 from moep_ds.training.grad_norm import ExactClipping
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups

@@ -24,14 +24,9 @@ from moep_ds.training.balancing import LossFreeBalancing
 from moep_ds.training.callbacks import (
     Callback, EndEvent, LoadEvent, SaveEvent, StepEvent, build_callback, builtin, parse_callback,
 )
-from moep_ds.training.distributed import (  # noqa: F401 - launcher_generations: re-exported
-    init_distributed, launcher_generations, leave_process_group, setup_logging, world_size_to_be,
-)
 from moep_ds.training.ds_config import check_with_deepspeed, read_ds_config, reconcile
-from moep_ds.training.expert_parallel import check_parallel_layout
 from moep_ds.training.init_from import initialise_from_source
 from moep_ds.training.monitor import drop_rows_after
-from moep_ds.training.rank_errors import agreed, raise_agreed
 from moep_ds.training.resume_batch import reconcile_resumed, saved_global_batch
 from moep_ds.training.run_dir import claim_run_dir
 from moep_ds.training.startup import (  # noqa: F401 - re-exported for callers of before
@@ -40,6 +35,10 @@ from moep_ds.training.startup import (  # noqa: F401 - re-exported for callers o
 from moep_ds.training.stop import INTERRUPT_ECHO_S, StopRequest, launcher_chain, parent_pid  # noqa: F401
 from moep_ds.training.train_module import TrainModule
 from moep_ds.training.trainer_state import TrainerState
+from moep_ds.distributed.expert_parallel import check_parallel_layout
+from moep_ds.distributed.launcher import launcher_generations  # noqa: F401 - re-exported
+from moep_ds.distributed.process_group import init_distributed, leave_process_group, setup_logging, world_size_to_be
+from moep_ds.distributed.rank_errors import agreed, raise_agreed
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from benchlib import run
-from moep_ds.cli import non_negative_int, positive_int
+from moep_ds.distributed.commands import non_negative_int, positive_int
 
 
 def test_count_types():

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from moep_ds.checkpointing import model_dir, model_state, streaming
 from moep_ds.checkpointing.streaming import TensorEntry, write_safetensors
 from moep_ds.config import config_from_dict, dump_config
+from moep_ds.cli import export as export_cli
 from moep_ds.evaluation import export
 from moep_ds.models.causal_lm import CausalLM
 
@@ -81,7 +82,7 @@ def test_export_of_a_sharded_checkpoint_holds_one_tensor_at_a_time(tmp_path, mon
     monkeypatch.setattr(CausalLM, "__init__", recording_init)
     alive, overlaps = one_at_a_time(monkeypatch)
     args = [str(ckpt), "--out", str(tmp_path / "out")] + (["--hf"] if hf else [])
-    assert export.main(args) == 0
+    assert export_cli.main(args) == 0
     assert len(alive) == len(model_state.shapes(source)) and overlaps == [] and built == [True]
     monkeypatch.setattr(CausalLM, "__init__", init)
     stored = load_file(str(tmp_path / "out" / model_dir.WEIGHTS_FILE))
@@ -104,7 +105,7 @@ def test_export_checks_the_checkpoint_against_its_recipe_before_writing(tmp_path
     save_whole(tiny(0), ckpt)
     wider = {**RECIPE["model"], "d_model": 32}
     (ckpt / model_dir.CONFIG_FILE).write_text(dump_config(config_from_dict({"model": wider})))
-    assert export.main([str(ckpt), "--out", str(tmp_path / "out")]) == 2
+    assert export_cli.main([str(ckpt), "--out", str(tmp_path / "out")]) == 2
     assert f"checkpoint {str(ckpt)!r}: tensor 'embed.weight' has shape [64, 16] there but [64, 32] in this model" \
         in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -14,7 +14,7 @@ from moep_ds.data.dataset import open_split
 from moep_ds.data.errors import DataError
 from moep_ds.data.megatron import IndexedDataset, SequenceDataset, write_indexed
 from moep_ds.data.prepare import check_meta, prepare
-from moep_ds.data.prepare import main as prepare_main
+from moep_ds.cli.prepare import main as prepare_main
 from moep_ds.data.sampler import BatchLoader
 from moep_ds.data.tokenizer import train_tokenizer
 from moep_ds.schema import ConfigError, parse

@@ -11,7 +11,8 @@ from moep_ds.data.builtin import generate_corpus
 from moep_ds.data.config import DataConfig, TokenizerConfig
 from moep_ds.data.dataset import PackedDataset
 from moep_ds.data.errors import DataError
-from moep_ds.data.prepare import bin_dtype, check_meta, main, prepare
+from moep_ds.cli.prepare import main
+from moep_ds.data.prepare import bin_dtype, check_meta, prepare
 from moep_ds.data.sampler import BatchLoader
 from moep_ds.data.tokenizer import load_tokenizer
 from moep_ds.schema import ConfigError, parse

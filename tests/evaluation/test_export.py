@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from moep_ds.evaluation.export import export_hf, main as export_main
+from moep_ds.cli.export import main as export_main
+from moep_ds.evaluation.export import export_hf
 from moep_ds.evaluation.generate import generate
 from moep_ds.checkpointing.model_dir import load_model_dir, save_model_dir
 

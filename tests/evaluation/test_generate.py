@@ -99,7 +99,7 @@ def test_moep_generate_cli(tmp_path, capsys):
     from moep_ds.data.builtin import generate_corpus
     from moep_ds.data.config import TokenizerConfig
     from moep_ds.data.tokenizer import train_tokenizer
-    from moep_ds.evaluation.generate import main as generate_main
+    from moep_ds.cli.generate import main as generate_main
     from moep_ds.checkpointing.model_dir import save_model_dir
 
     tok = train_tokenizer(generate_corpus(20_000).split("\n\n"), TokenizerConfig(vocab_size=300), tmp_path / "tok")
@@ -139,7 +139,7 @@ def files_under(root):
      "--prompt (b'\\xff\\xfe bad') is not UTF-8 text"),
 ])
 def test_moep_generate_refuses_bad_arguments_before_loading(tmp_path, capsys, monkeypatch, extra, message):
-    import moep_ds.evaluation.generate as generate_cli
+    import moep_ds.cli.generate as generate_cli
     from moep_ds.checkpointing.model_dir import save_model_dir
 
     model, cfg = tiny_model("dense_gpt2")
@@ -188,7 +188,7 @@ def hf_export_with_malformed_config(root):
 def test_moep_generate_names_a_damaged_model_directory(tmp_path, capsys, damage):
     """A truncated model.safetensors was a SafetensorError traceback; a malformed config.json of an --hf export
     read as "has model.safetensors but no config.yaml"."""
-    from moep_ds.evaluation.generate import main as generate_main
+    from moep_ds.cli.generate import main as generate_main
 
     ckpt, message = damage(tmp_path)
     before = files_under(tmp_path)
@@ -204,7 +204,8 @@ def test_moep_generate_slides_past_the_context_and_prints_what_it_continued(tmp_
     from moep_ds.data.builtin import generate_corpus
     from moep_ds.data.config import TokenizerConfig
     from moep_ds.data.tokenizer import train_tokenizer
-    from moep_ds.evaluation.generate import generate_sliding, main as generate_main
+    from moep_ds.cli.generate import main as generate_main
+    from moep_ds.evaluation.generate import generate_sliding
 
     tok = train_tokenizer(generate_corpus(20_000).split("\n\n"), TokenizerConfig(vocab_size=300), tmp_path / "tok")
     model, cfg = tiny_model("ssm_moe", vocab_size=tok.vocab_size)

@@ -207,7 +207,7 @@ def test_simple_evaluate_on_local_blimp_offline(trained, tmp_path):
 @pytest.mark.slow
 def test_moep_eval_grammar_pairs_without_a_data_directory(trained, tmp_path, capsys):
     from moep_ds.data.builtin import PHENOMENA
-    from moep_ds.evaluation.run_eval import main as eval_main
+    from moep_ds.cli.eval import main as eval_main
     from moep_ds.evaluation.tasks import grammar_pairs_jsonl
 
     model_dir, _ = trained
@@ -228,7 +228,7 @@ def test_moep_eval_grammar_pairs_without_a_data_directory(trained, tmp_path, cap
 
 @pytest.mark.slow
 def test_moep_eval_writes_results_with_routing_mode(tmp_path, tokenizer, tokenizer_dir, capsys, caplog, monkeypatch):
-    from moep_ds.evaluation.run_eval import main as eval_main
+    from moep_ds.cli.eval import main as eval_main
 
     monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
     caplog.set_level(logging.INFO, logger="moep_ds")
@@ -276,7 +276,7 @@ def test_lm_eval_hf_model_on_the_export_scores_like_moep_ds(trained, tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from moep_ds.evaluation.export import main as export_main
+    from moep_ds.cli.export import main as export_main
     from moep_ds.evaluation.tasks import render_tasks
 
     model_dir, data_dir = trained
@@ -334,7 +334,7 @@ def test_lm_eval_cli_reports_bad_model_args_in_one_line(tmp_path, tokenizer_dir,
     """A misspelled argument used to be a warning, and the evaluation ran in fp32."""
     import sys
 
-    from moep_ds.evaluation import lm_eval_cli
+    from moep_ds.cli import lm_eval as lm_eval_cli
     from moep_ds.evaluation.tasks import render_tasks
     from test_export import assert_one_line_error, snapshot
 
@@ -361,7 +361,7 @@ def test_lm_eval_cli_refuses_an_unknown_task_in_one_line_before_loading(tmp_path
     import sys
 
     import moep_ds.evaluation.harness as harness
-    from moep_ds.evaluation import lm_eval_cli
+    from moep_ds.cli import lm_eval as lm_eval_cli
     from moep_ds.evaluation.tasks import render_tasks
     from test_export import assert_one_line_error, snapshot
 
@@ -377,7 +377,7 @@ def test_lm_eval_cli_refuses_an_unknown_task_in_one_line_before_loading(tmp_path
 
 
 def test_lm_eval_cli_reads_the_unknown_tasks_of_either_lm_eval_wording():
-    from moep_ds.evaluation.lm_eval_cli import unknown_tasks_error
+    from moep_ds.cli.lm_eval import unknown_tasks_error
 
     older = ValueError("Tasks not found: a, b_c. Try `lm-eval --tasks {list_groups,list_subtasks,list_tags,list}` "
                        "to list out all available names for task groupings; only (sub)tasks; tags; or all of the above")

@@ -17,12 +17,12 @@ from moep_ds.config import config_from_dict
 from moep_ds.data.builtin import generate_corpus
 from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.tokenizer import train_tokenizer
-from moep_ds.evaluation import export, generate, lm_eval_cli, run_eval
+from moep_ds.cli import eval as run_eval, export, generate, lm_eval as lm_eval_cli
 from moep_ds.evaluation.harness import MoepLM
 from moep_ds.errors import UserError
 from moep_ds.models.causal_lm import build_model
-from moep_ds.training.expert_parallel import expert_stages
-from moep_ds.training.inference import inference_ds_config
+from moep_ds.distributed.expert_parallel import expert_stages
+from moep_ds.distributed.inference import inference_ds_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
 from tiny import LAYERS, launch  # noqa: E402
@@ -34,7 +34,7 @@ CONTEXTS = ["the dog", "a cat sees the", "every bird"]
 
 def launch_command(*args: str):
     """A console command on 2 processes, which must exit 0 on both: before `leave_process_group`, ~1 launch in 15
-    aborted after finishing ("terminate called without an active exception", training/distributed.py)."""
+    aborted after finishing ("terminate called without an active exception", distributed/process_group.py)."""
     return launch(2, "-m", *args)
 
 
@@ -141,7 +141,7 @@ def test_three_ranks_load_padded_partitions_as_one_process(model_dirs, tmp_path)
 def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_dirs, tmp_path, split):
     args = ["--tasks", "grammar_pairs", "--limit", "6", "--batch_size", "4"]
     assert run_eval.main([str(model_dirs["sharded"]), *args, "--output", str(tmp_path / "one")]) == 0
-    launch_command("moep_ds.evaluation.run_eval", str(model_dirs["sharded"]), *args, "--output", str(tmp_path / "two"),
+    launch_command("moep_ds.cli.eval", str(model_dirs["sharded"]), *args, "--output", str(tmp_path / "two"),
                    *(["--expert_parallel"] if split == "expert_parallel" else []))
     one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
     assert two["scores"] == one["scores"] and one["scores"]  # accuracies: no margin is near a tie
@@ -198,7 +198,7 @@ def test_lm_eval_cli_arguments_on_each_rank_of_a_launch():
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lm_eval_cli_under_torchrun_writes_one_result_file(model_dirs, tmp_path):
     assert run_eval.main(["--render_tasks", str(tmp_path / "tasks")]) == 0
-    launch_command("moep_ds.evaluation.lm_eval_cli", "--model", "moep_ds", "--model_args",
+    launch_command("moep_ds.cli.lm_eval", "--model", "moep_ds", "--model_args",
                    f"pretrained={model_dirs['sharded']},expert_parallel=true", "--include_path", str(tmp_path / "tasks"),
                    "--tasks", "grammar_pairs", "--limit", "3", "--output_path", str(tmp_path / "out"))
     written = list((tmp_path / "out").rglob("results_*.json"))
@@ -207,7 +207,7 @@ def test_lm_eval_cli_under_torchrun_writes_one_result_file(model_dirs, tmp_path)
 
 @pytest.mark.slow
 def test_lm_eval_cli_refuses_its_cache_under_a_launcher(model_dirs, tmp_path):
-    proc = launch(2, "-m", "moep_ds.evaluation.lm_eval_cli", "--model", "moep_ds", "--model_args",
+    proc = launch(2, "-m", "moep_ds.cli.lm_eval", "--model", "moep_ds", "--model_args",
                   f"pretrained={model_dirs['sharded']}", "--tasks", "grammar_pairs", "--use_cache", str(tmp_path / "c"),
                   check=False)
     errors = [line for line in proc.stderr.splitlines() if "error: " in line]

@@ -8,7 +8,7 @@ from moep_ds.data.builtin import PHENOMENA, pairs_per_phenomenon
 
 from moep_ds.errors import UserError
 from moep_ds.checkpointing.model_dir import save_model_dir
-from moep_ds.evaluation.run_eval import main as eval_main
+from moep_ds.cli.eval import main as eval_main
 from moep_ds.evaluation.tasks import GRAMMAR_PAIRS, GRAMMAR_PAIRS_SEED, TEMPLATES, render_tasks, resolve_data_dir
 
 from eval_models import tiny_model

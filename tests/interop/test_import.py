@@ -21,7 +21,7 @@ from moep_ds.checkpointing import layout, sharded
 from moep_ds.checkpointing.model_dir import load_model_dir
 from moep_ds.config import config_from_dict
 from moep_ds.errors import UserError
-from moep_ds.evaluation.export import main as export_main
+from moep_ds.cli.export import main as export_main
 from moep_ds.interop.importer import import_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -147,7 +147,7 @@ def hub_cache(tmp_path: Path, folder: Path, repo: str, revision: str) -> Path:
 def moep_import(args: list[str], cache: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "moep_ds.interop.import_cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "moep_ds.cli.import_model", *args], env=env, capture_output=True,
                           text=True, timeout=300)
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from moep_ds.cli import pretrain_main
+from moep_ds.cli.pretrain import main as pretrain_main
 from moep_ds.config import load_config
 from moep_ds.interop.sources import check_same_model
 from moep_ds.interop.upcycle import dense_model_config

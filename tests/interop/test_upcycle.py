@@ -219,7 +219,7 @@ def test_init_from_an_moe_checkpoint_may_change_how_its_routers_train(tmp_path):
 
 
 def test_an_moe_has_no_native_hugging_face_format(tmp_path, capsys):
-    from moep_ds.evaluation.export import main as export_main
+    from moep_ds.cli.export import main as export_main
 
     src = save(hf_model("gpt_neox"), tmp_path / "hf", "safetensors")
     import_checkpoint(str(src), config_from_dict(moe_recipe("gpt_neox", src)), tmp_path / "moe")

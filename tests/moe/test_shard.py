@@ -105,7 +105,7 @@ def test_sharded_normal_is_the_rows_of_the_whole_draw_and_the_shard_is_validated
 
 
 def test_expert_parallel_setup_refuses_a_model_built_for_another_rank(monkeypatch):
-    from moep_ds.training import expert_parallel
+    from moep_ds.distributed import expert_parallel
 
     monkeypatch.setattr(expert_parallel, "shard_of", lambda group: (1, 2))  # rank 1 of 2, no process group
     for model, held in ((build(None), "[0, 4)"), (build((0, 2)), "[0, 2)")):  # every expert; rank 0's

@@ -66,7 +66,7 @@ def test_shared_expert_is_counted_as_active(gate, gate_params):
 
 def test_dry_run_counts_the_shared_experts(capsys):
     """deepseek_tiny by hand: per MoE layer the router (32 x 64), 4 routed and 1 shared expert of 3 x 64 x 32."""
-    from moep_ds.cli import pretrain_main
+    from moep_ds.cli.pretrain import main as pretrain_main
 
     assert pretrain_main(["--config", str(REPO_CONFIGS / "deepseek_tiny.yaml"), "--dry_run"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -378,7 +378,7 @@ def zero2_run(ep: int, out_dir: str) -> None:
     from moep_ds.training import state as st
     from moep_ds.training.config import OptimizerConfig
     from moep_ds.moe.shard import expert_shard
-    from moep_ds.training.expert_parallel import expert_parallel_group, setup_expert_parallel, shard_of
+    from moep_ds.distributed.expert_parallel import expert_parallel_group, setup_expert_parallel, shard_of
     from moep_ds.training.optim import param_groups
 
     rank = dist.get_rank()

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from moep_ds.errors import UserError
-from moep_ds.cli import analyze_main as main
+from moep_ds.cli.analyze import main
 from moep_ds.training.analyze import analyze
 
 

@@ -94,7 +94,7 @@ def test_unwritable_output_dir_is_one_line_before_data_preparation(tmp_path):
 def test_an_error_every_rank_agrees_on_exits_2_on_each_without_an_abort(tmp_path):
     """Both ranks find the output directory unwritable, agree, and exit 2 at once (cli.exit_joined); before, ~1
     launch in 10 aborted in the interpreter's teardown while gloo's worker let go of the agreement's tensor
-    (training/distributed.py). A few launches, since the abort was a race."""
+    (distributed/process_group.py). A few launches, since the abort was a race."""
     recipe = write_recipe(tmp_path / "r.yaml", "top2", tmp_path / "run", max_steps=2)
     (tmp_path / "a_file").write_text("")
     out = tmp_path / "a_file" / "run"

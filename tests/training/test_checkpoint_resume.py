@@ -197,7 +197,7 @@ def test_sharded_checkpoint_files_and_model_dir(matrix):
 
     state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
     assert (state["step"], state["max_steps"]) == (6, cfg.train.max_steps)
-    from moep_ds.evaluation.export import main as export
+    from moep_ds.cli.export import main as export
 
     assert export([str(sources[3][1]), "--out", str(tmp / "export")]) == 0  # one process, weights only
     exported = load_model_dir(tmp / "export")[0]
@@ -217,7 +217,7 @@ def test_weights_load_into_a_fresh_models_state_dict_with_torch_alone(matrix, tm
     from safetensors.torch import load_file
 
     from moep_ds import build_model, load_config
-    from moep_ds.evaluation.export import main as export
+    from moep_ds.cli.export import main as export
 
     _, sources, resumed = matrix
     runs = {source: sources[source][1] for source in (3, 1, 2, "ep")} | {"async": resumed[(3, 3)]}

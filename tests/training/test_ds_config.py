@@ -12,7 +12,7 @@ from moep_ds.training.config import ScheduleConfig, TrainConfig
 from moep_ds.training.ds_config import (
     DeepSpeedConfigError, DeepSpeedConfigFileError, check_with_deepspeed, read_ds_config, reconcile,
 )
-from moep_ds.training.expert_parallel import ParallelLayoutError, check_parallel_layout
+from moep_ds.distributed.expert_parallel import ParallelLayoutError, check_parallel_layout
 from moep_ds.training.optim import lr_multiplier, param_groups
 from repo_paths import REPO
 
@@ -286,7 +286,7 @@ def test_a_bad_ds_config_fails_before_the_ranks_meet(tmp_path, monkeypatch, text
 
 def test_the_world_before_joining_is_the_launchers_or_one(monkeypatch):
     """As init_distributed decides: a process without RANK is a world of one whatever WORLD_SIZE says."""
-    from moep_ds.training.distributed import world_size_to_be
+    from moep_ds.distributed.process_group import world_size_to_be
 
     for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK",
                  "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"):
@@ -303,8 +303,8 @@ def test_under_an_mpi_launcher_deepspeeds_mpi_discovery_sets_the_ranks(monkeypat
     MPI rank 0."""
     import deepspeed
 
-    from moep_ds.cli import launcher_rank
-    from moep_ds.training import distributed
+    from moep_ds.distributed.launcher import launcher_rank
+    from moep_ds.distributed import process_group as distributed
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "PMI_SIZE",
                  "PMI_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"):

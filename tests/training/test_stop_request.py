@@ -11,7 +11,7 @@ import time
 import pytest
 
 from moep_ds.checkpointing import layout
-from moep_ds.training.distributed import launcher_of
+from moep_ds.distributed.launcher import launcher_of
 from moep_ds.training.trainer import StopRequest, launcher_chain, launcher_generations
 
 from repo_paths import REPO

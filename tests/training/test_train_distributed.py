@@ -42,7 +42,7 @@ def test_every_zero_stage_and_precision_trains_all_routed_blocks(zero_matrix, st
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_zero3_built_partitioned_trains_as_zero2(zero_matrix, precision):
-    """ZeRO-3 builds and initialises the model partitioned (training/zero3.py), ZeRO-2 whole: the same initial
+    """ZeRO-3 builds and initialises the model partitioned (distributed/zero3.py), ZeRO-2 whole: the same initial
     weights, so the same losses on every routed block type."""
     zero3, zero2 = losses(zero_matrix[(3, precision)]), losses(zero_matrix[(2, precision)])
     for step in range(1, 6):

@@ -11,7 +11,8 @@ import sys
 
 from moep_ds.checkpointing import model_dir
 from moep_ds.checkpointing.sharded import DamagedCheckpoint
-from moep_ds.evaluation import harness, run_eval
+from moep_ds.cli import eval as run_eval
+from moep_ds.evaluation import harness
 
 read, write, score = model_dir.load_weights, run_eval.write_record, harness.continuation_logprobs
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -24,7 +24,7 @@ def quickstart(nproc: int, out: pathlib.Path) -> None:
 
 
 def moep_eval(ckpt: pathlib.Path, out: pathlib.Path) -> float:
-    proc = subprocess.run([sys.executable, "-m", "moep_ds.evaluation.run_eval", str(ckpt), "--tasks", "grammar_pairs",
+    proc = subprocess.run([sys.executable, "-m", "moep_ds.cli.eval", str(ckpt), "--tasks", "grammar_pairs",
                            "--limit", str(LIMIT), "--bootstrap_iters", "0", "--data_dir", str(out / "nowhere"),
                            "--output", str(out)], env=env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -5,7 +5,7 @@ DeepSpeed refuses fp16 on its CPU accelerator; the arithmetic itself runs, so th
 """
 from deepspeed.accelerator import get_accelerator
 
-from moep_ds.cli import pretrain_main
+from moep_ds.cli.pretrain import main as pretrain_main
 
 accelerator = get_accelerator()
 accelerator.is_fp16_supported = lambda: True

@@ -12,7 +12,7 @@ import os
 import signal
 
 from moep_ds.checkpointing import layout, sharded
-from moep_ds.cli import pretrain_main
+from moep_ds.cli.pretrain import main as pretrain_main
 from moep_ds.errors import UserError
 from moep_ds.training.trainer import Trainer
 

@@ -10,8 +10,8 @@ import json
 import os
 import sys
 
-from moep_ds.cli import pretrain_main
-from moep_ds.training.distributed import free_port
+from moep_ds.cli.pretrain import main as pretrain_main
+from moep_ds.distributed.process_group import free_port
 
 
 def main() -> None:

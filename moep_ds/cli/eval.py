@@ -8,9 +8,9 @@
     moep-eval --list_tasks                            the local task names
     moep-eval --render_tasks DIR                      rendered YAMLs for `lm_eval --include_path DIR`
     moep-eval runs/x --hub --tasks piqa               lm-eval's built-in tasks (downloads the datasets)
-    torchrun --nproc_per_node N -m moep_ds.evaluation.run_eval runs/x ...
+    torchrun --nproc_per_node N -m moep_ds.cli.eval runs/x ...
                                                       on N processes, each holding 1/N of the model (ZeRO-3;
-                                                      or `deepspeed --num_gpus N --module moep_ds.evaluation.run_eval`;
+                                                      or `deepspeed --num_gpus N --module moep_ds.cli.eval`;
                                                       `--expert_parallel`: 1/N of the experts, the rest whole)
 
 Writes results.json (scores, lm-eval's results, parameters, tokens, FLOPs, routing eval mode) and
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moep_ds.checkpointing import layout
-from moep_ds.cli import ArgumentParser, run_command
+from moep_ds.distributed.commands import ArgumentParser, run_command
 from moep_ds.errors import SharedUserError
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from moep_ds.errors import SharedUserError
 from moep_ds.moe.all_to_all import AllToAllDispatcher
 from moep_ds.moe.dispatch import ExpertStage
 from moep_ds.registry import ROUTERS
-from moep_ds.training.ds_config import precision, zero_stage
+from moep_ds.distributed.ds_fields import precision, zero_stage
 
 
 class ParallelLayoutError(SharedUserError):

@@ -1,9 +1,9 @@
 """A model for inference on every rank of a launch, split over the ranks, without an optimizer (used by
-evaluation/partitioned.py; only training/ imports deepspeed).
+evaluation/partitioned.py; DeepSpeed is imported here because its ZeRO-3 engine does the gathering).
 
     model, engine = split_model(cfg, model_dir, "bfloat16", expert_parallel=False)
 
-ZeRO-3 (default): the model is built inside `deepspeed.zero.Init` (training/zero3.py), every rank reads only its
+ZeRO-3 (default): the model is built inside `deepspeed.zero.Init` (distributed/zero3.py), every rank reads only its
 partition of each weight from the checkpoint (`checkpointing.model_dir.load_weights`), and a DeepSpeed engine
 without an optimizer gathers each module's parameters while it runs (each routed block as one unit, as in
 training) and frees them after. Expert parallel: every routed stage is built with this rank's 1/N of the experts
@@ -48,11 +48,11 @@ def split_model(cfg: Any, model_dir: Path, dtype: str, expert_parallel: bool) ->
     from moep_ds.checkpointing.model_state import ExpertLayout
     from moep_ds.models.causal_lm import build_model
     from moep_ds.moe.shard import expert_shard
-    from moep_ds.training.distributed import init_distributed, setup_logging
-    from moep_ds.training.expert_parallel import (
+    from moep_ds.distributed.process_group import init_distributed, setup_logging
+    from moep_ds.distributed.expert_parallel import (
         expert_parallel_group, routed_module_classes, setup_expert_parallel, shard_of,
     )
-    from moep_ds.training.zero3 import check_partitioned, partitioned_construction
+    from moep_ds.distributed.zero3 import check_partitioned, partitioned_construction
 
     ds = inference_ds_config(dtype)
     device = init_distributed()

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moep_ds.cli import run_command
+from moep_ds.distributed.commands import Parser, run_command
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moep-import", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="moep-import", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("source", metavar="SRC", help="Hugging Face folder, hf:REPO[@REVISION], or moep_ds checkpoint")

@@ -1,6 +1,6 @@
 """lm-eval's own command line with the `moep_ds` model registered (lm-eval has no plugin lookup for --model).
 
-    python -m moep_ds.evaluation.lm_eval_cli --model moep_ds --model_args pretrained=runs/x --batch_size 16 \
+    python -m moep_ds.cli.lm_eval --model moep_ds --model_args pretrained=runs/x --batch_size 16 \
         --tasks blimp_filtered --include_path "$(moep-eval --render_tasks /tmp/moep_tasks)"
 
 Under `torchrun -m` or `deepspeed --module` the model is split over the ranks (evaluation/partitioned.py); only
@@ -13,7 +13,8 @@ import re
 import sys
 
 import moep_ds.evaluation.harness  # noqa: F401 - registers the model under the name moep_ds
-from moep_ds.cli import launcher_rank, run_guarded
+from moep_ds.distributed.commands import run_guarded
+from moep_ds.distributed.launcher import launcher_rank
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.evaluation.partitioned import launched_world_size, run_split
 

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from moep_ds.training.ds_config import precision
+from moep_ds.distributed.ds_fields import precision
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -18,16 +18,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "training"))
 from tiny import LAYERS  # noqa: E402
 
 from moep_ds.config import config_from_dict  # noqa: E402
 from moep_ds.models.causal_lm import build_model  # noqa: E402
 from moep_ds.training.config import OptimizerConfig  # noqa: E402
-from moep_ds.training.distributed import init_distributed  # noqa: E402
+from moep_ds.distributed.process_group import init_distributed  # noqa: E402
 from moep_ds.training.optim import param_groups  # noqa: E402
 from moep_ds.training.trainer import build_rank_model  # noqa: E402
-from moep_ds.training.zero3 import PRECISION_DTYPES  # noqa: E402
+from moep_ds.distributed.zero3 import PRECISION_DTYPES  # noqa: E402
 
 
 def main() -> None:

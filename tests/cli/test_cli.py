@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from moep_ds.cli import run_guarded
+from moep_ds.distributed.commands import run_guarded
 from moep_ds.config import config_from_dict
 from moep_ds.errors import SharedUserError
 from moep_ds.evaluation.harness import check_dtype, check_model_args
-from moep_ds.evaluation.lm_eval_cli import unknown_tasks_error
+from moep_ds.cli.lm_eval import unknown_tasks_error
 from moep_ds.training.ds_config import read_ds_config, reconcile
-from moep_ds.training.expert_parallel import check_parallel_layout
+from moep_ds.distributed.expert_parallel import check_parallel_layout
 
 from repo_paths import REPO
 
@@ -31,8 +31,8 @@ MODEL = {"flavour": "llama", "vocab_size": 64, "d_model": 32, "max_seq_len": 16,
 
 @pytest.mark.slow  # two processes per case
 @pytest.mark.parametrize("command, message", [
-    (["-m", "moep_ds.evaluation.run_eval", "{tmp}", "--batch_size", "0"], "--batch_size (0) must be >= 1"),
-    (["-m", "moep_ds.evaluation.run_eval", "{tmp}", "--device", "gpu0"],
+    (["-m", "moep_ds.cli.eval", "{tmp}", "--batch_size", "0"], "--batch_size (0) must be >= 1"),
+    (["-m", "moep_ds.cli.eval", "{tmp}", "--device", "gpu0"],
      "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
     (["-m", "moep_ds.evaluation.generate", "{tmp}", "--top_p", "2"], "--top_p (2.0) must be in (0, 1]"),
     (["pretrain.py", "--config", "{tmp}/recipe.yaml", "--dry_run"], "model.d_model (-1) must be > 0"),
@@ -52,7 +52,7 @@ def test_an_argument_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, 
 @pytest.mark.slow  # two processes per case
 @pytest.mark.parametrize("command", [
     [str(REPO / "pretrain.py"), "--config", "r.yaml", "--bogus"],
-    ["-m", "moep_ds.evaluation.run_eval", "ckpt", "--batch_size", "two"],
+    ["-m", "moep_ds.cli.eval", "ckpt", "--batch_size", "two"],
     ["-m", "moep_ds.evaluation.generate", "ckpt", "--max_new_tokens", "x"],
 ])
 def test_a_usage_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, command):
@@ -137,7 +137,7 @@ def test_an_interrupt_before_training_is_one_line(capsys):
 
 def test_stopping_advice_names_this_run_only():
     """`pkill -USR1 -f pretrain.py` stopped every user's runs on a shared machine."""
-    from moep_ds.cli import pretrain_parser
+    from moep_ds.cli.pretrain import pretrain_parser
 
     text = pretrain_parser().format_help()
     assert "touch RUN_DIR/STOP" in text and 'pkill -USR1 -u "$USER" -f -- "--config configs/x.yaml"' in text

@@ -1,7 +1,8 @@
-"""Run-directory layout: directories appear atomically and a failed write leaves nothing behind."""
+"""File-system helpers (moep_ds/fsutil.py): directories appear atomically and a failed write leaves nothing behind."""
 import pytest
 
-from moep_ds.checkpointing import layout
+from moep_ds import fsutil as layout
+from moep_ds.checkpointing.layout import STEP_PREFIX
 
 
 def test_atomic_dir_failure_leaves_the_old_folder_and_no_new_ones(tmp_path):
@@ -134,7 +135,7 @@ def test_a_save_sweeps_any_checkpoint_left_aside(tmp_path, caplog):
     kept = [folder(tmp_path / name, "kept") for name in (".tmp-step_00000003.old-0123456789ab", "step_00000002",
                                                           ".stepx_00000001.old-0123456789ab")]
     with caplog.at_level("WARNING", logger=layout.__name__):
-        layout.remove_left_aside(tmp_path, rf"{layout.STEP_PREFIX}\d+")
+        layout.remove_left_aside(tmp_path, rf"{STEP_PREFIX}\d+")
     assert sorted(tmp_path.iterdir()) == sorted([*kept, tmp_path / "step_00000001"])
     assert (tmp_path / "step_00000001" / "f").read_text() == "the only copy"
     assert caplog.messages == [f"restoring step_00000001 from {only}, where an interrupted replacement left it",

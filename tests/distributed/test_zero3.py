@@ -1,13 +1,15 @@
-"""ZeRO-3 construction (training/zero3.py): no rank holds the whole model, and the weights are the unpartitioned
+"""ZeRO-3 construction (distributed/zero3.py): no rank holds the whole model, and the weights are the unpartitioned
 model's."""
 from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import pytest
 
-from tiny import launch
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
+from tiny import launch  # noqa: E402
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 
