@@ -123,7 +123,8 @@ def load_extra_states(model: nn.Module, path: Path) -> None:
     model.load_state_dict({k: saved[c] for k, c in wanted.items() if c in saved}, strict=False)
 
 
-def load_module(model: nn.Module, path: Path, ep: ExpertParallelPlan = SINGLE_PROCESS, partitions: bool = False) -> None:
+def load_module(model: nn.Module, path: Path, ep: ExpertParallelPlan = SINGLE_PROCESS,
+                partitions: bool = False) -> None:
     """Parameters (the fp32 masters, in the model's precision), buffers and extra state of a sharded checkpoint
     into `model`, in place; each process reads only the pieces it holds (its experts; with `partitions` its
     ZeRO-3 partitions: `module_pieces`), never the optimizer state."""

@@ -7,8 +7,8 @@ ZeRO-3 (default): the model is built inside `deepspeed.zero.Init` (distributed/z
 partition of each weight from the checkpoint (`checkpointing.model_dir.load_weights`), and a DeepSpeed engine
 without an optimizer gathers each module's parameters while it runs (each routed block as one unit, as in
 training) and frees them after. Expert parallel: every routed stage is built with this rank's 1/N of the experts
-(its expert-parallel plan, moe/plan.py) and sends tokens to their experts' ranks (all-to-all), as in training at expert_parallel_size N;
-the other parameters are whole on every rank.
+(its expert-parallel plan, moe/plan.py) and sends tokens to their experts' ranks (all-to-all), as in training at
+expert_parallel_size N; the other parameters are whole on every rank.
 """
 from __future__ import annotations
 

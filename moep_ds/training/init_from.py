@@ -33,7 +33,8 @@ def initialise_from_source(engine, model, cfg: Any, plan: ExpertParallelPlan = S
     label = f"model.init_from ({src!r})"
     fill_pieces(model_state.module_pieces(model, plan), weights, keep, label)
     st.init_optimizer_state(engine.optimizer)  # zero moments, step 0: what a fresh optimizer's first step makes
-    masters = {k: v for k, v in engine_pieces(engine, model, plan, for_load=True).items() if not k.startswith(OPTIM_PREFIX)}
+    masters = {k: v for k, v in engine_pieces(engine, model, plan, for_load=True).items()
+               if not k.startswith(OPTIM_PREFIX)}
     fill_pieces(masters, weights, keep, label)
     commit_partitions(model, masters)
     st.refresh_working_copies(engine.optimizer)
