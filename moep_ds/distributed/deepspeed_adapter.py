@@ -137,8 +137,11 @@ def unfused_loss_scale(optimizer: Any) -> Any:
 
 
 def link_optimizer_state(optimizer: Any) -> None:
-    """ZeRO-1/2 and the bf16 optimizer: make every partitioned parameter's view of the Adam moments current
-    (DeepSpeed links them once, after the first step of the first parameter group)."""
+    """ZeRO-1/2 and the bf16 optimizer: make every partitioned parameter's view of the Adam moments current.
+
+    DeepSpeed links these views once, after the first optimizer step of the FIRST parameter group, so groups
+    stepped after it (e.g. our no-weight-decay group) stay unlinked; relinking is cheap (narrow views into the
+    flat state)."""
     if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()

@@ -1,7 +1,7 @@
 """Expert parallelism on a launch: the plan of this rank (DeepSpeed's expert groups), DeepSpeed's MoE marks.
 
     plan = expert_parallel_plan(cfg.model, cfg.train.expert_parallel_size)   # every rank, before the model
-    model = build_model(cfg.model, plan=plan)        # this rank's experts only, all-to-all over plan.group
+    model = build_model(cfg.model, plan=plan)        # this rank's experts only
     setup_expert_parallel(model, plan)               # all-to-all over plan.group, DeepSpeed's view of the stages
 
 Every routed stage (moe/dispatch.py `ExpertStage`: FFN-MoE layers, MSIT branches, MoEP paths and their
