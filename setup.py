@@ -17,7 +17,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         TORCH,
-        "deepspeed>=0.19,<0.20",  # the range tested (training/ reads some of its internals)
+        "deepspeed>=0.19,<0.20",  # the range tested (distributed/deepspeed_adapter.py: the internals read)
         "tokenizers>=0.19",
         "datasets>=2.19",
         "sentencepiece",

@@ -115,7 +115,7 @@ def worker(args) -> None:
     sharded_path = out / "checkpoints" / "step_00000001"
 
     def load_sharded():
-        ckpt_io.load_engine_state(trainer.engine, trainer.model, sharded_path, trainer.ep_group)
+        ckpt_io.load_engine_state(trainer.engine, trainer.model, sharded_path, trainer.ep_plan)
 
     measure("sharded (sync)", trainer.save, load_sharded, sharded_path)
     trainer.checkpoints = ckpt_io.CheckpointWriter(trainer.run_dir, keep_last=1, async_save=True)
@@ -123,8 +123,8 @@ def worker(args) -> None:
     consolidated = out / "consolidated"
     state = json.loads((sharded_path / ckpt_io.TRAINER_STATE_FILE).read_text())
     measure("consolidated (today)",
-            lambda: save_consolidated(trainer.engine, trainer.model, cfg, consolidated, state, trainer.ep_group),
-            lambda: load_consolidated_engine(trainer.engine, trainer.model, consolidated, trainer.ep_group),
+            lambda: save_consolidated(trainer.engine, trainer.model, cfg, consolidated, state, trainer.ep_plan.group),
+            lambda: load_consolidated_engine(trainer.engine, trainer.model, consolidated, trainer.ep_plan.group),
             consolidated)
     rows = {k: {**v, "rank_rss_after_step": rss()} for k, v in rows.items()}
     if rank == 0:

@@ -67,7 +67,7 @@ def build_worker(args) -> None:
 
     from moep_ds.models.causal_lm import build_model
     from moep_ds.distributed.process_group import init_distributed
-    from moep_ds.distributed.expert_parallel import expert_parallel_group, setup_expert_parallel
+    from moep_ds.distributed.expert_parallel import expert_parallel_plan, setup_expert_parallel
     from moep_ds.training.trainer import build_rank_model
 
     import deepspeed.runtime.zero.partition_parameters  # noqa: F401 - imported before measuring, for every way
@@ -79,15 +79,15 @@ def build_worker(args) -> None:
     cfg = load_cfg(args)
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 3 if args.way == "zero3" else 2}}
-    ep_group = expert_parallel_group(dist.get_world_size()) if args.way == "ep" else None
+    plan = expert_parallel_plan(cfg.model, dist.get_world_size() if args.way == "ep" else 1)
     dist.barrier()
     with PeakRSS() as peak:
         if args.way == "whole":
             torch.manual_seed(0)
             model = build_model(cfg.model)
         else:
-            model = build_rank_model(cfg.model, ds, 0, ep_group)
-            setup_expert_parallel(model, ep_group)
+            model = build_rank_model(cfg.model, ds, 0, plan)
+            setup_expert_parallel(model, plan)
     report_worst_and_exit(peak.added, args.out)
 
 

@@ -17,6 +17,7 @@ import yaml
 from moep_ds.data.config import DataConfig
 from moep_ds.evaluation.config import EvalConfig
 from moep_ds.models.config import ModelConfig, layer_entries
+from moep_ds.models.plan import plan_for
 from moep_ds.moe.layer import check_lifecycle_placement
 from moep_ds.schema import ConfigError, fail, join, parse, to_dict
 from moep_ds.training.config import TrainConfig
@@ -43,18 +44,9 @@ class Config:
         if self.train.eval_every and self.data.val_fraction == 0 and self.data.val_source is None:
             fail("train.eval_every", self.train.eval_every,
                  "needs validation data: data.val_fraction > 0 or a data.val_source")
-        ep, routed = self.train.expert_parallel_size, False
         for layer_path, layer in layer_entries(self.model.layers, "model"):
             check_lifecycle_placement(layer, layer_path)
-            if hasattr(layer, "check_expert_parallel"):  # blocks whose experts are their own (msit, paths)
-                layer.check_expert_parallel(layer_path, ep)
-                routed = True
-            moe = getattr(layer, "moe", None)
-            if moe is not None and hasattr(moe, "check_expert_parallel"):
-                moe.check_expert_parallel(f"{layer_path}.moe", ep)
-                routed = True
-        if ep > 1 and not routed:
-            fail("train.expert_parallel_size", ep, "must be 1: the model has no routed experts to shard")
+        plan_for(self.model, self.train.expert_parallel_size)  # the plan's one check of the routed stages
 
 
 class _Loader(yaml.SafeLoader):

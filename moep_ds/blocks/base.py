@@ -25,7 +25,8 @@ class BlockOutput(NamedTuple):
 
 
 class Block(nn.Module):
-    """Base class: subclasses take `(cfg, *, d_model, layer_idx)` and implement `forward`."""
+    """Base class: subclasses take `(cfg, *, d_model, layer_idx, plan)` and implement `forward`; `plan` (an
+    `ExpertParallelPlan`, moe/plan.py) says which experts of its routed stages this process builds."""
 
     def forward(self, x_BTD: torch.Tensor, *, positions_BT: torch.Tensor, cache: Any = None) -> BlockOutput:
         raise NotImplementedError

@@ -17,6 +17,7 @@ from moep_ds.blocks.base import Block, BlockOutput
 from moep_ds.layers.attention import AttentionConfig, KVCache, build_attention
 from moep_ds.layers.ffn import FFNConfig, build_ffn
 from moep_ds.layers.norm import NormConfig, build_norm
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.registry import ATTENTIONS, BLOCKS, FFNS, NORMS
 from moep_ds.schema import OneOf, PositiveInt
 
@@ -50,14 +51,14 @@ class AttentionSublayer(nn.Module):
 class DenseBlock(Block):
     """Attention sublayer, then a feed-forward sublayer: a dense FFN here, an MoE layer in `ffn_moe`."""
 
-    def __init__(self, cfg: Any, *, d_model: int, layer_idx: int):
+    def __init__(self, cfg: Any, *, d_model: int, layer_idx: int, plan: ExpertParallelPlan = SINGLE_PROCESS):
         super().__init__()
         self.parallel_residual = cfg.parallel_residual
         self.attention = AttentionSublayer(cfg.attention, cfg.norm, d_model)
         self.ffn_norm = build_norm(cfg.norm, d_model)
-        self.build_feed_forward(cfg, d_model)
+        self.build_feed_forward(cfg, d_model, plan)
 
-    def build_feed_forward(self, cfg: DenseBlockConfig, d_model: int) -> None:
+    def build_feed_forward(self, cfg: DenseBlockConfig, d_model: int, plan: ExpertParallelPlan) -> None:
         self.ffn = build_ffn(cfg.ffn, d_model)
 
     def feed_forward(self, x_BTD: torch.Tensor) -> BlockOutput:

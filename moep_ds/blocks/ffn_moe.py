@@ -19,6 +19,7 @@ from moep_ds.blocks.base import BlockOutput
 from moep_ds.blocks.dense import DenseBlock
 from moep_ds.layers.norm import NormConfig
 from moep_ds.moe.layer import MoEConfig, MoELayer
+from moep_ds.moe.plan import ExpertParallelPlan, RoutedStage
 from moep_ds.registry import ATTENTIONS, BLOCKS, NORMS
 from moep_ds.schema import OneOf, PositiveInt
 
@@ -35,13 +36,16 @@ class FFNMoEBlockConfig:
     def check_dims(self, path: str, d_model: int) -> None:
         self.attention.check_dims(f"{path}.attention", d_model)
 
+    def routed_stages(self, path: str) -> list[RoutedStage]:
+        return self.moe.routed_stages(f"{path}.moe")
+
 
 @BLOCKS.register("ffn_moe", config=FFNMoEBlockConfig)
 class FFNMoEBlock(DenseBlock):
     """The dense block (either residual layout) with an MoE layer as its feed-forward sublayer."""
 
-    def build_feed_forward(self, cfg: FFNMoEBlockConfig, d_model: int) -> None:
-        self.moe = MoELayer(cfg.moe, d_model=d_model)
+    def build_feed_forward(self, cfg: FFNMoEBlockConfig, d_model: int, plan: ExpertParallelPlan) -> None:
+        self.moe = MoELayer(cfg.moe, d_model=d_model, plan=plan)
 
     def feed_forward(self, x_BTD: torch.Tensor) -> BlockOutput:
         moe = self.moe(x_BTD)

@@ -48,6 +48,7 @@ from moep_ds.layers.routed_attention import RoutedKVCache, RoutedSelfAttention
 from moep_ds.moe.dispatch import (
     ExpertBatch, ExpertStage, combine_dense, dense_routing, in_token_order, sequence_ids,
 )
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan, RoutedStage
 from moep_ds.moe.stacked import StackedExperts
 from moep_ds.registry import BLOCKS, NORMS, ROUTERS
 from moep_ds.routing.expert_choice import ExpertChoiceConfig
@@ -90,11 +91,9 @@ class MSITBlockConfig:
         if hasattr(self.router, "check_num_experts"):
             self.router.check_num_experts(f"{path}.router", len(self.experts.windows))
 
-    def check_expert_parallel(self, path: str, expert_parallel_size: int) -> None:
-        if len(self.experts.windows) % expert_parallel_size:
-            ep = expert_parallel_size
-            problem = f"must have a length divisible by expert_parallel_size ({ep}): one expert per window"
-            fail(f"{path}.experts.windows", self.experts.windows, problem)
+    def routed_stages(self, path: str) -> list[RoutedStage]:
+        windows = self.experts.windows
+        return [RoutedStage(f"{path}.experts.windows", windows, len(windows), note="one expert per window")]
 
 
 class MSITBranch(nn.Module):
@@ -126,10 +125,11 @@ class MSITExperts(ExpertStage):
     """Eqs. 4-6: shared W_down, the branches (experts, stacked [E, ...]) on their selected tokens through the
     dispatcher, gated scatter-add, shared W_up."""
 
-    def __init__(self, cfg: MSITExpertConfig, norm: NormConfig, d_model: int, active_experts_per_token: float):
-        super().__init__(len(cfg.windows))
+    def __init__(self, cfg: MSITExpertConfig, norm: NormConfig, d_model: int, active_experts_per_token: float,
+                 plan: ExpertParallelPlan = SINGLE_PROCESS):
+        super().__init__(len(cfg.windows), plan)
         self.w_down = nn.Linear(d_model, cfg.d_thin, bias=False)
-        self.branches = StackedExperts.build(lambda: MSITBranch(cfg, norm), len(cfg.windows))
+        self.branches = StackedExperts.build(lambda: MSITBranch(cfg, norm), len(cfg.windows), plan)
         self.w_up = nn.Linear(cfg.d_thin, d_model, bias=False)
         self.windows = list(cfg.windows)  # of every expert, by global index
         self.token_share = active_experts_per_token / self.num_experts
@@ -193,7 +193,8 @@ def cache_part(cache: MSITCache | None) -> KVCache | None:
 
 @BLOCKS.register("msit", config=MSITBlockConfig)
 class MSITBlock(Block):
-    def __init__(self, cfg: MSITBlockConfig, *, d_model: int, layer_idx: int):
+    def __init__(self, cfg: MSITBlockConfig, *, d_model: int, layer_idx: int,
+                 plan: ExpertParallelPlan = SINGLE_PROCESS):
         super().__init__()
         self.cfg = cfg
         num_experts = len(cfg.experts.windows)
@@ -201,7 +202,7 @@ class MSITBlock(Block):
         self.global_block = DenseBlock(dense, d_model=d_model, layer_idx=layer_idx)
         self.router_norm = build_norm(cfg.norm, d_model)
         self.router = ROUTERS.build(cfg.router, d_model=d_model, num_experts=num_experts)
-        self.experts = MSITExperts(cfg.experts, cfg.norm, d_model, self.router.active_experts_per_token())
+        self.experts = MSITExperts(cfg.experts, cfg.norm, d_model, self.router.active_experts_per_token(), plan)
         self.out_norm = build_norm(cfg.norm, d_model)
 
     def forward(self, x_BTD: torch.Tensor, *, positions_BT: torch.Tensor, cache: Any = None) -> BlockOutput:

@@ -42,7 +42,8 @@ from moep_ds.moe.dispatch import (
     ExpertBatch, ExpertStage, combine_dense, dense_routing, in_token_order, sequence_ids,
 )
 from moep_ds.moe.grouped_mm import expert_offsets, library_grouped_mm, library_supports
-from moep_ds.moe.shard import held_experts, mark_expert_rows, normal_
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan, RoutedStage
+from moep_ds.moe.shard import mark_expert_rows, normal_
 from moep_ds.moe.stacked import StackedExperts, keep_expert_slice_
 from moep_ds.registry import BLOCKS, NORMS, ROUTERS
 from moep_ds.routing.plan import RoutingPlan
@@ -81,11 +82,10 @@ class PathsBlockConfig:
             if hasattr(router, "check_num_experts"):
                 router.check_num_experts(f"{path}.{name}", n)
 
-    def check_expert_parallel(self, path: str, expert_parallel_size: int) -> None:
-        for name in ("num_paths", "num_projection_experts"):
-            if getattr(self, name) % expert_parallel_size:
-                problem = f"must be divisible by expert_parallel_size ({expert_parallel_size})"
-                fail(f"{path}.{name}", getattr(self, name), problem)
+    def routed_stages(self, path: str) -> list[RoutedStage]:
+        """The paths, and the projection experts (the contraction's and the expansion's: one count)."""
+        return [RoutedStage(f"{path}.{name}", getattr(self, name), getattr(self, name))
+                for name in ("num_paths", "num_projection_experts")]
 
     def resolved_path_attention(self, d_model: int, path: str = "") -> AttentionConfig:
         if self.path_attention is not None:
@@ -153,9 +153,9 @@ class LinearExperts(ExpertStage):
     """E bias-free linear maps w_EOI (I -> O); each token's output is the gated sum over its experts."""
 
     def __init__(self, num_experts: int, d_in: int, d_out: int, active_experts_per_token: float,
-                 residual_output: bool):
-        super().__init__(num_experts)
-        held = held_experts(num_experts)  # all of them unless built inside `expert_shard` (moe/shard.py)
+                 residual_output: bool, plan: ExpertParallelPlan = SINGLE_PROCESS):
+        super().__init__(num_experts, plan)
+        held = plan.held(num_experts)  # all of them on one process
         self.w_EOI = mark_expert_rows(nn.Parameter(torch.empty(len(held), d_out, d_in)), held.start, num_experts)
         self.num_local_experts = len(held)
         self.active_share = active_experts_per_token / num_experts
@@ -198,9 +198,10 @@ class LinearExperts(ExpertStage):
 class ParallelPaths(ExpertStage):
     """y = z + sum over a token's top-K paths j of p_j (Path_j(z) - z); the paths are experts, stacked [N, ...]."""
 
-    def __init__(self, cfg: PathsBlockConfig, d_model: int, active_experts_per_token: float):
-        super().__init__(cfg.num_paths)
-        self.paths = StackedExperts.build(lambda: Path(cfg, d_model), cfg.num_paths)
+    def __init__(self, cfg: PathsBlockConfig, d_model: int, active_experts_per_token: float,
+                 plan: ExpertParallelPlan = SINGLE_PROCESS):
+        super().__init__(cfg.num_paths, plan)
+        self.paths = StackedExperts.build(lambda: Path(cfg, d_model), cfg.num_paths, plan)
         self.active_share = active_experts_per_token / cfg.num_paths
         for layer in self.paths.expert.layers:
             layer.attn.token_share = self.active_share
@@ -255,7 +256,8 @@ class PathsCache:
 
 @BLOCKS.register("paths", config=PathsBlockConfig)
 class PathsBlock(Block):
-    def __init__(self, cfg: PathsBlockConfig, *, d_model: int, layer_idx: int):
+    def __init__(self, cfg: PathsBlockConfig, *, d_model: int, layer_idx: int,
+                 plan: ExpertParallelPlan = SINGLE_PROCESS):
         super().__init__()
         full = DenseBlockConfig(
             attention=cfg.attention, ffn=cfg.ffn, norm=cfg.norm, parallel_residual=cfg.parallel_residual
@@ -265,13 +267,13 @@ class PathsBlock(Block):
         self.contract_norm = build_norm(cfg.norm, d_model)
         self.contract_router = ROUTERS.build(cfg.projection_router, d_model=d_model, num_experts=E)
         active = self.contract_router.active_experts_per_token()  # the expansion's router has the same config
-        self.contract = LinearExperts(E, d_model, cfg.d_path, active, residual_output=False)
+        self.contract = LinearExperts(E, d_model, cfg.d_path, active, residual_output=False, plan=plan)
         self.path_norm = build_norm(cfg.norm, cfg.d_path)
         self.path_router = ROUTERS.build(cfg.path_router, d_model=cfg.d_path, num_experts=cfg.num_paths)
-        self.paths = ParallelPaths(cfg, d_model, self.path_router.active_experts_per_token())
+        self.paths = ParallelPaths(cfg, d_model, self.path_router.active_experts_per_token(), plan)
         self.expand_norm = build_norm(cfg.norm, cfg.d_path)
         self.expand_router = ROUTERS.build(cfg.projection_router, d_model=cfg.d_path, num_experts=E)
-        self.expand = LinearExperts(E, cfg.d_path, d_model, active, residual_output=True)
+        self.expand = LinearExperts(E, cfg.d_path, d_model, active, residual_output=True, plan=plan)
         self.post = DenseBlock(full, d_model=d_model, layer_idx=layer_idx)
 
     def forward(self, x_BTD: torch.Tensor, *, positions_BT: torch.Tensor, cache: Any = None) -> BlockOutput:

@@ -18,6 +18,7 @@ from moep_ds.layers.ffn import FFNConfig
 from moep_ds.layers.norm import NormConfig, build_norm
 from moep_ds.layers.ssm import SSMConfig
 from moep_ds.moe.layer import MoEConfig, MoELayer
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan, RoutedStage
 from moep_ds.registry import BLOCKS, MIXERS, NORMS
 from moep_ds.routing.topk import TopKConfig
 from moep_ds.schema import OneOf, PositiveInt
@@ -38,15 +39,19 @@ class SSMMoEBlockConfig:
     moe: MoEConfig = dataclasses.field(default_factory=default_moe)
     norm: Annotated[Any, OneOf(NORMS)] = dataclasses.field(default_factory=NormConfig)
 
+    def routed_stages(self, path: str) -> list[RoutedStage]:
+        return self.moe.routed_stages(f"{path}.moe")
+
 
 @BLOCKS.register("ssm_moe", config=SSMMoEBlockConfig)
 class SSMMoEBlock(Block):
-    def __init__(self, cfg: SSMMoEBlockConfig, *, d_model: int, layer_idx: int):
+    def __init__(self, cfg: SSMMoEBlockConfig, *, d_model: int, layer_idx: int,
+                 plan: ExpertParallelPlan = SINGLE_PROCESS):
         super().__init__()
         self.mixer_norm = build_norm(cfg.norm, d_model)
         self.mixer = MIXERS.build(cfg.mixer, d_model)
         self.moe_norm = build_norm(cfg.norm, d_model)
-        self.moe = MoELayer(cfg.moe, d_model=d_model)
+        self.moe = MoELayer(cfg.moe, d_model=d_model, plan=plan)
 
     def forward(self, x_BTD: torch.Tensor, *, positions_BT: torch.Tensor, cache: Any = None) -> BlockOutput:
         # the recurrence orders tokens by their index in the row; positions only matter to attention

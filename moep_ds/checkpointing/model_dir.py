@@ -29,6 +29,7 @@ from moep_ds.checkpointing.streaming import (
     TensorEntry, check_safetensors, module_entries, safetensors_entries, sharded_entries, write_safetensors,
 )
 from moep_ds.errors import UserError
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ def tokenizer_and_meta(model_dir: Path) -> tuple[Any, dict[str, Any]]:
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path, cfg: Any, partitions: bool = False,
-                 ep: model_state.ExpertLayout = model_state.ExpertLayout()) -> None:
+                 ep: ExpertParallelPlan = SINGLE_PROCESS) -> None:
     """The weights, buffers and extra state of a model directory or sharded checkpoint into `model`. With
     `partitions` the model is built partitioned (ZeRO-3, no optimizer), with `ep` it holds expert-parallel rank
     ep.rank's experts: each rank reads what it holds only."""
@@ -274,7 +275,7 @@ def load_consolidated(model: torch.nn.Module, model_dir: Path, cfg: Any) -> None
 
 
 def load_consolidated_pieces(model: torch.nn.Module, model_dir: Path,
-                             ep: model_state.ExpertLayout = model_state.ExpertLayout()) -> None:
+                             ep: ExpertParallelPlan = SINGLE_PROCESS) -> None:
     """`load_consolidated` for a model that holds parts of its tensors (ZeRO-3 partitions, expert-parallel rank
     ep.rank's experts): each piece (`model_state.module_pieces`) is read alone, as the rows of the stored tensor
     that hold it."""

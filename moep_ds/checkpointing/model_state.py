@@ -9,7 +9,6 @@ layout that wrote it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +17,11 @@ from torch import nn
 
 from moep_ds.checkpointing import sharded
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, FlatShard
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.moe.shard import full_shape
 
 WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module")
 EXTRA_STATE_FILE = "extra_state.json"  # non-tensor module state (get_extra_state), canonical keys
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """This process's place in the expert-parallel group (rank, size); experts [rank*L, (rank+1)*L) are local."""
-
-    rank: int = 0
-    size: int = 1
 
 
 def canonical_name(name: str) -> str:
@@ -41,8 +33,9 @@ def is_expert_param(p: torch.Tensor) -> bool:
     return getattr(p, "allreduce", True) is False
 
 
-def expert_offset(local_numel: int, expert: bool, ep: ExpertLayout) -> tuple[int, int]:
-    """(offset of this rank's piece, numel of the global tensor), both flat."""
+def expert_offset(local_numel: int, expert: bool, ep: ExpertParallelPlan) -> tuple[int, int]:
+    """(offset of this rank's piece, numel of the global tensor), both flat: rank r of the plan holds experts
+    [r*L, (r+1)*L) of every stage."""
     return (ep.rank * local_numel, local_numel * ep.size) if expert else (0, local_numel)
 
 
@@ -56,7 +49,7 @@ def zero3_partition(p: torch.Tensor) -> tuple[int, int]:
     return start, max(0, min(part, p.ds_numel - start))
 
 
-def global_shape(shape: torch.Size, expert: bool, ep: ExpertLayout) -> tuple[int, ...]:
+def global_shape(shape: torch.Size, expert: bool, ep: ExpertParallelPlan) -> tuple[int, ...]:
     return (shape[0] * ep.size, *shape[1:]) if expert else tuple(shape)
 
 
@@ -70,7 +63,7 @@ def extra_states(model: nn.Module) -> dict[str, Any]:
     return {canonical_name(k): v for k, v in model.state_dict().items() if not isinstance(v, torch.Tensor)}
 
 
-def shapes(model: nn.Module, ep: ExpertLayout = ExpertLayout()) -> dict[str, tuple[int, ...]]:
+def shapes(model: nn.Module, ep: ExpertParallelPlan = SINGLE_PROCESS) -> dict[str, tuple[int, ...]]:
     """Global shapes of every parameter (also ZeRO-3-partitioned ones) and buffer, by canonical name."""
     out = {canonical_name(n): global_shape(full_shape(p), is_expert_param(p), ep) for n, p in model.named_parameters()}
     out.update({n: tuple(b.shape) for n, b in buffers(model).items()})
@@ -91,7 +84,7 @@ def tied_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def module_pieces(model: nn.Module, ep: ExpertLayout = ExpertLayout(), partitions: bool = False
+def module_pieces(model: nn.Module, ep: ExpertParallelPlan = SINGLE_PROCESS, partitions: bool = False
                   ) -> dict[str, FlatShard]:
     """Every parameter and buffer of `model` as it is held here (local experts at their offset), in its global
     shape: the target of a load into the module itself, before an engine owns it. ZeRO-3 parameters are left
@@ -130,7 +123,8 @@ def load_extra_states(model: nn.Module, path: Path) -> None:
     model.load_state_dict({k: saved[c] for k, c in wanted.items() if c in saved}, strict=False)
 
 
-def load_module(model: nn.Module, path: Path, ep: ExpertLayout = ExpertLayout(), partitions: bool = False) -> None:
+def load_module(model: nn.Module, path: Path, ep: ExpertParallelPlan = SINGLE_PROCESS,
+                partitions: bool = False) -> None:
     """Parameters (the fp32 masters, in the model's precision), buffers and extra state of a sharded checkpoint
     into `model`, in place; each process reads only the pieces it holds (its experts; with `partitions` its
     ZeRO-3 partitions: `module_pieces`), never the optimizer state."""

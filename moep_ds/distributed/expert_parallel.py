@@ -1,10 +1,13 @@
-"""Expert parallelism: DeepSpeed's expert groups, sharded experts, all-to-all dispatch, MoE parameter marks.
+"""Expert parallelism on a launch: the plan of this rank (DeepSpeed's expert groups), DeepSpeed's MoE marks.
+
+    plan = expert_parallel_plan(cfg.model, cfg.train.expert_parallel_size)   # every rank, before the model
+    model = build_model(cfg.model, plan=plan)        # this rank's experts only
+    setup_expert_parallel(model, plan)               # all-to-all over plan.group, DeepSpeed's view of the stages
 
 Every routed stage (moe/dispatch.py `ExpertStage`: FFN-MoE layers, MSIT branches, MoEP paths and their
-projection experts) is sharded alike. The DeepSpeed engine treats a module as MoE (expert gradients
-averaged over the expert-data-parallel group, MoE optimizer groups) only if it is an instance of
-`deepspeed.moe.layer.MoE`. Model code stays free of deepspeed: at engine build time each stage is given a
-class that also derives from DeepSpeed's MoE, with the attributes the engine reads.
+projection experts) is sharded alike, by the plan it is built with (moe/plan.py). The DeepSpeed engine treats a
+module as MoE (expert gradients averaged over the expert-data-parallel group, MoE optimizer groups) only if it
+is an instance of DeepSpeed's MoE: distributed/deepspeed_adapter.py adds one parameter-free view per stage.
 """
 from __future__ import annotations
 
@@ -13,11 +16,14 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from moep_ds.distributed import deepspeed_adapter
+from moep_ds.distributed.ds_fields import precision, zero_stage
 from moep_ds.errors import SharedUserError
+from moep_ds.models.plan import plan_for
 from moep_ds.moe.all_to_all import AllToAllDispatcher
 from moep_ds.moe.dispatch import ExpertStage
+from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.registry import ROUTERS
-from moep_ds.distributed.ds_fields import precision, zero_stage
 
 
 class ParallelLayoutError(SharedUserError):
@@ -60,56 +66,30 @@ def check_parallel_layout(cfg: Any, ds: dict, world_size: int) -> None:
             f"optimizer there leaves expert gradients out of the gradient norm it clips by); use ZeRO 1-2, or fp32")
 
 
-def engine_view_class(cls: type) -> type:
-    from deepspeed.moe.layer import MoE
-
-    def set_deepspeed_parallelism(self, *args: Any, **kwargs: Any) -> None:
-        """Groups were created by `setup_expert_parallel`; our dispatcher already holds its group."""
-
-    return type(f"DeepSpeed{cls.__name__}", (cls, MoE), {"set_deepspeed_parallelism": set_deepspeed_parallelism})
-
-
-def expert_parallel_group(ep_size: int):
-    """DeepSpeed's expert-parallel group of this rank (created on first use); None at ep_size 1."""
-    if ep_size == 1:
-        return None
-    from deepspeed.utils import groups
-
-    name = f"ep_size_{ep_size}"
-    if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep_size)
-    return groups._get_expert_parallel_group(name)
+def expert_parallel_plan(model_cfg: Any, ep_size: int) -> ExpertParallelPlan:
+    """This rank's plan for `model_cfg` at `ep_size` (validated: a routed stage that `ep_size` does not divide is
+    a one-line error naming its recipe field), over DeepSpeed's expert-parallel group (None at ep_size 1)."""
+    group = deepspeed_adapter.expert_parallel_group(ep_size)
+    rank = 0 if group is None else dist.get_rank(group)
+    return plan_for(model_cfg, ep_size, rank, group)
 
 
-def shard_of(ep_group) -> tuple[int, int]:
-    """(rank, size) for `moe.shard.expert_shard`: the experts this rank builds."""
-    return (0, 1) if ep_group is None else (dist.get_rank(ep_group), dist.get_world_size(ep_group))
-
-
-def setup_expert_parallel(model: nn.Module, ep_group) -> None:
-    """Wire the all-to-all dispatcher and DeepSpeed's MoE marks into every routed stage of a model built inside
-    `expert_shard(*shard_of(ep_group))`, which holds this rank's experts only (no rank ever builds them all)."""
-    if ep_group is None:
+def setup_expert_parallel(model: nn.Module, plan: ExpertParallelPlan) -> None:
+    """Wire every routed stage of a model built with `plan` to the plan's group (an AllToAllDispatcher: tokens go
+    to their experts' ranks) and show it to DeepSpeed's engine as one of its MoE layers (expert parameters marked,
+    one view per stage: deepspeed_adapter.show_as_moe). Nothing to do at size 1."""
+    if plan.size == 1:
         return
-    ep_rank, ep_size = shard_of(ep_group)
     layers = expert_stages(model)
     if not layers:
-        raise ParallelLayoutError(f"train.expert_parallel_size ({ep_size}) > 1 but the model has no routed experts")
-    name = f"ep_size_{ep_size}"
+        raise ParallelLayoutError(f"train.expert_parallel_size ({plan.size}) > 1 but the model has no routed experts")
     for layer in layers:
-        local = layer.num_experts // ep_size
-        first, held = layer.first_local_expert, layer.experts.num_local_experts
-        if (first, held) != (ep_rank * local, local):
+        first, count = layer.first_local_expert, layer.experts.num_local_experts
+        needed = plan.held(layer.num_experts)
+        if (first, count) != (needed.start, len(needed)):
             raise ParallelLayoutError(
-                f"a routed stage holds experts [{first}, {first + held}) of {layer.num_experts}; expert-parallel rank "
-                f"{ep_rank} of {ep_size} needs [{ep_rank * local}, {(ep_rank + 1) * local}): build the model inside "
-                f"moe.shard.expert_shard({ep_rank}, {ep_size})")
-        layer.set_dispatcher(AllToAllDispatcher(ep_group, layer.num_experts))
-        for p in layer.experts.parameters():
-            p.allreduce = False  # DeepSpeed's mark of an expert parameter
-            p.group_name = name
-        layer.__class__ = engine_view_class(type(layer))
-        layer.ep_size = ep_size
-        layer.expert_group_name = name
-        layer.num_local_experts = local
-        layer.enable_expert_tensor_parallelism = False
+                f"a routed stage holds experts [{first}, {first + count}) of {layer.num_experts}; expert-parallel rank "
+                f"{plan.rank} of {plan.size} needs [{needed.start}, {needed.stop}): build the model with this plan, "
+                f"build_model(cfg, plan=plan)")
+        layer.set_dispatcher(AllToAllDispatcher(plan, layer.num_experts))
+        deepspeed_adapter.show_as_moe(layer, layer.num_experts, plan.size)

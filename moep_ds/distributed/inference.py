@@ -7,8 +7,8 @@ ZeRO-3 (default): the model is built inside `deepspeed.zero.Init` (distributed/z
 partition of each weight from the checkpoint (`checkpointing.model_dir.load_weights`), and a DeepSpeed engine
 without an optimizer gathers each module's parameters while it runs (each routed block as one unit, as in
 training) and frees them after. Expert parallel: every routed stage is built with this rank's 1/N of the experts
-(moe/shard.py) and sends tokens to their experts' ranks (all-to-all), as in training at expert_parallel_size N;
-the other parameters are whole on every rank.
+(its expert-parallel plan, moe/plan.py) and sends tokens to their experts' ranks (all-to-all), as in training at
+expert_parallel_size N; the other parameters are whole on every rank.
 """
 from __future__ import annotations
 
@@ -45,28 +45,24 @@ def split_model(cfg: Any, model_dir: Path, dtype: str, expert_parallel: bool) ->
     import deepspeed
 
     from moep_ds.checkpointing.model_dir import load_weights
-    from moep_ds.checkpointing.model_state import ExpertLayout
     from moep_ds.models.causal_lm import build_model
-    from moep_ds.moe.shard import expert_shard
     from moep_ds.distributed.process_group import init_distributed, setup_logging
-    from moep_ds.distributed.expert_parallel import (
-        expert_parallel_group, routed_module_classes, setup_expert_parallel, shard_of,
-    )
+    from moep_ds.distributed.expert_parallel import expert_parallel_plan, routed_module_classes, setup_expert_parallel
     from moep_ds.distributed.zero3 import check_partitioned, partitioned_construction
 
     ds = inference_ds_config(dtype)
     device = init_distributed()
     setup_logging(dist.get_rank())
     world = dist.get_world_size()
-    ep_group = expert_parallel_group(world) if expert_parallel else None
-    with expert_shard(*shard_of(ep_group)), nullcontext() if expert_parallel else partitioned_construction(ds):
-        model = build_model(cfg.model, initialise=False)  # every weight comes from the checkpoint
+    plan = expert_parallel_plan(cfg.model, world if expert_parallel else 1)
+    with nullcontext() if expert_parallel else partitioned_construction(ds):
+        model = build_model(cfg.model, plan=plan, initialise=False)  # every weight comes from the checkpoint
     if not expert_parallel:
         check_partitioned(model)
-    setup_expert_parallel(model, ep_group)
+    setup_expert_parallel(model, plan)
     error = None
     try:
-        load_weights(model, model_dir, cfg, partitions=not expert_parallel, ep=ExpertLayout(*shard_of(ep_group)))
+        load_weights(model, model_dir, cfg, partitions=not expert_parallel, ep=plan)
     except UserError as err:  # e.g. a file that one node reads differently
         error = err
     stop_together(error, f"checkpoint {str(model_dir)!r}")

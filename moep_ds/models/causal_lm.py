@@ -17,6 +17,8 @@ from moep_ds.deferred_init import deferred_init
 from moep_ds.layers.norm import build_norm
 from moep_ds.moe.shard import normal_
 from moep_ds.models.config import ModelConfig
+from moep_ds.models.plan import check_plan
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.registry import BLOCKS
 
 IGNORE_INDEX = -100
@@ -32,14 +34,16 @@ class CausalLMOutput:
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, initialise: bool = True):
+    def __init__(self, cfg: ModelConfig, *, initialise: bool = True, plan: ExpertParallelPlan = SINGLE_PROCESS):
         super().__init__()
+        check_plan(cfg, plan)
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position_embedding == "learned" else None
         with contextlib.nullcontext() if initialise else deferred_init():  # routers and experts draw nothing
             self.blocks = nn.ModuleList(
-                BLOCKS.build(layer, d_model=cfg.d_model, layer_idx=i) for i, layer in enumerate(cfg.expanded_layers())
+                BLOCKS.build(layer, d_model=cfg.d_model, layer_idx=i, plan=plan)
+                for i, layer in enumerate(cfg.expanded_layers())
             )
         self.norm = build_norm(cfg.final_norm, cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -131,6 +135,8 @@ def cache_length(cache: list[Any] | None) -> int:
     return getattr(cache, "length", 0) if cache is not None else 0
 
 
-def build_model(cfg: ModelConfig, *, initialise: bool = True) -> CausalLM:
-    """`initialise=False` leaves the weights to a later `init_weights` call (the trainer's, after reseeding)."""
-    return CausalLM(cfg, initialise=initialise)
+def build_model(cfg: ModelConfig, *, plan: ExpertParallelPlan = SINGLE_PROCESS, initialise: bool = True) -> CausalLM:
+    """The model, with the experts `plan` holds of every routed stage (models/plan.py `plan_for`; all of them on
+    one process). `initialise=False` leaves the weights to a later `init_weights` call (the trainer's, after
+    reseeding)."""
+    return CausalLM(cfg, initialise=initialise, plan=plan)

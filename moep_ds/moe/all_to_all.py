@@ -14,7 +14,8 @@ Routing is computed by each rank on its own tokens. Then:
 The all-to-all is differentiable (its backward is the reverse all-to-all), so gradients of the inputs, the
 router and the expert weights equal those of LocalDispatcher on the same global batch.
 
-This is the one model-side module that touches torch.distributed; it receives its process group.
+This is the one model-side module that touches torch.distributed; its process group comes with the
+expert-parallel plan (moe/plan.py), in whose rank order rank r holds experts [r*L, (r+1)*L).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, combine_tokens, gather_tokens
+from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.plan import RoutingPlan
 
 
@@ -75,16 +77,12 @@ class AllToAllDispatcher(Dispatcher):
     tokens in token order (what routed attention over original positions needs; moe/dispatch.in_token_order).
     """
 
-    def __init__(self, group: Any, num_experts: int):
-        self.group = group
-        self.ep_size = dist.get_world_size(group)
-        self.ep_rank = dist.get_rank(group)
-        if num_experts % self.ep_size:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({self.ep_size})"
-            )
+    def __init__(self, plan: ExpertParallelPlan, num_experts: int):
+        self.group = plan.group
+        self.ep_size = plan.size
+        self.ep_rank = plan.rank
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.ep_size
+        self.num_local_experts = len(plan.held(num_experts))
 
     def dispatch(
         self,

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from moep_ds.moe.shard import held_experts
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.routing.plan import RoutingPlan
 
 
@@ -164,14 +164,15 @@ class ExpertStage(nn.Module):
     """Experts behind a dispatcher: y_TD = sum over each token's experts of weight * expert(x).
 
     Subclasses hold their expert parameters in `experts` (`num_local_experts`, `keep_experts_(start, count)`;
-    every parameter stacked [E_local, ...]) and define `run_experts(ExpertBatch) -> y_SD`. Expert parallelism
-    (distributed/expert_parallel.py) shards `experts`, marks its parameters and sets an AllToAllDispatcher.
+    every parameter stacked [E_local, ...]) and define `run_experts(ExpertBatch) -> y_SD`. The expert-parallel
+    plan it is built with (moe/plan.py) says which experts `experts` holds; expert parallelism
+    (distributed/expert_parallel.py) then gives it an AllToAllDispatcher over the plan's process group.
     """
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, plan: ExpertParallelPlan = SINGLE_PROCESS):
         super().__init__()
         self.num_experts = num_experts
-        self.first_local_expert = held_experts(num_experts).start  # global index of local expert 0
+        self.first_local_expert = plan.held(num_experts).start  # global index of local expert 0
         self.dispatcher: Dispatcher = LocalDispatcher()
 
     def set_dispatcher(self, dispatcher: Dispatcher) -> None:
@@ -201,15 +202,14 @@ class ExpertStage(nn.Module):
         return slice(self.first_local_expert, self.first_local_expert + self.experts.num_local_experts)
 
 
-def shard_experts(stage: ExpertStage, ep_rank: int, ep_size: int) -> None:
-    """Keep only expert-parallel rank `ep_rank`'s experts [ep_rank*L, (ep_rank+1)*L) of `stage` (in place)."""
-    if stage.num_experts % ep_size:
-        raise ValueError(f"num_experts ({stage.num_experts}) must be divisible by expert_parallel_size ({ep_size})")
+def shard_experts(stage: ExpertStage, plan: ExpertParallelPlan) -> None:
+    """Cut a stage built with every expert down to the experts `plan` holds (in place; a model is built with its
+    plan instead, `build_model(cfg, plan=...)`)."""
     if stage.experts.num_local_experts != stage.num_experts:
         raise ValueError(f"layer is already sharded ({stage.experts.num_local_experts} of {stage.num_experts} experts)")
-    local = stage.num_experts // ep_size
-    stage.experts.keep_experts_(ep_rank * local, local)
-    stage.first_local_expert = ep_rank * local
+    held = plan.held(stage.num_experts)
+    stage.experts.keep_experts_(held.start, len(held))
+    stage.first_local_expert = held.start
 
 
 __all__ = [

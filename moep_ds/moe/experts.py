@@ -29,7 +29,8 @@ from moep_ds.layers.ffn import GATED, FFNConfig, ffn_hidden_size
 from moep_ds.layers.glu import gated_activation
 from moep_ds.moe.activations import EXPERT_ACTIVATIONS
 from moep_ds.moe.expert_loop import expert_loop_ffn
-from moep_ds.moe.shard import held_experts, mark_expert_rows, normal_
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
+from moep_ds.moe.shard import mark_expert_rows, normal_
 from moep_ds.moe.stacked import keep_expert_slice_
 from moep_ds.moe.grouped_mm import expert_offsets, grouped_mm, library_grouped_mm, library_supports
 from moep_ds.routing.plan import counts_on
@@ -111,13 +112,13 @@ class GroupedExperts(nn.Module):
     kernels copy it).
     """
 
-    def __init__(self, cfg: FFNConfig, *, d_model: int, num_experts: int):
+    def __init__(self, cfg: FFNConfig, *, d_model: int, num_experts: int, plan: ExpertParallelPlan = SINGLE_PROCESS):
         super().__init__()
         if cfg.type not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert type ({cfg.type!r}) must be one of {', '.join(EXPERT_ACTIVATIONS)}")
         hidden = ffn_hidden_size(cfg, d_model)
         self.kind = cfg.type
-        held = held_experts(num_experts)  # all of them unless built inside `expert_shard` (moe/shard.py)
+        held = plan.held(num_experts)  # all of them on one process
         self.num_local_experts = len(held)
         self.kernel: str | None = None  # one of KERNELS; None: chosen per call (`choose_kernel`)
         E, D, Fh = len(held), d_model, hidden

@@ -6,9 +6,9 @@
     y    = dispatcher(x, plan, experts)    (local, or all-to-all across an expert-parallel group)
     y    = shared.combine(y, x)            (with `shared_expert`: an always-active FFN beside them, moe/shared.py)
 
-Expert parallelism is applied from outside (the trainer): built inside `moe.shard.expert_shard(ep_rank, ep_size)`
-the layer holds this rank's experts only (`shard_experts(layer, ep_rank, ep_size)` cuts a whole layer down to
-them), and `layer.set_dispatcher(AllToAllDispatcher(group, layer.num_experts))` moves tokens to them.
+Expert parallelism comes with the plan the layer is built with (moe/plan.py): `MoELayer(cfg, d_model=D,
+plan=plan)` holds this rank's experts only (`shard_experts(layer, plan)` cuts a layer built with every expert down
+to them), and `layer.set_dispatcher(AllToAllDispatcher(plan, layer.num_experts))` moves tokens to them.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 
 from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.dispatch import ExpertBatch, ExpertStage, shard_experts
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan, RoutedStage
 from moep_ds.moe.experts import EXPERT_ACTIVATIONS, GroupedExperts
 from moep_ds.moe.shard import full_shape
 from moep_ds.moe.shared import SharedExpert, SharedExpertConfig
@@ -41,10 +42,8 @@ class MoEConfig:
         if hasattr(self.router, "check_num_experts"):
             self.router.check_num_experts(f"{path}.router", self.num_experts)
 
-    def check_expert_parallel(self, path: str, expert_parallel_size: int) -> None:
-        if self.num_experts % expert_parallel_size:
-            problem = f"must be divisible by expert_parallel_size ({expert_parallel_size})"
-            fail(f"{path}.num_experts", self.num_experts, problem)
+    def routed_stages(self, path: str) -> list[RoutedStage]:
+        return [RoutedStage(f"{path}.num_experts", self.num_experts, self.num_experts)]
 
 
 @dataclasses.dataclass
@@ -60,10 +59,10 @@ class MoELayer(ExpertStage, LifecycleManaged):
     A router with a lifecycle manager (MoE-Stream) makes this layer a managed one: the manager sees the expert
     outputs (`track_impact`) and the trainer's lifecycle callback rewrites `expert_rows()` on replacement."""
 
-    def __init__(self, cfg: MoEConfig, *, d_model: int):
-        super().__init__(cfg.num_experts)
+    def __init__(self, cfg: MoEConfig, *, d_model: int, plan: ExpertParallelPlan = SINGLE_PROCESS):
+        super().__init__(cfg.num_experts, plan)
         self.router = ROUTERS.build(cfg.router, d_model=d_model, num_experts=cfg.num_experts)
-        self.experts = GroupedExperts(cfg.expert, d_model=d_model, num_experts=cfg.num_experts)
+        self.experts = GroupedExperts(cfg.expert, d_model=d_model, num_experts=cfg.num_experts, plan=plan)
         self.shared = None
         if cfg.shared_expert is not None:
             self.shared = SharedExpert(cfg.shared_expert, cfg.expert, d_model=d_model)

@@ -1,49 +1,20 @@
-"""Which experts this process builds: expert parallelism shards every routed stage at construction.
+"""Stacked expert parameters of a shard: which rows of all experts they hold, and initialising them alike.
 
 # E experts of a stage, L = E / size experts held by one process
 
-    with expert_shard(rank, size):   # the trainer, before any tensor of the model exists
-        model = build_model(cfg)     # every ExpertStage holds experts [rank*L, (rank+1)*L) only
-
-A process never holds all of a stage's experts (at Pythia-1B scale the experts are most of the model). The
-values are the ones the unsharded model gets from the same seed: stacked expert modules are made one after
-another as before (each expert is dropped at once unless it is held), and a random initialisation of a stacked
-parameter draws over all E experts and keeps its rows (`normal_`): one parameter's worth of experts exists for a
-moment, never the model. Parallelism stays outside the model code: the stages read two integers while they are
-built, no process group.
+Which experts a process holds is the `ExpertParallelPlan` its stages are built with (moe/plan.py); a process
+never holds all of a stage's experts (at Pythia-1B scale the experts are most of the model). The values are the
+ones the unsharded model gets from the same seed: stacked expert modules are made one after another as before
+(each expert is dropped at once unless it is held), and a random initialisation of a stacked parameter draws over
+all E experts and keeps its rows (`normal_`): one parameter's worth of experts exists for a moment, never the
+model.
 """
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from typing import Iterator
 
 import torch
 from torch import nn
 
-_SHARD: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("expert_shard", default=(0, 1))
 EXPERT_ROWS = "expert_rows"  # attribute of a stacked expert parameter: (global index of its row 0, all experts)
-
-
-@contextlib.contextmanager
-def expert_shard(rank: int, size: int) -> Iterator[None]:
-    """Routed stages built inside keep experts [rank * E / size, (rank + 1) * E / size) of their E."""
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"expert shard rank ({rank}) must be in [0, {size})")
-    token = _SHARD.set((rank, size))
-    try:
-        yield
-    finally:
-        _SHARD.reset(token)
-
-
-def held_experts(num_experts: int) -> range:
-    """Global indices of the experts a stage of `num_experts` built now holds."""
-    rank, size = _SHARD.get()
-    if num_experts % size:
-        raise ValueError(f"num_experts ({num_experts}) must be divisible by expert_parallel_size ({size})")
-    n = num_experts // size
-    return range(rank * n, (rank + 1) * n)
 
 
 def full_shape(p: torch.Tensor) -> torch.Size:
@@ -68,4 +39,4 @@ def normal_(p: torch.Tensor, std: float) -> torch.Tensor:
     return p.copy_(draw[first : first + len(p)])
 
 
-__all__ = ["EXPERT_ROWS", "expert_shard", "full_shape", "held_experts", "mark_expert_rows", "normal_"]
+__all__ = ["EXPERT_ROWS", "full_shape", "mark_expert_rows", "normal_"]

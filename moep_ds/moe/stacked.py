@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from moep_ds.moe.shard import EXPERT_ROWS, full_shape, held_experts, mark_expert_rows
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
+from moep_ds.moe.shard import EXPERT_ROWS, full_shape, mark_expert_rows
 
 
 def set_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:
@@ -59,11 +60,12 @@ class StackedExperts(nn.Module):
         self.num_local_experts = len(experts)
 
     @classmethod
-    def build(cls, make_expert: Callable[[], nn.Module], num_experts: int) -> StackedExperts:
+    def build(cls, make_expert: Callable[[], nn.Module], num_experts: int,
+              plan: ExpertParallelPlan = SINGLE_PROCESS) -> StackedExperts:
         """`num_experts` experts made by `make_expert()`, of which this process keeps the ones it holds
-        (`moe/shard.py`). Every expert is made, in order, so that the random stream advances as in the unsharded
+        (`plan.held`). Every expert is made, in order, so that the random stream advances as in the unsharded
         model; one that is not held is dropped at once."""
-        held = held_experts(num_experts)
+        held = plan.held(num_experts)
         experts = []
         for e in range(num_experts):
             expert = make_expert()

@@ -39,8 +39,10 @@ import torch.distributed as dist
 
 from moep_ds.checkpointing import layout, model_state, sharded
 from moep_ds.checkpointing.model_dir import read_meta, write_recipe_files
-from moep_ds.checkpointing.model_state import ExpertLayout, canonical_name, is_expert_param
+from moep_ds.checkpointing.model_state import canonical_name, is_expert_param
+from moep_ds.distributed import deepspeed_adapter
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.moe.shard import full_shape
 from moep_ds.training import state as st
 from moep_ds.training.rng import rng_state
@@ -61,9 +63,7 @@ def replica_share(numel: int, rank: int, size: int) -> tuple[int, int]:
 def replica_position(p: torch.nn.Parameter) -> tuple[int, int]:
     """(rank, size) among the ranks holding the same whole copy of an unpartitioned parameter."""
     if is_expert_param(p) and hasattr(p, "group_name"):
-        from deepspeed.utils import groups
-
-        group = groups._get_expert_data_parallel_group(p.group_name)
+        group = deepspeed_adapter.expert_data_parallel_group(p.group_name)
         return dist.get_rank(group), dist.get_world_size(group)
     return dist.get_rank(), dist.get_world_size()
 
@@ -76,12 +76,9 @@ def local_pieces(p: torch.nn.Parameter, optimizer, whole_replicas: bool) -> list
         start, valid = model_state.zero3_partition(p)
         views = {key: st.local_partition(p, key) for key in ("param", *st.ADAM_KEYS)}
         return [(start, {k: v.narrow(0, 0, valid) for k, v in views.items()})] if valid else []
-    if hasattr(p, "_hp_mapping"):  # ZeRO-1/2, bf16 optimizer: a fragment of the rank's flat partition, or none
-        frag = p._hp_mapping
-        if frag is None:
-            return []
-        views = {"param": frag.hp_fragment, **{k: frag.get_optim_state_fragment(k) for k in st.ADAM_KEYS}}
-        return [(frag.lp_fragment_address.start, views)]
+    if deepspeed_adapter.has_fragment_mapping(p):  # ZeRO-1/2, bf16 optimizer: a fragment of the rank's partition
+        frag = deepspeed_adapter.fragment(p, st.ADAM_KEYS)
+        return [] if frag is None else [frag]
     master = st.master(p)  # ZeRO-0 bf16/fp16: the fp32 master beside the module's parameter
     state = st.inner_optimizer(optimizer).state.get(master, {})
     views = {"param": master.data.view(-1), **{k: state[k].view(-1) for k in st.ADAM_KEYS if k in state}}
@@ -89,7 +86,7 @@ def local_pieces(p: torch.nn.Parameter, optimizer, whole_replicas: bool) -> list
     return [(start, {k: v[start:stop] for k, v in views.items()})] if stop > start else []
 
 
-def engine_pieces(engine, model, ep: ExpertLayout, for_load: bool) -> dict[str, FlatShard]:
+def engine_pieces(engine, model, ep: ExpertParallelPlan, for_load: bool) -> dict[str, FlatShard]:
     """Masters and moments this rank owns, as pieces of the global flat tensors (optimizer state must exist)."""
     out = {}
     for name, p in model.named_parameters():
@@ -123,10 +120,6 @@ def p_numel(p: torch.nn.Parameter) -> int:
     return p.ds_numel if hasattr(p, "ds_id") else p.numel()
 
 
-def expert_layout(ep_group) -> ExpertLayout:
-    return ExpertLayout() if ep_group is None else ExpertLayout(dist.get_rank(ep_group), dist.get_world_size(ep_group))
-
-
 # ---- saving ---------------------------------------------------------------------------------------------
 
 
@@ -141,7 +134,8 @@ class CheckpointWriter:
         # DCP's asynchronous writer runs collectives from its own thread: they need a (CPU) group of their own
         self.group = dist.new_group(backend="gloo") if async_save else None
 
-    def save(self, engine, model, cfg, step: int, trainer_state: dict[str, Any], *, ep_group=None,
+    def save(self, engine, model, cfg, step: int, trainer_state: dict[str, Any], *,
+             plan: ExpertParallelPlan = SINGLE_PROCESS,
              tokenizer_dir: pathlib.Path | None = None, meta: dict | None = None) -> pathlib.Path:
         self.wait()
         rank = dist.get_rank()
@@ -157,7 +151,6 @@ class CheckpointWriter:
         except OSError as err:
             error = err
         self.check(sharded.agree(error is None), error, tmp, final)
-        ep = expert_layout(ep_group)
         try:
             torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
             if rank == 0:
@@ -168,7 +161,7 @@ class CheckpointWriter:
         except OSError as err:
             error = err
         self.check(sharded.agree(error is None), error, tmp, final)
-        pieces, aliases = self.pieces(engine, model, ep), model_state.tied_names(model)
+        pieces, aliases = self.pieces(engine, model, plan), model_state.tied_names(model)
         if self.executor is not None:
             upload = sharded.async_save(pieces, tmp, self.group, aliases)
             self.pending = self.executor.submit(self.finish_async, upload, tmp, final)
@@ -184,7 +177,7 @@ class CheckpointWriter:
         return final
 
     @staticmethod
-    def pieces(engine, model, ep: ExpertLayout) -> dict[str, FlatShard]:
+    def pieces(engine, model, ep: ExpertParallelPlan) -> dict[str, FlatShard]:
         st.init_optimizer_state(engine.optimizer)
         pieces = engine_pieces(engine, model, ep, for_load=False)
         if dist.get_rank() == 0:  # buffers and extra state (for torch's loader) are the same on every rank
@@ -304,25 +297,25 @@ def check_checkpoint(ckpt: pathlib.Path) -> None:
                                 f"({sharded.first_line(err)})") from None
 
 
-def load_model_state(model, ckpt: pathlib.Path, ep_group=None) -> None:
+def load_model_state(model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGLE_PROCESS) -> None:
     """Weights, buffers and extra state into the (unwrapped, not yet engine-owned) model."""
     if not sharded.is_sharded(ckpt):
         from moep_ds.training.consolidated import load_consolidated_model
 
-        return load_consolidated_model(model, ckpt, ep_group)
-    model_state.load_module(model, ckpt, expert_layout(ep_group))
+        return load_consolidated_model(model, ckpt, plan.group)
+    model_state.load_module(model, ckpt, plan)
 
 
-def load_engine_state(engine, model, ckpt: pathlib.Path, ep_group=None) -> dict[str, Any]:
+def load_engine_state(engine, model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGLE_PROCESS) -> dict[str, Any]:
     """Restore fp32 masters, Adam moments/step, schedule, loss scaler, counters and RNG; returns trainer state."""
     if not sharded.is_sharded(ckpt):
         from moep_ds.training.consolidated import load_consolidated_engine
 
-        state = load_consolidated_engine(engine, model, ckpt, ep_group)
+        state = load_consolidated_engine(engine, model, ckpt, plan.group)
     else:
         state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
         st.init_optimizer_state(engine.optimizer)
-        pieces = engine_pieces(engine, model, expert_layout(ep_group), for_load=True)
+        pieces = engine_pieces(engine, model, plan, for_load=True)
         with torch.no_grad():
             sharded.load(pieces, ckpt)
         commit_partitions(model, pieces)

@@ -17,23 +17,24 @@ from moep_ds.checkpointing import model_state
 from moep_ds.checkpointing.sharded import OPTIM_PREFIX
 from moep_ds.interop.sources import source_weights
 from moep_ds.interop.weights import fill_pieces
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.training import state as st
-from moep_ds.training.checkpoint import commit_partitions, engine_pieces, expert_layout
+from moep_ds.training.checkpoint import commit_partitions, engine_pieces
 
 log = logging.getLogger(__name__)
 
 
-def initialise_from_source(engine, model, cfg: Any, ep_group=None) -> None:
+def initialise_from_source(engine, model, cfg: Any, plan: ExpertParallelPlan = SINGLE_PROCESS) -> None:
     """Nothing without model.init_from; else every parameter this rank holds from SRC (see the module docstring)."""
     src = cfg.model.init_from
     if src is None:
         return
     weights, keep, source = source_weights(src, cfg.model, cfg.data.tokenizer)
     label = f"model.init_from ({src!r})"
-    ep = expert_layout(ep_group)
-    fill_pieces(model_state.module_pieces(model, ep), weights, keep, label)
+    fill_pieces(model_state.module_pieces(model, plan), weights, keep, label)
     st.init_optimizer_state(engine.optimizer)  # zero moments, step 0: what a fresh optimizer's first step makes
-    masters = {k: v for k, v in engine_pieces(engine, model, ep, for_load=True).items() if not k.startswith(OPTIM_PREFIX)}
+    masters = {k: v for k, v in engine_pieces(engine, model, plan, for_load=True).items()
+               if not k.startswith(OPTIM_PREFIX)}
     fill_pieces(masters, weights, keep, label)
     commit_partitions(model, masters)
     st.refresh_working_copies(engine.optimizer)

@@ -14,9 +14,8 @@ from moep_ds.config import Config
 from moep_ds.data.errors import DataError
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.models.causal_lm import build_model
-from moep_ds.moe.shard import expert_shard
+from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.training.ds_config import zero_stage
-from moep_ds.distributed.expert_parallel import shard_of
 from moep_ds.distributed.zero3 import check_partitioned, gathered_for_init, partitioned_construction
 
 log = logging.getLogger(__name__)
@@ -60,13 +59,13 @@ def peak_flops(cfg: Config, device: torch.device) -> float | None:
     return None
 
 
-def build_rank_model(model_cfg, ds: dict, seed: int, ep_group=None):
-    """What this rank holds of the model: its experts only (moe/shard.py) and, under ZeRO-3, its partition of
+def build_rank_model(model_cfg, ds: dict, seed: int, plan: ExpertParallelPlan = SINGLE_PROCESS):
+    """What this rank holds of the model: the experts its plan holds only and, under ZeRO-3, its partition of
     every parameter only (training/zero3.py). The weights depend on the seed alone: equal on every rank, at every
     expert-parallel size and ZeRO stage (rounded to the working precision)."""
     zero3 = zero_stage(ds) == 3
-    with expert_shard(*shard_of(ep_group)), partitioned_construction(ds) if zero3 else nullcontext():
-        model = build_model(model_cfg, initialise=False)
+    with partitioned_construction(ds) if zero3 else nullcontext():
+        model = build_model(model_cfg, plan=plan, initialise=False)
     if zero3:
         check_partitioned(model)
     torch.manual_seed(seed)  # not what construction drew, which differs with the sharding

@@ -10,7 +10,6 @@ FP16_UnfusedOptimizer): `adopt_unfused_masters` links each parameter to it (`mas
 from __future__ import annotations
 
 import torch
-from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
@@ -20,6 +19,10 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
     safe_set_local_fp32_param,
     safe_set_local_optimizer_state,
+)
+
+from moep_ds.distributed.deepspeed_adapter import (
+    has_fragment_mapping, is_unfused, link_optimizer_state, unfused_loss_scale, unfused_pairs, zero3_flat_partitions,
 )
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -34,7 +37,7 @@ def adopt_unfused_masters(optimizer) -> bool:
     once. The masters are copies of the model's weights taken just before it, so copying those back and dropping
     the state (torch's Adam creates it again, at zero, on its first step) restores what a fresh optimizer holds.
     Returns whether the optimizer is of that kind."""
-    if not isinstance(optimizer, FP16_UnfusedOptimizer):
+    if not is_unfused(optimizer):
         return False
     with torch.no_grad():
         for lp, fp32 in unfused_pairs(optimizer):
@@ -42,19 +45,6 @@ def adopt_unfused_masters(optimizer) -> bool:
             lp._moep_fp32_master = fp32
     inner_optimizer(optimizer).state.clear()
     return True
-
-
-def unfused_pairs(optimizer: FP16_UnfusedOptimizer):
-    """(model parameter, its fp32 master) for every parameter of an FP16_UnfusedOptimizer."""
-    for lp_group, fp32_group in zip(optimizer.fp16_groups, optimizer.fp32_groups):
-        yield from zip(lp_group, fp32_group)
-
-
-def unfused_loss_scale(optimizer):
-    """The fp16 loss-scale state of an FP16_UnfusedOptimizer that scales (not bf16), else None."""
-    if isinstance(optimizer, FP16_UnfusedOptimizer) and optimizer.loss_scale_config.use_grad_scaling:
-        return optimizer.loss_scale_config
-    return None
 
 
 def loss_for_backward(optimizer, loss: torch.Tensor) -> torch.Tensor:
@@ -78,14 +68,14 @@ def master(param: torch.nn.Parameter) -> torch.Tensor:
 
 def refresh_working_copies(optimizer) -> None:
     """After masters were written (a resume), make the model's low-precision parameters match them."""
-    if isinstance(optimizer, FP16_UnfusedOptimizer):
+    if is_unfused(optimizer):
         with torch.no_grad():
             for lp, fp32 in unfused_pairs(optimizer):
                 lp.copy_(fp32)
 
 
 def is_partitioned(param: torch.nn.Parameter) -> bool:
-    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+    return hasattr(param, "ds_id") or has_fragment_mapping(param)
 
 
 def inner_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -95,23 +85,12 @@ def inner_optimizer(optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def link_optimizer_state(optimizer) -> None:
-    """Make every partitioned parameter's view of the Adam moments current.
-
-    ZeRO-1/2 and the bf16 optimizer link these views once, after the first optimizer step of the FIRST
-    parameter group, so groups stepped after it (e.g. our no-weight-decay group) stay unlinked; relinking is
-    cheap (narrow views into the flat state)."""
-    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
-
-
 def optimizer_state_params(optimizer) -> list[torch.Tensor]:
     """The tensors the torch optimizer keeps state for. ZeRO-3 puts its flat fp32 partitions into the torch
     optimizer's parameter groups only while it steps, so those are taken from the ZeRO-3 optimizer itself."""
-    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    flats = zero3_flat_partitions(optimizer)
     if flats is not None:
-        return list(flats)
+        return flats
     return [p for group in inner_optimizer(optimizer).param_groups for p in group["params"]]
 
 

@@ -23,7 +23,7 @@ from moep_ds.training.balancing import install_count_reducers
 from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.branch import resolve_start_step
 from moep_ds.training.ds_config import precision, zero_stage
-from moep_ds.distributed.expert_parallel import expert_parallel_group, moe_layer_classes, setup_expert_parallel
+from moep_ds.distributed.expert_parallel import expert_parallel_plan, moe_layer_classes, setup_expert_parallel
 from moep_ds.training.grad_norm import ExactClipping
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
@@ -37,49 +37,49 @@ class TrainModule:
     """Model, engine and optimizer of a `Trainer` (its base class: the trainer's attributes are its own)."""
 
     def new_model(self):
-        """The model with this rank's experts only (moe/shard.py), under ZeRO-3 with this rank's partition of
-        every parameter only (training/zero3.py); initialised from the seed alike on every rank, at every
-        expert-parallel size and ZeRO stage."""
-        ep_group = expert_parallel_group(self.cfg.train.expert_parallel_size)
-        model = build_rank_model(self.cfg.model, self.ds, self.cfg.train.seed, ep_group)
+        """(The model with this rank's experts only (its expert-parallel plan, moe/plan.py), under ZeRO-3 with this
+        rank's partition of every parameter only (distributed/zero3.py), the plan); initialised from the seed alike
+        on every rank, at every expert-parallel size and ZeRO stage."""
+        plan = expert_parallel_plan(self.cfg.model, self.cfg.train.expert_parallel_size)
+        model = build_rank_model(self.cfg.model, self.ds, self.cfg.train.seed, plan)
         self.report = meta_param_report(self.cfg.model, self.cfg.data.seq_len)  # of the whole model
-        setup_expert_parallel(model, ep_group)
+        setup_expert_parallel(model, plan)
         install_count_reducers(model)
-        return model, ep_group
+        return model, plan
 
     def load_resumed_model(self):
         """The model, with the weights of the checkpoint to resume from (`self.resume_from`, None for a fresh
         start). `--resume auto` skips a damaged newest checkpoint: all ranks agree on each candidate before the
         engine, the only holder of optimizer state, exists. Only a run without checkpoints starts fresh: were none
         of them loadable, training from step 0 would overwrite the run's logs and its rotation delete them."""
-        model, ep_group = self.new_model()
+        model, plan = self.new_model()
         self.resume_from = None
         candidates = ckpt_io.resume_candidates(self.resume, self.run_dir)
         for i, ckpt in enumerate(candidates):
             error = None
             try:
                 ckpt_io.check_checkpoint(ckpt)
-                ckpt_io.load_model_state(model, ckpt, ep_group)
+                ckpt_io.load_model_state(model, ckpt, plan)
             except sharded.DamagedCheckpoint as err:
                 error = err
             if sharded.agree(error is None):
                 self.resume_from = ckpt
                 if self.rank == 0:
                     set_aside(candidates[:i])
-                return model, ep_group
+                return model, plan
             if self.resume != "auto":
                 raise error or sharded.DamagedCheckpoint(f"checkpoint {str(ckpt)!r} could not be read on every rank")
             log.warning("skipping damaged checkpoint %s: %s", ckpt, error or "unreadable on another rank")
-            model, ep_group = self.new_model()  # a failed read may have written part of the weights
+            model, plan = self.new_model()  # a failed read may have written part of the weights
         if candidates:  # every rank agreed on each: all raise this
             raise sharded.CheckpointError(
                 f"--resume auto: all {len(candidates)} checkpoint(s) in {str(candidates[0].parent)!r} are damaged, "
                 f"the newest is {str(candidates[0])!r} (see the warnings above); move them away to train from step 0")
-        return model, ep_group
+        return model, plan
 
     def build_engine(self):
         cfg = self.cfg
-        model, ep_group = self.load_resumed_model()
+        model, plan = self.load_resumed_model()
         apply_block_options(model, activation_checkpointing=cfg.train.activation_checkpointing,
                             compile=cfg.train.compile)
         if cfg.train.activation_checkpointing and self.device.type == "cpu" and return_freed_buffers_to_os():
@@ -91,7 +91,7 @@ class TrainModule:
             # routing differently never wait on different parameter fetches.
             deepspeed.utils.set_z3_leaf_modules(model, moe_layer_classes(model))
         groups = param_groups(model, cfg.train.optimizer)
-        if ep_group is not None:
+        if plan.size > 1:
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
             groups = split_params_into_different_moe_groups_for_optimizer(groups)
@@ -104,11 +104,11 @@ class TrainModule:
         adopt_unfused_masters(engine.optimizer)  # ZeRO-0 bf16/fp16: Adam's state as a fresh optimizer's
         self.clipping = None  # ZeRO-0 fp32: the engine's clipping norm ignores expert sharding (grad_norm.py)
         if zero_stage(self.ds) == 0 and precision(self.ds) == "fp32":
-            self.clipping = ExactClipping.install(engine, ep_group)
+            self.clipping = ExactClipping.install(engine, plan.group)
         log.info("model: %s | %s | ZeRO-%d | %d ranks | expert parallel %d | %d steps",
                  self.report.as_dict(), precision(self.ds), zero_stage(self.ds), self.world,
                  cfg.train.expert_parallel_size, self.max_steps)
-        return engine, model, ep_group
+        return engine, model, plan
 
     def start_at(self, step: int) -> int:
         """A fresh run's position at `step` (train.start_step): the data and the engine's counters; the lr schedule

@@ -117,7 +117,7 @@ class Trainer(TrainModule):
         self.resume = resume
         self.dataset = open_split(self.prepared, "train", cfg.data.seq_len)
         self.val = self.open_validation()
-        self.engine, self.model, self.ep_group = self.build_engine()
+        self.engine, self.model, self.ep_plan = self.build_engine()
         self.balancing = LossFreeBalancing(self.model)
         self.accum = ds["gradient_accumulation_steps"]
         self.loader = BatchLoader(self.dataset, micro_batch_size=ds["train_micro_batch_size_per_gpu"],
@@ -126,7 +126,7 @@ class Trainer(TrainModule):
         self.step = 0 if self.resume_from is not None else self.start_at(self.start_step)
         self.tokens_per_step = ds["train_batch_size"] * cfg.data.seq_len
         if self.resume_from is not None:
-            state = ckpt_io.load_engine_state(self.engine, self.model, self.resume_from, self.ep_group)
+            state = ckpt_io.load_engine_state(self.engine, self.model, self.resume_from, self.ep_plan)
             ckpt_io.check_same_tokenizer(state, self.meta, self.resume_from)
             self.state = TrainerState.from_state_dict(state, str(self.resume_from))  # version 1 or 2
             self.loader.load_state_dict(self.state.data, global_batch_size=saved_global_batch(state))
@@ -137,7 +137,7 @@ class Trainer(TrainModule):
                 ckpt_io.warn_model_changes(cfg.model, self.resume_from)
                 drop_rows_after(self.run_dir, self.step)
         else:  # a fresh start: the weights of model.init_from, when the recipe names a source
-            initialise_from_source(self.engine, self.model, cfg, self.ep_group)
+            initialise_from_source(self.engine, self.model, cfg, self.ep_plan)
         self.checkpoints = ckpt_io.CheckpointWriter(self.run_dir, cfg.train.checkpoint.keep_last,
                                                     async_save=cfg.train.checkpoint.async_save)
 
@@ -174,7 +174,7 @@ class Trainer(TrainModule):
 
     def save(self) -> None:
         path = self.checkpoints.save(
-            self.engine, self.model, self.cfg, self.step, self.trainer_state().state_dict(), ep_group=self.ep_group,
+            self.engine, self.model, self.cfg, self.step, self.trainer_state().state_dict(), plan=self.ep_plan,
             tokenizer_dir=self.prepared, meta={"tokens": self.step * self.tokens_per_step, **self.report.as_dict()},
         )
         self.last_save = time.time()

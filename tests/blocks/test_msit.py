@@ -17,6 +17,7 @@ from moep_ds.layers.attention import AttentionConfig
 from moep_ds.layers.rope import RopeConfig, apply_rope, rope_cos_sin
 from moep_ds.models.accounting import meta_param_report
 from moep_ds.moe.dispatch import shard_experts
+from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.expert_choice import ExpertChoiceConfig
 from moep_ds.schema import ConfigError
 
@@ -163,7 +164,7 @@ def test_branches_split_over_two_ranks_decode_with_their_own_windows():
         stages = [block.experts]
         for rank in range(2):
             stages.append(copy.deepcopy(block.experts))
-            shard_experts(stages[-1], rank, 2)
+            shard_experts(stages[-1], ExpertParallelPlan(size=2, rank=rank))
         assert [c.window for s in stages[1:] for c in s.new_caches()] == [1, 6, 2, 4]
         caches = [s.new_caches() for s in stages]
         outs = [[s.forward_cached(g_BTD[:, t : t + 1], block.router(block.router_norm(g_BTD[:, t : t + 1])),

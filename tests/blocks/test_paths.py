@@ -18,6 +18,7 @@ from moep_ds.layers.attention import AttentionConfig
 from moep_ds.layers.rope import RopeConfig, apply_rope, rope_cos_sin
 from moep_ds.models.accounting import meta_param_report
 from moep_ds.moe.dispatch import ExpertBatch, shard_experts
+from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.topk import TopKConfig
 from moep_ds.schema import ConfigError
 
@@ -212,7 +213,7 @@ def test_paths_split_over_two_ranks_decode_like_the_whole_block():
     stages = [block.paths]
     for rank in range(2):
         stages.append(copy.deepcopy(block.paths))
-        shard_experts(stages[-1], rank, 2)
+        shard_experts(stages[-1], ExpertParallelPlan(size=2, rank=rank))
     outs = []
     with torch.no_grad():
         for stage in stages:

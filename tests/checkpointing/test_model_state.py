@@ -5,9 +5,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from moep_ds import build_model
 from moep_ds.checkpointing import model_state, sharded
-from moep_ds.checkpointing.model_state import ExpertLayout, canonical_name
+from moep_ds.checkpointing.model_state import canonical_name
 from moep_ds.config import config_from_dict
 from moep_ds.moe.layer import MoELayer, shard_experts
+from moep_ds.moe.plan import ExpertParallelPlan
 
 MOE = {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 24},
        "router": {"type": "topk", "k": 2, "load_balancing_weight": 0.01}}
@@ -42,10 +43,10 @@ def test_experts_load_by_global_index_at_any_expert_parallel_rank(tmp_path):
     for rank in (0, 1):
         target = tiny(1)
         layer = next(m for m in target.modules() if isinstance(m, MoELayer))
-        shard_experts(layer, rank, 2)
+        shard_experts(layer, ExpertParallelPlan(size=2, rank=rank))
         for p in layer.experts.parameters():
             p.allreduce = False
-        model_state.load_module(target, tmp_path, ExpertLayout(rank, 2))
+        model_state.load_module(target, tmp_path, ExpertParallelPlan(size=2, rank=rank))
         torch.testing.assert_close(layer.experts.w1_EDF, full[2 * rank:2 * rank + 2], rtol=0, atol=0)
         torch.testing.assert_close(target.blocks[0].moe.router.state_dict(), source.blocks[0].moe.router.state_dict())
 

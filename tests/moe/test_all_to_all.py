@@ -10,6 +10,7 @@ from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.all_to_all import SEQ_ID_STRIDE, AllToAllDispatcher, source_to_expert_order
 from moep_ds.moe.dispatch import in_token_order
 from moep_ds.moe.layer import MoEConfig, MoELayer, shard_experts
+from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.expert_choice import ExpertChoiceConfig
 from moep_ds.routing.topk import TopKConfig
 
@@ -59,8 +60,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     results = []
     for num_experts, router in CASES:
         layer = build(num_experts, router)
-        shard_experts(layer, rank, WORLD)
-        layer.set_dispatcher(AllToAllDispatcher(dist.group.WORLD, num_experts))
+        plan = ExpertParallelPlan(size=WORLD, rank=rank, group=dist.group.WORLD)
+        shard_experts(layer, plan)
+        layer.set_dispatcher(AllToAllDispatcher(plan, num_experts))
         x, g = global_batch()
         B = B_GLOBAL // WORLD
         x_local = x[rank * B : (rank + 1) * B].clone().requires_grad_()

@@ -13,6 +13,7 @@ from moep_ds.layers.attention import AttentionConfig
 from moep_ds.layers.rope import RopeConfig
 from moep_ds.moe.all_to_all import AllToAllDispatcher
 from moep_ds.moe.dispatch import ExpertStage, shard_experts
+from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.expert_choice import ExpertChoiceConfig
 from moep_ds.routing.topk import TopKConfig
 
@@ -67,8 +68,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     for name in BLOCKS:
         block = build(name)
         for stage in stages(block):
-            shard_experts(stage, rank, WORLD)
-            stage.set_dispatcher(AllToAllDispatcher(dist.group.WORLD, stage.num_experts))
+            plan = ExpertParallelPlan(size=WORLD, rank=rank, group=dist.group.WORLD)
+            shard_experts(stage, plan)
+            stage.set_dispatcher(AllToAllDispatcher(plan, stage.num_experts))
         x, g, pos = global_batch()
         rows = slice(rank * B_GLOBAL // WORLD, (rank + 1) * B_GLOBAL // WORLD)
         x_local = x[rows].clone().requires_grad_()

@@ -7,6 +7,7 @@ from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.dispatch import ExpertBatch, LocalDispatcher
 from moep_ds.moe.experts import GroupedExperts
 from moep_ds.moe.layer import MoEConfig, MoELayer, shard_experts
+from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.expert_choice import ExpertChoiceConfig, expert_choice_capacity
 from moep_ds.routing.topk import TopKConfig, topk_capacity
 from moep_ds.schema import ConfigError, parse
@@ -258,14 +259,14 @@ def test_num_active_params():
 def test_shard_experts_keeps_this_ranks_slice():
     layer = make_layer(TopKConfig(k=2))
     full = {n: p.detach().clone() for n, p in layer.experts.named_parameters()}
-    shard_experts(layer, ep_rank=1, ep_size=2)
+    shard_experts(layer, ExpertParallelPlan(size=2, rank=1))
     assert layer.experts.num_local_experts == 2 and layer.num_experts == E
     for name, p in layer.experts.named_parameters():
         assert torch.equal(p, full[name][2:4]) and p.requires_grad
     with pytest.raises(RuntimeError, match="delivers tokens for 4 experts but this layer holds 2"):
         layer(torch.randn(1, 3, D, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"num_experts \(4\) must be divisible by expert_parallel_size \(3\)"):
-        shard_experts(make_layer(TopKConfig(k=2)), 0, 3)
+    with pytest.raises(ValueError, match=r"^layer is already sharded \(2 of 4 experts\)$"):
+        shard_experts(layer, ExpertParallelPlan(size=2, rank=0))
 
 
 def test_local_dispatcher_carries_sequence_ids_and_positions():
@@ -296,5 +297,5 @@ def test_moe_config_errors():
     with pytest.raises(ConfigError, match=r"^moe.router: required key is missing$"):
         parse(MoEConfig, {"num_experts": 8}, "moe")
     cfg = parse(MoEConfig, {"num_experts": 6, "router": "expert_choice"}, "moe")
-    with pytest.raises(ConfigError, match=r"moe.num_experts \(6\) must be divisible by expert_parallel_size \(4\)"):
-        cfg.check_expert_parallel("moe", 4)
+    with pytest.raises(ConfigError, match=r"^moe.num_experts \(6\) must be divisible by expert_parallel_size \(4\)$"):
+        ExpertParallelPlan(size=4, stages=tuple(cfg.routed_stages("moe")))

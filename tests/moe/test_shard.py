@@ -1,4 +1,5 @@
-"""Expert shards built at construction (moe/shard.py): a rank's experts only, with the unsharded model's values."""
+"""Expert shards built at construction from an explicit plan (moe/plan.py, moe/shard.py): a rank's experts only,
+with the unsharded model's values."""
 import copy
 
 import pytest
@@ -8,7 +9,8 @@ from torch import nn
 from moep_ds import build_model
 from moep_ds.config import config_from_dict
 from moep_ds.moe.dispatch import ExpertStage
-from moep_ds.moe.shard import EXPERT_ROWS, expert_shard, held_experts, normal_
+from moep_ds.models.plan import plan_for
+from moep_ds.moe.shard import EXPERT_ROWS, normal_
 
 TOP2 = {"type": "topk", "k": 2, "load_balancing_weight": 0.01}
 ATTN = {"num_heads": 4}
@@ -40,8 +42,8 @@ def build(shard: tuple[int, int] | None, registered: list | None = None) -> nn.M
     try:
         if shard is None:
             return build_model(model_cfg())
-        with expert_shard(*shard):
-            return build_model(model_cfg())
+        rank, size = shard
+        return build_model(model_cfg(), plan=plan_for(model_cfg(), size, rank))
     finally:
         if handle is not None:
             handle.remove()
@@ -94,25 +96,17 @@ def test_sharded_normal_is_the_rows_of_the_whole_draw_and_the_shard_is_validated
     torch.manual_seed(3)
     normal_(part, 0.5)
     assert torch.equal(part.detach(), whole[4:6])
-    with expert_shard(2, 3):
-        assert held_experts(6) == range(4, 6)
-        with pytest.raises(ValueError, match=r"num_experts \(4\) must be divisible by expert_parallel_size \(3\)"):
-            held_experts(4)
-    assert held_experts(6) == range(0, 6)  # outside the context: every expert
-    with pytest.raises(ValueError, match=r"expert shard rank \(2\) must be in \[0, 2\)"):
-        with expert_shard(2, 2):
-            pass
 
 
-def test_expert_parallel_setup_refuses_a_model_built_for_another_rank(monkeypatch):
+def test_expert_parallel_setup_refuses_a_model_built_for_another_rank():
     from moep_ds.distributed import expert_parallel
 
-    monkeypatch.setattr(expert_parallel, "shard_of", lambda group: (1, 2))  # rank 1 of 2, no process group
+    plan = plan_for(model_cfg(), size=2, rank=1)  # rank 1 of 2, no process group
     for model, held in ((build(None), "[0, 4)"), (build((0, 2)), "[0, 2)")):  # every expert; rank 0's
         with pytest.raises(expert_parallel.ParallelLayoutError) as err:
-            expert_parallel.setup_expert_parallel(model, ep_group=object())
+            expert_parallel.setup_expert_parallel(model, plan)
         assert str(err.value) == (f"a routed stage holds experts {held} of 4; expert-parallel rank 1 of 2 needs "
-                                  f"[2, 4): build the model inside moe.shard.expert_shard(1, 2)")
+                                  f"[2, 4): build the model with this plan, build_model(cfg, plan=plan)")
 
 
 def test_a_build_left_to_a_later_initialisation_draws_nothing_over_all_experts(monkeypatch):
@@ -124,8 +118,7 @@ def test_a_build_left_to_a_later_initialisation_draws_nothing_over_all_experts(m
     monkeypatch.setattr(torch.Tensor, "normal_", lambda t, *a, **k: drawn.append(tuple(t.shape)) or draw(t, *a, **k))
     for initialise in (True, False):
         drawn.clear()
-        with expert_shard(0, 2):
-            model = build_model(model_cfg(), initialise=initialise)
+        model = build_model(model_cfg(), plan=plan_for(model_cfg(), 2, 0), initialise=initialise)
         routers = {tuple(m.weight.shape) for m in model.modules() if type(m).__name__.endswith("Router")}
         if initialise:  # draws over every expert (and the routers' weights), each rank keeping its rows
             assert whole & set(drawn) and routers & set(drawn)

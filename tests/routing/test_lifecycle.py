@@ -37,7 +37,12 @@ from moep_ds.training.lifecycle import ExpertLifecycleCallback
 VOCAB, D_MODEL, E = 32, 16, 4
 
 
-def tiny_model(lifecycle: dict | None, *, block: str = "ssm_moe", seed: int = 0):
+def tiny_model(lifecycle: dict | None, *, block: str = "ssm_moe", seed: int = 0, plan=None):
+    torch.manual_seed(seed)
+    return build_model(tiny_model_cfg(lifecycle, block), **({} if plan is None else {"plan": plan}))
+
+
+def tiny_model_cfg(lifecycle: dict | None, block: str = "ssm_moe"):
     layer = {
         "type": block,
         "moe": {
@@ -50,9 +55,8 @@ def tiny_model(lifecycle: dict | None, *, block: str = "ssm_moe", seed: int = 0)
         layer["mixer"] = {"type": "ssm", "state_size": 4, "chunk_size": 8}
     else:
         layer["attention"] = {"num_heads": 2}
-    cfg = config_from_dict({"model": {"vocab_size": VOCAB, "d_model": D_MODEL, "max_seq_len": 16, "layers": [layer]}})
-    torch.manual_seed(seed)
-    return build_model(cfg.model)
+    return config_from_dict({"model": {"vocab_size": VOCAB, "d_model": D_MODEL, "max_seq_len": 16,
+                                       "layers": [layer]}}).model
 
 
 def batch(step: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,27 +381,25 @@ def zero2_run(ep: int, out_dir: str) -> None:
 
     from moep_ds.training import state as st
     from moep_ds.training.config import OptimizerConfig
-    from moep_ds.moe.shard import expert_shard
-    from moep_ds.distributed.expert_parallel import expert_parallel_group, setup_expert_parallel, shard_of
+    from moep_ds.distributed.expert_parallel import expert_parallel_plan, setup_expert_parallel
     from moep_ds.training.optim import param_groups
 
     rank = dist.get_rank()
-    ep_group = expert_parallel_group(ep)
-    with expert_shard(*shard_of(ep_group)):
-        model = tiny_model(ZERO2_LIFECYCLE)
+    plan = expert_parallel_plan(tiny_model_cfg(ZERO2_LIFECYCLE), ep)
+    model = tiny_model(ZERO2_LIFECYCLE, plan=plan)
     block = model.blocks[0]
     with torch.no_grad():
         block.moe_norm.bias.fill_(1.0)  # router input x_hat + 1: a constant row gives a constant logit
         block.moe.router.weight[3] = 0.3
-    setup_expert_parallel(model, ep_group)
+    setup_expert_parallel(model, plan)
     groups = param_groups(model, OptimizerConfig(weight_decay=0.0))
-    if ep_group is not None:
+    if plan.size > 1:
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
     ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
                  "zero_optimization": {"stage": 2, "contiguous_gradients": True}, "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
-    callback = ExpertLifecycleCallback.for_engine(engine, ep_group)
+    callback = ExpertLifecycleCallback.for_engine(engine, plan.group)
     moe = moe_of(engine.module)
     rows = moe.expert_rows()
     params = rows.local + rows.replicated

@@ -36,7 +36,7 @@ class ExpertLifecycle(Callback):
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.manager = ExpertLifecycleCallback.for_engine(trainer.engine, trainer.ep_group)
+        self.manager = ExpertLifecycleCallback.for_engine(trainer.engine, trainer.ep_plan.group)
 
     def after_optimizer_step(self, event: StepEvent) -> None:
         event.events.extend(self.manager.after_optimizer_step(event.step))

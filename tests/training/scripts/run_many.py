@@ -30,7 +30,7 @@ def main() -> None:
                      "data": trainer.loader.state_dict(), "world_size": trainer.world, "seed": cfg.train.seed,
                      "lr_scheduler": {"last_epoch": trainer.engine.lr_scheduler.last_epoch}}
             save_consolidated(trainer.engine, trainer.model, cfg, pathlib.Path(job["consolidated"]), state,
-                              trainer.ep_group)
+                              trainer.ep_plan.group)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
