@@ -34,6 +34,7 @@ other / ours (speed-up; target >= 1.10 for every library implementation).
 
     python bench/moe_layer.py                        # defaults above, N = 4096 tokens, 1 thread
     python bench/moe_layer.py --tokens 512 --repeats 3   # quick check
+    python bench/moe_layer.py --tables deepseek qwen     # only the DeepSeek-V3 and Qwen2-MoE tables
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ from moep_ds.routing.expert_choice import ExpertChoiceConfig
 from moep_ds.routing.topk import TopKConfig
 
 Step = Callable[[], None]
+TABLES = ("expert_choice", "top2", "deepseek", "qwen")
 
 
 def moe_layer(router, d_model: int, hidden: int, experts: int) -> MoELayer:
@@ -298,7 +300,11 @@ def main() -> None:
     parser.add_argument("--group_topk", type=positive_int, default=2)
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES),
+                        help="which tables to run (default: all); the top-2 table needs expert_choice too")
     args = parser.parse_args()
+    if "top2" in args.tables and "expert_choice" not in args.tables:
+        parser.error("--tables: top2 is printed with the expert choice row; add expert_choice")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -306,24 +312,38 @@ def main() -> None:
     # One thread: CPU time of this process (robust to other processes); several: wall-clock time.
     clock = time.process_time if args.threads == 1 else time.perf_counter
     x = torch.randn(1, args.tokens, args.ec_d_model, requires_grad=True)
-    ec = time_rows(expert_choice_rows(args, x, torch.randn_like(x)), args.repeats, clock)
+    print_header(args)
+    if "expert_choice" in args.tables:  # a subset of the tables draws other random weights than the full run
+        ec = time_rows(expert_choice_rows(args, x, torch.randn_like(x)), args.repeats, clock)
     x = torch.randn(1, args.tokens, args.top2_d_model, requires_grad=True)
-    steps, diffs = top2_rows(args, x, torch.randn_like(x))
-    print_table(args, ec, time_rows(steps, args.repeats, clock), diffs)
+    if "top2" in args.tables:
+        steps, diffs = top2_rows(args, x, torch.randn_like(x))
+        print_table(args, ec, time_rows(steps, args.repeats, clock), diffs)
+    elif "expert_choice" in args.tables:
+        print_expert_choice(args, ec)
     for kind in ("deepseek", "qwen"):
+        if kind not in args.tables:
+            continue
         steps, diffs = published_rows(kind, args, x, torch.randn_like(x))
         print_published(kind, time_rows(steps, args.repeats, clock), diffs)
 
 
-def print_table(args, ec: dict[str, float], top2: dict[str, float], diffs: dict[str, float]) -> None:
+def print_header(args) -> None:
     clock = "CPU time" if args.threads == 1 else "wall time"
     print(f"MoE layer forward+backward, CPU, {args.threads} thread(s), {clock}, best of {args.repeats}; "
           f"N={args.tokens} tokens, E={args.experts}; torch {torch.__version__}")
     print(f"{'row':<46} {'ours ms':>8} {'other ms':>9} {'ratio':>6}  {'target':<12} max|y-ours|")
+
+
+def print_expert_choice(args, ec: dict[str, float]) -> None:
     ratio = ec["ours_expert_choice"] / ec["ideal"]
     verdict = "ok" if ratio <= 1.10 else "missed"
     print(f"{f'expert choice (c={args.capacity_factor:g}) / ideal dense bound':<46} "
           f"{ec['ours_expert_choice'] * 1e3:8.1f} {ec['ideal'] * 1e3:9.1f} {ratio:6.3f}  {'<= 1.10 ' + verdict:<12}")
+
+
+def print_table(args, ec: dict[str, float], top2: dict[str, float], diffs: dict[str, float]) -> None:
+    print_expert_choice(args, ec)
     ours = top2["ours_top2"]
     ratio = ours / top2["ideal"]
     print(f"{'top-2 / ideal dense bound (2N tokens)':<46} {ours * 1e3:8.1f} {top2['ideal'] * 1e3:9.1f} {ratio:6.3f}  "

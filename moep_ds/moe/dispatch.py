@@ -65,12 +65,36 @@ def gather_tokens(x_TD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     return x_TD.index_select(0, plan.token_idx_S)
 
 
+class WeightedCombine(torch.autograd.Function):
+    """out_TD[t] = sum over assignments s of token t: weight_S[s] * y_SD[s], with a hand-written backward.
+
+    Autograd of `(y * w[:, None])` then `index_add_` allocates three [S, D] buffers in backward (the gathered
+    gradient, its product with w, its product with y); here the gathered gradient g_SD is reused: the weight
+    gradient is the row-wise dot <g_SD, y_SD>, then g_SD is scaled by w in place and returned for y. Same
+    arithmetic as autograd's (products of the same operands, sums over D), one [S, D] buffer fewer."""
+
+    @staticmethod
+    def forward(ctx, y_SD: torch.Tensor, weight_S: torch.Tensor, token_idx_S: torch.Tensor,  # noqa: ANN001
+                num_tokens: int) -> torch.Tensor:
+        ctx.save_for_backward(y_SD, weight_S, token_idx_S)
+        out_TD = y_SD.new_zeros(num_tokens, y_SD.shape[-1])
+        return out_TD.index_add_(0, token_idx_S, y_SD * weight_S.unsqueeze(-1))  # in place: no copy of the zeros
+
+    @staticmethod
+    def backward(ctx, g_TD: torch.Tensor):  # noqa: ANN001, ANN205
+        y_SD, weight_S, token_idx_S = ctx.saved_tensors
+        g_SD = g_TD.index_select(0, token_idx_S)
+        grad_w = torch.linalg.vecdot(g_SD, y_SD) if ctx.needs_input_grad[1] else None
+        grad_y = g_SD.mul_(weight_S.unsqueeze(-1)) if ctx.needs_input_grad[0] else None
+        return grad_y, grad_w, None, None
+
+
 def combine_tokens(y_SD: torch.Tensor, plan: RoutingPlan, out_dtype: torch.dtype) -> torch.Tensor:
-    """Weighted scatter-add of expert outputs back to their tokens; unrouted tokens get 0."""
+    """Weighted scatter-add of expert outputs back to their tokens (accumulated in the wider of the two dtypes,
+    fp32 or more); unrouted tokens get 0."""
     acc = torch.promote_types(y_SD.dtype, plan.weight_S.dtype)
-    weighted_SD = y_SD.to(acc) * plan.weight_S.to(acc).unsqueeze(-1)
-    out_TD = weighted_SD.new_zeros(plan.num_tokens, y_SD.shape[-1])
-    return out_TD.index_add_(0, plan.token_idx_S, weighted_SD).to(out_dtype)  # in place: no copy of the zeros
+    out_TD = WeightedCombine.apply(y_SD.to(acc), plan.weight_S.to(acc), plan.token_idx_S, plan.num_tokens)
+    return out_TD.to(out_dtype)
 
 
 class Dispatcher:
@@ -213,6 +237,6 @@ def shard_experts(stage: ExpertStage, plan: ExpertParallelPlan) -> None:
 
 
 __all__ = [
-    "Dispatcher", "ExpertBatch", "ExpertStage", "LocalDispatcher", "RunExperts", "combine_dense", "combine_tokens",
-    "dense_routing", "gather_tokens", "in_token_order", "sequence_ids", "shard_experts",
+    "Dispatcher", "ExpertBatch", "ExpertStage", "LocalDispatcher", "RunExperts", "WeightedCombine", "combine_dense",
+    "combine_tokens", "dense_routing", "gather_tokens", "in_token_order", "sequence_ids", "shard_experts",
 ]

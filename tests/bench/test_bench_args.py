@@ -17,6 +17,7 @@ def test_count_types():
 
 @pytest.mark.parametrize("script, args, message", [
     ("moe_layer.py", ["--experts", "0"], "argument --experts: 0 is not a positive integer"),
+    ("moe_layer.py", ["--tables", "top2"], "--tables: top2 is printed with the expert choice row; add expert_choice"),
     ("gpu_mfu.py", ["--dry_run", "--steps", "0"], "argument --steps: 0 is not a positive integer"),
 ])
 def test_bench_scripts_refuse_a_zero_count(script, args, message):
