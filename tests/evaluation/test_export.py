@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from moep_ds.cli.convert import main as convert_main
 from moep_ds.cli.export import main as export_main
 from moep_ds.evaluation.export import export_hf
 from moep_ds.evaluation.generate import generate
@@ -106,7 +107,8 @@ def test_moep_export_cli_writes_both_layouts(tmp_path):
     model, cfg = tiny_model("ffn_moe_nova")
     src = save_model_dir(model, cfg, tmp_path / "ckpt", meta={"step": 7, "tokens": 700})
     assert export_main([str(src), "--out", str(tmp_path / "plain")]) == 0
-    again, cfg2, tokenizer, meta = load_model_dir(tmp_path / "plain")
+    assert convert_main([str(tmp_path / "plain"), "--out", str(tmp_path / "back")]) == 0  # moep_ds loads sharded only
+    again, cfg2, tokenizer, meta = load_model_dir(tmp_path / "back")
     assert tokenizer is None and meta["step"] == 7 and meta["exported_from"] == str(src.resolve())
     x = torch.randint(0, cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -164,30 +164,30 @@ def test_the_default_device_is_the_gpu_when_there_is_one(monkeypatch, caplog):
 
 
 def truncated_model_dir(root):
-    """A model directory whose model.safetensors is cut short, and the one line that names it."""
+    """A model directory whose data file is cut short, and the one line that names it."""
     from moep_ds.checkpointing.model_dir import save_model_dir
 
     model, cfg = tiny_model("dense_gpt2")
     out = save_model_dir(model, cfg, root / "m")
-    os.truncate(out / "model.safetensors", 100)
-    return out, (f"model directory '{out}' is damaged: '{out}/model.safetensors' could not be read: "
-                 "Error while deserializing header: invalid header length")
+    data = out / "__0_0.distcp"
+    size = data.stat().st_size
+    os.truncate(data, 100)
+    return out, f"checkpoint '{out}' is damaged: '{data}' is truncated (100 of {size} bytes)"
 
 
-def hf_export_with_malformed_config(root):
+def hf_export(root):
+    """A consolidated directory (a Hugging Face export), which the loaders refuse naming moep-convert."""
     from moep_ds.evaluation.export import export_hf
 
     model, cfg = tiny_model("dense_gpt2")
     out = export_hf(model, cfg, root / "hf")
-    (out / "config.json").write_text("{\n")
-    return out, (f"'{out}/config.json' is not valid JSON: Expecting property name enclosed in double quotes: "
-                 "line 2 column 1 (char 2)")
+    return out, (f"'{out}' is a consolidated checkpoint (model.safetensors), a format moep_ds no longer loads: "
+                 f"run moep-convert {out} --out DST once and use DST")
 
 
-@pytest.mark.parametrize("damage", [truncated_model_dir, hf_export_with_malformed_config])
+@pytest.mark.parametrize("damage", [truncated_model_dir, hf_export])
 def test_moep_generate_names_a_damaged_model_directory(tmp_path, capsys, damage):
-    """A truncated model.safetensors was a SafetensorError traceback; a malformed config.json of an --hf export
-    read as "has model.safetensors but no config.yaml"."""
+    """A damaged checkpoint and a consolidated directory are one line each; nothing is written."""
     from moep_ds.cli.generate import main as generate_main
 
     ckpt, message = damage(tmp_path)
