@@ -4,7 +4,7 @@
     moep-export runs/x --out exports/x_hf --hf    loads with AutoModelForCausalLM.from_pretrained(
                                                   DIR, trust_remote_code=True); lm-eval --model hf reads it
 
-The weights go from the checkpoint (sharded or a model directory) to the export one tensor at a time
+The weights go from the (sharded) checkpoint to the export one tensor at a time
 (checkpointing/streaming.py); the model is never built. The Hugging Face directory holds config.json (with
 `auto_map` and the recipe's `model` section), model.safetensors (keys `model.<moep_ds key>`), modeling_moep.py /
 configuration_moep.py, flat copies of the moep_ds model code they import (moep_ds/evaluation/vendor.py), the
