@@ -1,7 +1,8 @@
 """Model directories (sharded checkpoints with their recipe): save/load round trip, run-directory resolution, routing
 eval modes, one-line errors."""
-import json
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from moep_ds.checkpointing.model_dir import (
     COMPLETE_MARKER, load_model_dir, resolve_model_dir, routing_eval_modes, save_model_dir, summarize_routing_modes,
 )
 
-from eval_models import tiny_model
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "evaluation"))
+from eval_models import tiny_model  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["dense_llama_window", "dense_pythia", "msit"])
