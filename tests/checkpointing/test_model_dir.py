@@ -1,6 +1,5 @@
 """Model directories (sharded checkpoints with their recipe): save/load round trip, run-directory resolution, routing
 eval modes, one-line errors."""
-import os
 import pathlib
 import sys
 
@@ -15,7 +14,7 @@ from moep_ds.checkpointing.model_dir import (
 )
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "evaluation"))
-from eval_models import tiny_model  # noqa: E402
+from eval_models import tiny_model, truncated_model_dir  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["dense_llama_window", "dense_pythia", "msit"])
@@ -91,14 +90,10 @@ def test_lifecycle_event_log_survives_the_round_trip(tmp_path):
 
 
 def test_truncated_weights_are_named_as_a_damaged_checkpoint(tmp_path):
-    model, cfg = tiny_model("dense_gpt2")
-    out = save_model_dir(model, cfg, tmp_path / "m")
-    data = out / "__0_0.distcp"
-    size = data.stat().st_size
-    os.truncate(data, 100)
+    out, message = truncated_model_dir(tmp_path)
     with pytest.raises(UserError) as err:
         load_model_dir(out)
-    assert str(err.value) == f"checkpoint '{out}' is damaged: '{data}' is truncated (100 of {size} bytes)"
+    assert str(err.value) == message
 
 
 def test_a_bf16_model_is_exported_in_fp32(tmp_path):

@@ -1,6 +1,5 @@
 """generate(): sampling filters against naive references, and cached decoding against full recomputation for
 every block type."""
-import os
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ from moep_ds.errors import UserError
 from moep_ds.evaluation.generate import filter_top_k, filter_top_p, generate, sample_next
 from moep_ds.registry import BLOCKS
 
-from eval_models import BLOCK_TYPES_COVERED, TINY_LAYERS, tiny_model
+from eval_models import BLOCK_TYPES_COVERED, TINY_LAYERS, hf_export, tiny_model, truncated_model_dir
 
 
 def test_every_block_type_is_covered():
@@ -161,28 +160,6 @@ def test_the_default_device_is_the_gpu_when_there_is_one(monkeypatch, caplog):
     assert "device cuda:1 requested but CUDA is not available: evaluating on cpu" in caplog.text
     with pytest.raises(UserError, match=r"^--device \('cuda:x'\) is not a torch device"):
         pick_device("cuda:x")  # malformed: refused, not taken for a cuda device to fall back from
-
-
-def truncated_model_dir(root):
-    """A model directory whose data file is cut short, and the one line that names it."""
-    from moep_ds.checkpointing.model_dir import save_model_dir
-
-    model, cfg = tiny_model("dense_gpt2")
-    out = save_model_dir(model, cfg, root / "m")
-    data = out / "__0_0.distcp"
-    size = data.stat().st_size
-    os.truncate(data, 100)
-    return out, f"checkpoint '{out}' is damaged: '{data}' is truncated (100 of {size} bytes)"
-
-
-def hf_export(root):
-    """A consolidated directory (a Hugging Face export), which the loaders refuse naming moep-convert."""
-    from moep_ds.evaluation.export import export_hf
-
-    model, cfg = tiny_model("dense_gpt2")
-    out = export_hf(model, cfg, root / "hf")
-    return out, (f"'{out}' is a consolidated checkpoint (model.safetensors), a format moep_ds no longer loads: "
-                 f"run moep-convert {out} --out DST once and use DST")
 
 
 @pytest.mark.parametrize("damage", [truncated_model_dir, hf_export])
