@@ -12,7 +12,7 @@ A run directory (`train.output_dir`) holds `checkpoints/step_<N>/` (checkpointin
 counts once it contains the empty file `COMPLETE`); `load_model_dir(run_dir)` takes the newest complete one.
 A consolidated directory (model.safetensors: the format of before 2026-12-03, `moep-export`'s output) is not
 loaded: the loaders name `moep-convert` (checkpointing/convert.py), which turns it into this format once.
-`moep-export` still writes one (`write_model_files`) for readers outside moep_ds.
+`moep-export` still writes one (evaluation/export.py) for readers outside moep_ds.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 
 from moep_ds.checkpointing import layout, model_state, sharded
 from moep_ds.checkpointing.model_state import load_module
-from moep_ds.checkpointing.streaming import TensorEntry, module_entries, sharded_entries, write_safetensors
+from moep_ds.checkpointing.streaming import TensorEntry, sharded_entries
 from moep_ds.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
 META_FILE = "meta.json"
-EXTRA_FILE = "extra_state.pt"  # non-tensor module state in a consolidated export
+EXTRA_FILE = "extra_state.pt"  # non-tensor module state of a consolidated directory
 COMPLETE_MARKER = layout.COMPLETE
 TIED_HEAD_KEY = "head.weight"
 
@@ -48,13 +48,6 @@ def convert_hint(path: Path) -> str:
     """The one line a loader gives for a consolidated directory."""
     return (f"{str(path)!r} is a consolidated checkpoint ({WEIGHTS_FILE}), a format moep_ds no longer loads: "
             f"run moep-convert {path} --out DST once and use DST")
-
-
-def state_entries(model: torch.nn.Module, tie_embeddings: bool, prefix: str = "") -> list[TensorEntry]:
-    """Every tensor of the state dict, each copied to fp32 (floating ones) on the CPU only when it is written; the
-    tied head (a second name for the embedding) is left out, since safetensors stores no aliases."""
-    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    return module_entries(state, [k for k in state if not (tie_embeddings and k == TIED_HEAD_KEY)], prefix)
 
 
 def save_model_dir(
@@ -72,16 +65,6 @@ def save_model_dir(
         model_state.save_module(model, tmp)
         write_recipe_files(cfg, tmp, tokenizer_dir, meta)
     return Path(out_dir)
-
-
-def write_model_files(entries: list[TensorEntry], extra: dict[str, Any], cfg, out: Path, tokenizer_dir,
-                      meta) -> None:
-    """A consolidated export (`moep-export` without --hf) into the new folder `out`: model.safetensors of
-    `entries` (written one tensor at a time), the non-tensor state `extra`, the recipe files."""
-    write_safetensors(out / WEIGHTS_FILE, entries, metadata={"format": "pt"})
-    if extra:  # e.g. the expert lifecycle's event log
-        torch.save(extra, out / EXTRA_FILE)
-    write_recipe_files(cfg, out, tokenizer_dir, meta)
 
 
 def stored_weights(model_dir: Path, cfg: Any, prefix: str = "") -> tuple[list[TensorEntry], dict[str, Any]]:
@@ -187,22 +170,3 @@ def load_weights(model: torch.nn.Module, model_dir: Path, cfg: Any, partitions: 
                         f"checkpoint {str(model_dir)!r} has no {sharded.METADATA_FILE}")
     sharded.check_files(model_dir)
     load_module(model, model_dir, ep, partitions=partitions)
-
-
-def routing_eval_modes(model: torch.nn.Module) -> dict[str, str]:
-    """{module name: eval_mode} of every router that has one (expert choice: threshold | topk).
-
-    Recorded with every evaluation result: expert-choice numbers depend on it.
-    """
-    modes = {}
-    for name, module in model.named_modules():
-        mode = getattr(getattr(module, "cfg", None), "eval_mode", None)
-        if isinstance(mode, str):
-            modes[name] = mode
-    return modes
-
-
-def summarize_routing_modes(modes: dict[str, str]) -> str:
-    """One word for tables: 'threshold', 'topk', 'mixed' or 'none' (no expert-choice router)."""
-    kinds = sorted(set(modes.values()))
-    return kinds[0] if len(kinds) == 1 else ("none" if not kinds else "mixed")

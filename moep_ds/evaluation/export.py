@@ -24,13 +24,30 @@ import torch
 
 from moep_ds.errors import UserError
 from moep_ds.checkpointing import layout
-from moep_ds.checkpointing.model_dir import state_entries
-from moep_ds.checkpointing.streaming import TensorEntry, write_safetensors
+from moep_ds.checkpointing.model_dir import EXTRA_FILE, TIED_HEAD_KEY, WEIGHTS_FILE, write_recipe_files
+from moep_ds.checkpointing.streaming import TensorEntry, module_entries, write_safetensors
 
 log = logging.getLogger(__name__)
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "hf_template"
 HF_FILES = ("configuration_moep.py", "modeling_moep.py")
+
+
+def state_entries(model: torch.nn.Module, tie_embeddings: bool, prefix: str = "") -> list[TensorEntry]:
+    """Every tensor of the state dict, each copied to fp32 (floating ones) on the CPU only when it is written; the
+    tied head (a second name for the embedding) is left out, since safetensors stores no aliases."""
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    return module_entries(state, [k for k in state if not (tie_embeddings and k == TIED_HEAD_KEY)], prefix)
+
+
+def write_model_files(entries: list[TensorEntry], extra: dict[str, Any], cfg, out: Path, tokenizer_dir,
+                      meta) -> None:
+    """A consolidated export (`moep-export` without --hf) into the new folder `out`: model.safetensors of
+    `entries` (written one tensor at a time), the non-tensor state `extra`, the recipe files."""
+    write_safetensors(out / WEIGHTS_FILE, entries, metadata={"format": "pt"})
+    if extra:  # e.g. the expert lifecycle's event log
+        torch.save(extra, out / EXTRA_FILE)
+    write_recipe_files(cfg, out, tokenizer_dir, meta)
 
 
 def hf_config(cfg: Any, eot_id: int | None) -> dict[str, Any]:

@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 from moep_ds.checkpointing import sharded
 from moep_ds.errors import UserError
 from moep_ds.checkpointing.model_dir import (
-    COMPLETE_MARKER, load_model_dir, resolve_model_dir, routing_eval_modes, save_model_dir, summarize_routing_modes,
+    COMPLETE_MARKER, load_model_dir, resolve_model_dir, save_model_dir,
 )
+from moep_ds.models.eval_modes import routing_eval_modes, summarize_routing_modes
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "evaluation"))
 from eval_models import tiny_model, truncated_model_dir  # noqa: E402

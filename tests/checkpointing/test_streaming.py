@@ -59,7 +59,6 @@ def one_at_a_time(monkeypatch):
             return TensorEntry(e.name, e.dtype, e.shape, read)
         original(path, [wrap(e) for e in entries], metadata)
 
-    monkeypatch.setattr(model_dir, "write_safetensors", watched)
     monkeypatch.setattr(export, "write_safetensors", watched)
     return alive, overlaps
 

@@ -243,8 +243,8 @@ def test_moep_export_never_writes_into_a_run(tmp_path, capsys):
 
 
 def test_moep_export_force_replaces_the_whole_folder(tmp_path, monkeypatch, capsys):
-    from moep_ds.checkpointing import model_dir
     from moep_ds.errors import UserError
+    from moep_ds.evaluation import export
 
     ckpt = make_run(tmp_path / "run")
     assert export_main([str(ckpt), "--out", str(tmp_path / "plain")]) == 0
@@ -257,7 +257,7 @@ def test_moep_export_force_replaces_the_whole_folder(tmp_path, monkeypatch, caps
         (out / "model.safetensors").write_text("half")
         raise UserError("disk full")
 
-    monkeypatch.setattr(model_dir, "write_model_files", fail)
+    monkeypatch.setattr(export, "write_model_files", fail)
     before = snapshot(tmp_path)
     for out in (tmp_path / "out", tmp_path / "new" / "deeper" / "out"):
         code = export_main([str(ckpt), "--out", str(out), "--force"])

@@ -242,10 +242,12 @@ def test_sharded_checkpoint_files_and_model_dir(matrix):
     from moep_ds.cli.export import main as export
 
     assert export([str(sources[3][1]), "--out", str(tmp / "export")]) == 0  # one process, weights only
-    exported = load_model_dir(tmp / "export")[0]
-    for (name, a), b in zip(model.state_dict().items(), exported.state_dict().values()):
-        if isinstance(a, torch.Tensor):
-            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp / "export" / "model.safetensors"))  # for readers outside moep_ds
+    for name, a in model.state_dict().items():
+        if isinstance(a, torch.Tensor) and not (name == "head.weight" and cfg.model.tie_embeddings):
+            torch.testing.assert_close(a, exported[name], rtol=0, atol=0, msg=name)
     assert all(p.stat().st_mode & 0o777 == mode for p in (tmp / "export").iterdir())
 
 
