@@ -24,20 +24,13 @@ import torch
 
 from moep_ds.errors import UserError
 from moep_ds.checkpointing import layout
-from moep_ds.checkpointing.model_dir import EXTRA_FILE, TIED_HEAD_KEY, WEIGHTS_FILE, write_recipe_files
-from moep_ds.checkpointing.streaming import TensorEntry, module_entries, write_safetensors
+from moep_ds.checkpointing.model_dir import EXTRA_FILE, WEIGHTS_FILE, write_recipe_files
+from moep_ds.checkpointing.streaming import TensorEntry, write_safetensors
 
 log = logging.getLogger(__name__)
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "hf_template"
 HF_FILES = ("configuration_moep.py", "modeling_moep.py")
-
-
-def state_entries(model: torch.nn.Module, tie_embeddings: bool, prefix: str = "") -> list[TensorEntry]:
-    """Every tensor of the state dict, each copied to fp32 (floating ones) on the CPU only when it is written; the
-    tied head (a second name for the embedding) is left out, since safetensors stores no aliases."""
-    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    return module_entries(state, [k for k in state if not (tie_embeddings and k == TIED_HEAD_KEY)], prefix)
 
 
 def write_model_files(entries: list[TensorEntry], extra: dict[str, Any], cfg, out: Path, tokenizer_dir,
@@ -168,21 +161,6 @@ def checked_tokenizer(source: Path) -> Path | None:
         return None
     load_tokenizer(source)
     return source
-
-
-def export_hf(
-    model: torch.nn.Module,
-    cfg: Any,
-    out_dir: str | os.PathLike,
-    *,
-    tokenizer_dir: str | os.PathLike | None = None,
-    meta: dict[str, Any] | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write a Hugging Face directory for `model` (a CausalLM built from `cfg.model`); atomic (temporary
-    sibling, then rename)."""
-    entries = state_entries(model, cfg.model.tie_embeddings, prefix="model.")
-    return export_hf_weights(entries, cfg, out_dir, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=overwrite)
 
 
 def export_hf_weights(

@@ -15,7 +15,7 @@ from moep_ds.checkpointing.model_dir import (
 from moep_ds.models.eval_modes import routing_eval_modes, summarize_routing_modes
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "evaluation"))
-from eval_models import tiny_model, truncated_model_dir  # noqa: E402
+from eval_models import export_hf, tiny_model, truncated_model_dir  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["dense_llama_window", "dense_pythia", "msit"])
@@ -99,8 +99,6 @@ def test_truncated_weights_are_named_as_a_damaged_checkpoint(tmp_path):
 
 def test_a_bf16_model_is_exported_in_fp32(tmp_path):
     """A Hugging Face export holds fp32 weights whatever precision the model ran in."""
-    from moep_ds.evaluation.export import export_hf
-
     model, cfg = tiny_model("dense_gpt2")
     model = model.to(torch.bfloat16)
     out = export_hf(model, cfg, tmp_path / "hf")

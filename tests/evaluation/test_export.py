@@ -11,11 +11,10 @@ import torch
 
 from moep_ds.cli.convert import main as convert_main
 from moep_ds.cli.export import main as export_main
-from moep_ds.evaluation.export import export_hf
 from moep_ds.evaluation.generate import generate
 from moep_ds.checkpointing.model_dir import load_model_dir, save_model_dir
 
-from eval_models import TINY_LAYERS, tiny_model
+from eval_models import TINY_LAYERS, export_hf, tiny_model
 
 
 def load_hf(path):

@@ -8,7 +8,7 @@ from moep_ds.errors import UserError
 from moep_ds.evaluation.generate import filter_top_k, filter_top_p, generate, sample_next
 from moep_ds.registry import BLOCKS
 
-from eval_models import BLOCK_TYPES_COVERED, TINY_LAYERS, hf_export, tiny_model, truncated_model_dir
+from eval_models import BLOCK_TYPES_COVERED, TINY_LAYERS, consolidated_export, tiny_model, truncated_model_dir
 
 
 def test_every_block_type_is_covered():
@@ -162,7 +162,7 @@ def test_the_default_device_is_the_gpu_when_there_is_one(monkeypatch, caplog):
         pick_device("cuda:x")  # malformed: refused, not taken for a cuda device to fall back from
 
 
-@pytest.mark.parametrize("damage", [truncated_model_dir, hf_export])
+@pytest.mark.parametrize("damage", [truncated_model_dir, consolidated_export])
 def test_moep_generate_names_a_damaged_model_directory(tmp_path, capsys, damage):
     """A damaged checkpoint and a consolidated directory are one line each; nothing is written."""
     from moep_ds.cli.generate import main as generate_main

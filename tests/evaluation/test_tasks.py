@@ -216,7 +216,7 @@ def test_tasks_that_need_the_missing_data_directory_say_so(tmp_path):
         rendered.resolve(["grammar_pairs", "piqa"])
 
 
-@pytest.mark.parametrize("damage", ["truncated_model_dir", "hf_export"])
+@pytest.mark.parametrize("damage", ["truncated_model_dir", "consolidated_export"])
 def test_moep_eval_names_a_damaged_model_directory(tmp_path, capsys, damage):
     """A damaged checkpoint and a consolidated directory are one line each; nothing is written (--output stays
     absent)."""
