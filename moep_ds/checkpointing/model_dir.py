@@ -145,7 +145,7 @@ def load_model_dir(path: str | os.PathLike, overrides: list[str] | None = None) 
 
     model_dir, cfg = load_recipe(path, overrides)
     model = build_model(cfg.model)
-    load_weights(model, model_dir, cfg)
+    load_weights(model, model_dir)
     model.eval()
     return model, cfg, *tokenizer_and_meta(model_dir)
 
@@ -160,11 +160,11 @@ def tokenizer_and_meta(model_dir: Path) -> tuple[Any, dict[str, Any]]:
     return tokenizer, {**read_meta(model_dir), "model_dir": str(model_dir)}
 
 
-def load_weights(model: torch.nn.Module, model_dir: Path, cfg: Any, partitions: bool = False,
+def load_weights(model: torch.nn.Module, model_dir: Path, partitions: bool = False,
                  ep: model_state.ExpertLayout = model_state.ExpertLayout()) -> None:
     """The weights, buffers and extra state of a sharded checkpoint into `model`. With `partitions` the model is
     built partitioned (ZeRO-3, no optimizer), with `ep` it holds expert-parallel rank ep.rank's experts: each rank
-    reads what it holds only. (`cfg` is the directory's recipe, which built `model`.)"""
+    reads what it holds only."""
     if not sharded.is_sharded(model_dir):
         raise UserError(convert_hint(model_dir) if is_consolidated(model_dir) else
                         f"checkpoint {str(model_dir)!r} has no {sharded.METADATA_FILE}")

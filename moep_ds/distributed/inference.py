@@ -66,7 +66,7 @@ def split_model(cfg: Any, model_dir: Path, dtype: str, expert_parallel: bool) ->
     setup_expert_parallel(model, ep_group)
     error = None
     try:
-        load_weights(model, model_dir, cfg, partitions=not expert_parallel, ep=ExpertLayout(*shard_of(ep_group)))
+        load_weights(model, model_dir, partitions=not expert_parallel, ep=ExpertLayout(*shard_of(ep_group)))
     except UserError as err:  # e.g. a file that one node reads differently
         error = err
     stop_together(error, f"checkpoint {str(model_dir)!r}")
