@@ -34,7 +34,7 @@ MODEL = {"flavour": "llama", "vocab_size": 64, "d_model": 32, "max_seq_len": 16,
     (["-m", "moep_ds.cli.eval", "{tmp}", "--batch_size", "0"], "--batch_size (0) must be >= 1"),
     (["-m", "moep_ds.cli.eval", "{tmp}", "--device", "gpu0"],
      "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
-    (["-m", "moep_ds.evaluation.generate", "{tmp}", "--top_p", "2"], "--top_p (2.0) must be in (0, 1]"),
+    (["-m", "moep_ds.cli.generate", "{tmp}", "--top_p", "2"], "--top_p (2.0) must be in (0, 1]"),
     (["pretrain.py", "--config", "{tmp}/recipe.yaml", "--dry_run"], "model.d_model (-1) must be > 0"),
 ])
 def test_an_argument_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, command, message):
@@ -53,7 +53,7 @@ def test_an_argument_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, 
 @pytest.mark.parametrize("command", [
     [str(REPO / "pretrain.py"), "--config", "r.yaml", "--bogus"],
     ["-m", "moep_ds.cli.eval", "ckpt", "--batch_size", "two"],
-    ["-m", "moep_ds.evaluation.generate", "ckpt", "--max_new_tokens", "x"],
+    ["-m", "moep_ds.cli.generate", "ckpt", "--max_new_tokens", "x"],
 ])
 def test_a_usage_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, command):
     """argparse's own refusals (unknown option, wrong type): usage and the error on rank 0, exit 2 on both."""

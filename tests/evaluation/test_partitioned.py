@@ -222,7 +222,7 @@ def test_expert_parallel_evaluation_of_a_model_without_experts_is_one_line(tmp_p
     cfg = config_from_dict({"model": {"flavour": "llama", "vocab_size": 64, "d_model": 16, "max_seq_len": 16,
                                       "layers": [{"type": "dense", "attention": {"num_heads": 2}}]}})
     model_dir.save_model_dir(build_model(cfg.model), cfg, tmp_path / "dense")
-    proc = launch(2, "-m", "moep_ds.evaluation.generate", str(tmp_path / "dense"), "--expert_parallel", check=False)
+    proc = launch(2, "-m", "moep_ds.cli.generate", str(tmp_path / "dense"), "--expert_parallel", check=False)
     errors = [line for line in proc.stderr.splitlines() if "error: " in line]
     assert proc.returncode != 0 and errors == [
         f"error: --expert_parallel: {str(tmp_path / 'dense')!r} has no routed experts to shard over 2 ranks; "
@@ -236,7 +236,7 @@ def test_moep_generate_under_torchrun_samples_as_one_process(model_dirs, capsys)
             "--temperature", "1.5", "--seed", "7"]
     assert generate.main(args) == 0
     one = capsys.readouterr().out
-    two = launch_command("moep_ds.evaluation.generate", *args).stdout  # with DeepSpeed's log lines
+    two = launch_command("moep_ds.cli.generate", *args).stdout  # with DeepSpeed's log lines
     assert two.count(one) == 1 and one.count("the dog") >= 3  # printed once (rank 0), three samples
     assert len(set(one.split("the dog"))) > 2  # that differ: sampled
 
