@@ -43,6 +43,7 @@ setup(
             "moep-generate = moep_ds.cli.generate:main",
             "moep-analyze = moep_ds.cli.analyze:main",
             "moep-import = moep_ds.cli.import_model:main",
+            "moep-convert = moep_ds.cli.convert:main",
         ]
     },
     package_data={"moep_ds.evaluation": ["hf_template/*.py"]},

@@ -1,10 +1,10 @@
-"""Checkpoint cost per rank: sharded DCP checkpoints (sync and async) side by side with the consolidated format.
+"""Checkpoint cost per rank: sharded DCP checkpoints, saved synchronously and asynchronously (the trainer's save).
 
     python bench/checkpoint_scale.py --ranks 1 2 4 --resume-on 2 [--stage 3] [--set model.d_model=128 ...]
 
 For each world size it launches torchrun with this file as the worker: the recipe (configs/nova_moe.yaml at
-full width, data.source=builtin, micro-batch 1 x 32 tokens) trains one step, then each format saves and loads
-once. Per format it reports the save stall (time until training could go on), the load time (masters and
+full width, data.source=builtin, micro-batch 1 x 32 tokens) trains one step, then saves (sync, then async)
+and loads once each. For each it reports the save stall (time until training could go on), the load time (masters and
 moments into the live engine), the peak resident memory a save adds to a rank over its level after the
 step (sampled every 5 ms; the largest over ranks), and the largest file's share of the checkpoint's bytes.
 Prints one markdown table; `--json` writes the rows.
@@ -78,7 +78,6 @@ def worker(args) -> None:
     from moep_ds.checkpointing import sharded
     from moep_ds.config import load_config
     from moep_ds.training import checkpoint as ckpt_io
-    from moep_ds.training.consolidated import load_consolidated_engine, save_consolidated
     from moep_ds.training.trainer import Trainer
 
     out = pathlib.Path(args.out)
@@ -120,12 +119,6 @@ def worker(args) -> None:
     measure("sharded (sync)", trainer.save, load_sharded, sharded_path)
     trainer.checkpoints = ckpt_io.CheckpointWriter(trainer.run_dir, keep_last=1, async_save=True)
     measure("sharded (async)", trainer.save, load_sharded, sharded_path)
-    consolidated = out / "consolidated"
-    state = json.loads((sharded_path / ckpt_io.TRAINER_STATE_FILE).read_text())
-    measure("consolidated (today)",
-            lambda: save_consolidated(trainer.engine, trainer.model, cfg, consolidated, state, trainer.ep_plan.group),
-            lambda: load_consolidated_engine(trainer.engine, trainer.model, consolidated, trainer.ep_plan.group),
-            consolidated)
     rows = {k: {**v, "rank_rss_after_step": rss()} for k, v in rows.items()}
     if rank == 0:
         (out / "rows.json").write_text(json.dumps(rows))

@@ -1,16 +1,15 @@
 """Weights written one tensor at a time, so that an export never holds the whole model.
 
-    entries = checkpoint_entries(model_dir, model_shapes)     # a sharded checkpoint (DCP) or a safetensors file
+    entries = sharded_entries(model_dir, model_shapes)        # a sharded checkpoint (DCP)
     write_safetensors(out / "model.safetensors", entries)      # header first, then each tensor as it is read
 
-A `TensorEntry` is a tensor's name, dtype and shape and a function that reads it: from a sharded checkpoint
-(only that tensor's pieces, torch.distributed.checkpoint), from a safetensors file (memory-mapped), or from a
-module in memory. safetensors' writers take every tensor at once; its file format (an 8-byte little-endian
-header length, a JSON header of dtypes, shapes and byte offsets, then the raw bytes in that order) lets the
-header be written from the names, dtypes and shapes alone, so at most one tensor is in memory at a time (an
-export of a 1B-parameter model would otherwise hold its 4 GB twice).
+A `TensorEntry` is a tensor's name, dtype and shape and a function that reads it from a sharded checkpoint (only
+that tensor's pieces, torch.distributed.checkpoint). safetensors' writers take every tensor at once; its file
+format (an 8-byte little-endian header length, a JSON header of dtypes, shapes and byte offsets, then the raw
+bytes in that order) lets the header be written from the names, dtypes and shapes alone, so at most one tensor is
+in memory at a time (an export of a 1B-parameter model would otherwise hold its 4 GB twice).
 
-Floating tensors are written in fp32, as every model directory holds them.
+Floating tensors are written in fp32, as every export holds them.
 """
 from __future__ import annotations
 
@@ -71,13 +70,6 @@ def write_safetensors(path: Path, entries: Sequence[TensorEntry], metadata: dict
             del t  # before the next read: one tensor at a time
 
 
-def module_entries(state: dict[str, torch.Tensor], names: Sequence[str], prefix: str = "") -> list[TensorEntry]:
-    """Tensors of a state dict in memory, stored as `prefix + name`."""
-    return [TensorEntry(prefix + n, stored_dtype(state[n].dtype), tuple(state[n].shape),
-                        lambda t=state[n]: t.detach().to("cpu", stored_dtype(t.dtype)))
-            for n in names]
-
-
 def sharded_entries(path: Path, shapes: dict[str, tuple[int, ...]], prefix: str = "") -> list[TensorEntry]:
     """The model tensors `shapes` (canonical names) of the sharded checkpoint at `path`, each read alone."""
     sharded.check_files(path)
@@ -116,22 +108,4 @@ def check_safetensors(file: Path, shapes: dict[str, tuple[int, ...]], key_prefix
     return saved
 
 
-def safetensors_entries(file: Path, shapes: dict[str, tuple[int, ...]], key_prefix: str = "",
-                        prefix: str = "") -> list[TensorEntry]:
-    """The tensors `shapes` of a safetensors file whose keys are `key_prefix + name`, each read alone."""
-    from safetensors import safe_open
-
-    saved = check_safetensors(file, shapes, key_prefix)
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(str(file), framework="pt") as f:
-            t = f.get_tensor(key)
-        return t.to(stored_dtype(t.dtype))
-
-    return [TensorEntry(prefix + n, stored_dtype(saved[key_prefix + n][0]), tuple(shape),
-                        lambda k=key_prefix + n: read(k))
-            for n, shape in shapes.items()]
-
-
-__all__ = ["TensorEntry", "check_safetensors", "module_entries", "safetensors_entries", "sharded_entries",
-           "stored_dtype", "write_safetensors"]
+__all__ = ["TensorEntry", "check_safetensors", "sharded_entries", "stored_dtype", "write_safetensors"]

@@ -166,7 +166,7 @@ def run_name(checkpoint: str) -> str:
 
 def build_record(results: dict[str, Any], lm: Any, cfg: Any, meta: dict[str, Any], *, name: str,
                  settings: dict[str, Any]) -> dict[str, Any]:
-    from moep_ds.checkpointing.model_dir import summarize_routing_modes
+    from moep_ds.models.eval_modes import summarize_routing_modes
     from moep_ds.evaluation.report import flat_scores
     from moep_ds.models.accounting import meta_param_report
 

@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
 
 def _main(args: argparse.Namespace) -> int:
     """Streams the weights from the checkpoint to the export one tensor at a time: the model is never built."""
-    from moep_ds.checkpointing.model_dir import load_recipe, read_meta, stored_weights, write_model_files
+    from moep_ds.checkpointing.model_dir import load_recipe, read_meta, stored_weights
+    from moep_ds.evaluation.export import write_model_files
 
     source, cfg = load_recipe(args.checkpoint, args.set)
     out = Path(args.out)

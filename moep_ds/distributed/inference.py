@@ -62,7 +62,7 @@ def split_model(cfg: Any, model_dir: Path, dtype: str, expert_parallel: bool) ->
     setup_expert_parallel(model, plan)
     error = None
     try:
-        load_weights(model, model_dir, cfg, partitions=not expert_parallel, ep=plan)
+        load_weights(model, model_dir, partitions=not expert_parallel, ep=plan)
     except UserError as err:  # e.g. a file that one node reads differently
         error = err
     stop_together(error, f"checkpoint {str(model_dir)!r}")

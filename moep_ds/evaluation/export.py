@@ -4,7 +4,7 @@
     moep-export runs/x --out exports/x_hf --hf    loads with AutoModelForCausalLM.from_pretrained(
                                                   DIR, trust_remote_code=True); lm-eval --model hf reads it
 
-The weights go from the checkpoint (sharded or a model directory) to the export one tensor at a time
+The weights go from the (sharded) checkpoint to the export one tensor at a time
 (checkpointing/streaming.py); the model is never built. The Hugging Face directory holds config.json (with
 `auto_map` and the recipe's `model` section), model.safetensors (keys `model.<moep_ds key>`), modeling_moep.py /
 configuration_moep.py, flat copies of the moep_ds model code they import (moep_ds/evaluation/vendor.py), the
@@ -24,13 +24,23 @@ import torch
 
 from moep_ds.errors import UserError
 from moep_ds.checkpointing import layout
-from moep_ds.checkpointing.model_dir import state_entries
+from moep_ds.checkpointing.model_dir import EXTRA_FILE, WEIGHTS_FILE, write_recipe_files
 from moep_ds.checkpointing.streaming import TensorEntry, write_safetensors
 
 log = logging.getLogger(__name__)
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "hf_template"
 HF_FILES = ("configuration_moep.py", "modeling_moep.py")
+
+
+def write_model_files(entries: list[TensorEntry], extra: dict[str, Any], cfg, out: Path, tokenizer_dir,
+                      meta) -> None:
+    """A consolidated export (`moep-export` without --hf) into the new folder `out`: model.safetensors of
+    `entries` (written one tensor at a time), the non-tensor state `extra`, the recipe files."""
+    write_safetensors(out / WEIGHTS_FILE, entries, metadata={"format": "pt"})
+    if extra:  # e.g. the expert lifecycle's event log
+        torch.save(extra, out / EXTRA_FILE)
+    write_recipe_files(cfg, out, tokenizer_dir, meta)
 
 
 def hf_config(cfg: Any, eot_id: int | None) -> dict[str, Any]:
@@ -151,21 +161,6 @@ def checked_tokenizer(source: Path) -> Path | None:
         return None
     load_tokenizer(source)
     return source
-
-
-def export_hf(
-    model: torch.nn.Module,
-    cfg: Any,
-    out_dir: str | os.PathLike,
-    *,
-    tokenizer_dir: str | os.PathLike | None = None,
-    meta: dict[str, Any] | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write a Hugging Face directory for `model` (a CausalLM built from `cfg.model`); atomic (temporary
-    sibling, then rename)."""
-    entries = state_entries(model, cfg.model.tie_embeddings, prefix="model.")
-    return export_hf_weights(entries, cfg, out_dir, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=overwrite)
 
 
 def export_hf_weights(

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.evaluation.generate import DTYPES, decode_steps, eval_mode, place_model
 from moep_ds.evaluation.partitioned import load_eval_model, split_over_ranks
-from moep_ds.checkpointing.model_dir import routing_eval_modes, summarize_routing_modes
+from moep_ds.models.eval_modes import routing_eval_modes, summarize_routing_modes
 
 log = logging.getLogger(__name__)
 

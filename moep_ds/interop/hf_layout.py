@@ -133,11 +133,6 @@ def norm_rules(ours: str, theirs: str, has_bias: bool) -> list[Rule]:
     return with_bias(same, ours, theirs, has_bias)
 
 
-def layernorm_bias(spec: Spec, final: bool = False) -> bool:
-    prefix = "final_norm" if final else "norm"
-    return spec[f"{prefix}_type"] == "layernorm" and spec[f"{prefix}_bias"]
-
-
 # ---- the architectures ----------------------------------------------------------------------------------------
 
 

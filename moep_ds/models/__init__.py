@@ -1,1 +1,1 @@
-"""CausalLM and parameter/FLOP accounting."""
+"""CausalLM, parameter/FLOP accounting, and the evaluation rule each router follows (eval_modes.py)."""

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from moep_ds.checkpointing import layout, model_state, sharded
-from moep_ds.checkpointing.model_dir import read_meta, write_recipe_files
+from moep_ds.checkpointing.model_dir import convert_hint, is_consolidated, read_meta, write_recipe_files
 from moep_ds.checkpointing.model_state import canonical_name, is_expert_param
 from moep_ds.distributed import deepspeed_adapter
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
@@ -281,11 +281,9 @@ def resume_candidates(resume: str | None, run_dir: pathlib.Path) -> list[pathlib
 
 
 def check_checkpoint(ckpt: pathlib.Path) -> None:
-    """DamagedCheckpoint naming the first unusable file (sharded or consolidated format)."""
-    if not sharded.is_sharded(ckpt):
-        from moep_ds.training.consolidated import check_consolidated
-
-        return check_consolidated(ckpt)
+    """DamagedCheckpoint naming the first unusable file; a consolidated checkpoint is refused (moep-convert)."""
+    if is_consolidated(ckpt):
+        raise CheckpointError(convert_hint(ckpt))
     sharded.check_files(ckpt)
     if not (ckpt / TRAINER_STATE_FILE).exists() and "imported_from" in read_meta(ckpt):
         raise CheckpointError(f"checkpoint {str(ckpt)!r} holds a model only (moep-import), no training state to "
@@ -299,28 +297,19 @@ def check_checkpoint(ckpt: pathlib.Path) -> None:
 
 def load_model_state(model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGLE_PROCESS) -> None:
     """Weights, buffers and extra state into the (unwrapped, not yet engine-owned) model."""
-    if not sharded.is_sharded(ckpt):
-        from moep_ds.training.consolidated import load_consolidated_model
-
-        return load_consolidated_model(model, ckpt, plan.group)
     model_state.load_module(model, ckpt, plan)
 
 
 def load_engine_state(engine, model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGLE_PROCESS) -> dict[str, Any]:
     """Restore fp32 masters, Adam moments/step, schedule, loss scaler, counters and RNG; returns trainer state."""
-    if not sharded.is_sharded(ckpt):
-        from moep_ds.training.consolidated import load_consolidated_engine
-
-        state = load_consolidated_engine(engine, model, ckpt, plan.group)
-    else:
-        state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
-        st.init_optimizer_state(engine.optimizer)
-        pieces = engine_pieces(engine, model, plan, for_load=True)
-        with torch.no_grad():
-            sharded.load(pieces, ckpt)
-        commit_partitions(model, pieces)
-        st.refresh_working_copies(engine.optimizer)
-        st.set_optimizer_step_count(engine.optimizer, [p for p in model.parameters()], state["optimizer_step"])
+    state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
+    st.init_optimizer_state(engine.optimizer)
+    pieces = engine_pieces(engine, model, plan, for_load=True)
+    with torch.no_grad():
+        sharded.load(pieces, ckpt)
+    commit_partitions(model, pieces)
+    st.refresh_working_copies(engine.optimizer)
+    st.set_optimizer_step_count(engine.optimizer, [p for p in model.parameters()], state["optimizer_step"])
     restore_trainer_state(engine, state)
     restore_rng(ckpt, dist.get_rank(), state)
     return state
@@ -410,7 +399,7 @@ def restore_rng(ckpt: pathlib.Path, rank: int, state: dict[str, Any]) -> None:
     if state.get("world_size") == dist.get_world_size() and path.is_file():
         try:
             rng = torch.load(path, weights_only=True)
-        except Exception:  # noqa: BLE001 - today's consolidated checkpoints pickled numpy arrays: re-seed those
+        except Exception:  # noqa: BLE001 - a file of pickled objects (numpy arrays) is refused: re-seed instead
             log.warning("%s holds pickled objects; re-seeding the RNG streams instead", path)
     if rng is not None:
         torch.set_rng_state(rng["torch"])

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from moep_ds.checkpointing import model_dir, model_state, streaming
 from moep_ds.checkpointing.streaming import TensorEntry, write_safetensors
 from moep_ds.config import config_from_dict, dump_config
-from moep_ds.cli import export as export_cli
+from moep_ds.cli import convert as convert_cli, export as export_cli
 from moep_ds.evaluation import export
 from moep_ds.models.causal_lm import CausalLM
 
@@ -59,7 +59,6 @@ def one_at_a_time(monkeypatch):
             return TensorEntry(e.name, e.dtype, e.shape, read)
         original(path, [wrap(e) for e in entries], metadata)
 
-    monkeypatch.setattr(model_dir, "write_safetensors", watched)
     monkeypatch.setattr(export, "write_safetensors", watched)
     return alive, overlaps
 
@@ -92,7 +91,8 @@ def test_export_of_a_sharded_checkpoint_holds_one_tensor_at_a_time(tmp_path, mon
     assert stored.keys() == {prefix + k for k in expected}
     for name, value in expected.items():
         assert torch.equal(stored[prefix + name], value.float() if value.is_floating_point() else value), name
-    again = model_dir.load_model_dir(tmp_path / "out")[0]
+    assert convert_cli.main([str(tmp_path / "out"), "--out", str(tmp_path / "back")]) == 0
+    again = model_dir.load_model_dir(tmp_path / "back")[0]
     x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(again(x).logits, source.eval()(x).logits, rtol=0, atol=0)

@@ -150,6 +150,19 @@ def no_trainers_left(slurm: Cluster) -> bool:
     return not any(trainers(slurm, n) for n in slurm.nodes)
 
 
+def resubmit_and_finish(slurm: Cluster, env: dict, cwd: Path, run_dir: Path, reference: dict,
+                        resumed_from: int) -> None:
+    """Submit the multi-node script again: it resumes from step `resumed_from` and ends where the uninterrupted
+    reference run ended, with the same losses."""
+    again, _ = launch(slurm, "slurm_multi_node.sbatch", env, cwd)
+    log = cwd / f"slurm-{again}.out"
+    wait_state(slurm, again, {"COMPLETED", "FAILED", "CANCELLED"}, log)
+    assert state(slurm, again) == "COMPLETED", log.read_text()[-6000:]
+    assert resumed_at(log) == [resumed_from]
+    assert steps(run_dir) == list(range(1, STEPS + 1))
+    assert losses(run_dir) == reference["losses"]
+
+
 # ---- the cluster itself
 
 def test_single_node_variant_comes_up_runs_a_step_and_goes_away(tmp_path):
@@ -248,13 +261,7 @@ def test_deepspeed_mode_usr1_requeue_resume_then_scancel_and_resubmission(slurm,
     wait_for(lambda: not list((tmp_path / "jobtmp").iterdir()), 30, "the job's files removed", log)
 
     # resubmitted: resumes from the scancel checkpoint and reaches the last step in deepspeed mode too
-    again, _ = launch(slurm, "slurm_multi_node.sbatch", env, tmp_path)
-    log2 = tmp_path / f"slurm-{again}.out"
-    wait_state(slurm, again, {"COMPLETED", "FAILED", "CANCELLED"}, log2)
-    assert state(slurm, again) == "COMPLETED", log2.read_text()[-6000:]
-    assert resumed_at(log2) == [second]
-    assert steps(run_dir) == list(range(1, STEPS + 1))
-    assert losses(run_dir) == reference["losses"]
+    resubmit_and_finish(slurm, env, tmp_path, run_dir, reference, resumed_from=second)
     assert not list((tmp_path / "jobtmp").iterdir())
 
 
@@ -307,13 +314,7 @@ def test_srun_mode_requeue_time_limit_and_node_loss(slurm, cache_dir, reference,
     assert newest >= second
 
     # resubmitted: resumes from the newest complete checkpoint and finishes
-    again, _ = launch(slurm, "slurm_multi_node.sbatch", env, tmp_path)
-    log2 = tmp_path / f"slurm-{again}.out"
-    wait_state(slurm, again, {"COMPLETED", "FAILED", "CANCELLED"}, log2)
-    assert state(slurm, again) == "COMPLETED", log2.read_text()[-6000:]
-    assert resumed_at(log2) == [newest]
-    assert steps(run_dir) == list(range(1, STEPS + 1))
-    assert losses(run_dir) == reference["losses"]
+    resubmit_and_finish(slurm, env, tmp_path, run_dir, reference, resumed_from=newest)
 
 
 def run_seconds(runtime: str) -> int:

@@ -1,8 +1,12 @@
-"""Tiny models of every block type for the evaluation tests (export, generation, harness).
+"""Tiny models of every block type for the evaluation tests (export, generation, harness), and directories the
+loaders refuse (a truncated checkpoint, a consolidated export) with the one line each gives, and `export_hf`:
+`moep-export --hf` of a model in memory.
 
 Adding a block type is one line in TINY_LAYERS; `test_every_block_type_is_covered` fails until it is added.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -84,3 +88,34 @@ def tiny_model(name: str, seed: int = 0, **model) -> tuple[CausalLM, object]:
     with torch.no_grad():
         model_(torch.randint(0, cfg.model.vocab_size, (4, 24)))
     return model_.eval(), cfg
+
+
+def truncated_model_dir(root):
+    """A model directory whose data file is cut short, and the one line that names it."""
+    from moep_ds.checkpointing.model_dir import save_model_dir
+
+    model, cfg = tiny_model("dense_gpt2")
+    out = save_model_dir(model, cfg, root / "m")
+    data = out / "__0_0.distcp"
+    size = data.stat().st_size
+    os.truncate(data, 100)
+    return out, f"checkpoint '{out}' is damaged: '{data}' is truncated (100 of {size} bytes)"
+
+
+def export_hf(model: CausalLM, cfg, out, tokenizer_dir=None, meta=None):
+    """`moep-export --hf` of a model in memory: saved beside `out` as a checkpoint first (save_model_dir), as a run
+    would have saved it."""
+    from moep_ds.checkpointing.model_dir import save_model_dir
+    from moep_ds.cli.export import main as export_main
+
+    ckpt = save_model_dir(model, cfg, out.parent / f"{out.name}_checkpoint", tokenizer_dir=tokenizer_dir, meta=meta)
+    assert export_main([str(ckpt), "--out", str(out), "--hf"]) == 0
+    return out
+
+
+def consolidated_export(root):
+    """A consolidated directory (a Hugging Face export), which the loaders refuse naming moep-convert."""
+    model, cfg = tiny_model("dense_gpt2")
+    out = export_hf(model, cfg, root / "hf")
+    return out, (f"'{out}' is a consolidated checkpoint (model.safetensors), a format moep_ds no longer loads: "
+                 f"run moep-convert {out} --out DST once and use DST")

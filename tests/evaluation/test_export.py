@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
+from moep_ds.cli.convert import main as convert_main
 from moep_ds.cli.export import main as export_main
-from moep_ds.evaluation.export import export_hf
 from moep_ds.evaluation.generate import generate
 from moep_ds.checkpointing.model_dir import load_model_dir, save_model_dir
 
-from eval_models import TINY_LAYERS, tiny_model
+from eval_models import TINY_LAYERS, export_hf, tiny_model
 
 
 def load_hf(path):
@@ -106,7 +106,8 @@ def test_moep_export_cli_writes_both_layouts(tmp_path):
     model, cfg = tiny_model("ffn_moe_nova")
     src = save_model_dir(model, cfg, tmp_path / "ckpt", meta={"step": 7, "tokens": 700})
     assert export_main([str(src), "--out", str(tmp_path / "plain")]) == 0
-    again, cfg2, tokenizer, meta = load_model_dir(tmp_path / "plain")
+    assert convert_main([str(tmp_path / "plain"), "--out", str(tmp_path / "back")]) == 0  # moep_ds loads sharded only
+    again, cfg2, tokenizer, meta = load_model_dir(tmp_path / "back")
     assert tokenizer is None and meta["step"] == 7 and meta["exported_from"] == str(src.resolve())
     x = torch.randint(0, cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -241,8 +242,8 @@ def test_moep_export_never_writes_into_a_run(tmp_path, capsys):
 
 
 def test_moep_export_force_replaces_the_whole_folder(tmp_path, monkeypatch, capsys):
-    from moep_ds.checkpointing import model_dir
     from moep_ds.errors import UserError
+    from moep_ds.evaluation import export
 
     ckpt = make_run(tmp_path / "run")
     assert export_main([str(ckpt), "--out", str(tmp_path / "plain")]) == 0
@@ -255,7 +256,7 @@ def test_moep_export_force_replaces_the_whole_folder(tmp_path, monkeypatch, caps
         (out / "model.safetensors").write_text("half")
         raise UserError("disk full")
 
-    monkeypatch.setattr(model_dir, "write_model_files", fail)
+    monkeypatch.setattr(export, "write_model_files", fail)
     before = snapshot(tmp_path)
     for out in (tmp_path / "out", tmp_path / "new" / "deeper" / "out"):
         code = export_main([str(ckpt), "--out", str(out), "--force"])

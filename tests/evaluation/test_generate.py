@@ -1,6 +1,5 @@
 """generate(): sampling filters against naive references, and cached decoding against full recomputation for
 every block type."""
-import os
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ from moep_ds.errors import UserError
 from moep_ds.evaluation.generate import filter_top_k, filter_top_p, generate, sample_next
 from moep_ds.registry import BLOCKS
 
-from eval_models import BLOCK_TYPES_COVERED, TINY_LAYERS, tiny_model
+from eval_models import BLOCK_TYPES_COVERED, TINY_LAYERS, consolidated_export, tiny_model, truncated_model_dir
 
 
 def test_every_block_type_is_covered():
@@ -163,31 +162,9 @@ def test_the_default_device_is_the_gpu_when_there_is_one(monkeypatch, caplog):
         pick_device("cuda:x")  # malformed: refused, not taken for a cuda device to fall back from
 
 
-def truncated_model_dir(root):
-    """A model directory whose model.safetensors is cut short, and the one line that names it."""
-    from moep_ds.checkpointing.model_dir import save_model_dir
-
-    model, cfg = tiny_model("dense_gpt2")
-    out = save_model_dir(model, cfg, root / "m")
-    os.truncate(out / "model.safetensors", 100)
-    return out, (f"model directory '{out}' is damaged: '{out}/model.safetensors' could not be read: "
-                 "Error while deserializing header: invalid header length")
-
-
-def hf_export_with_malformed_config(root):
-    from moep_ds.evaluation.export import export_hf
-
-    model, cfg = tiny_model("dense_gpt2")
-    out = export_hf(model, cfg, root / "hf")
-    (out / "config.json").write_text("{\n")
-    return out, (f"'{out}/config.json' is not valid JSON: Expecting property name enclosed in double quotes: "
-                 "line 2 column 1 (char 2)")
-
-
-@pytest.mark.parametrize("damage", [truncated_model_dir, hf_export_with_malformed_config])
+@pytest.mark.parametrize("damage", [truncated_model_dir, consolidated_export])
 def test_moep_generate_names_a_damaged_model_directory(tmp_path, capsys, damage):
-    """A truncated model.safetensors was a SafetensorError traceback; a malformed config.json of an --hf export
-    read as "has model.safetensors but no config.yaml"."""
+    """A damaged checkpoint and a consolidated directory are one line each; nothing is written."""
     from moep_ds.cli.generate import main as generate_main
 
     ckpt, message = damage(tmp_path)

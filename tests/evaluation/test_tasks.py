@@ -216,12 +216,13 @@ def test_tasks_that_need_the_missing_data_directory_say_so(tmp_path):
         rendered.resolve(["grammar_pairs", "piqa"])
 
 
-@pytest.mark.parametrize("damage", ["truncated_model_dir", "hf_export_with_malformed_config"])
+@pytest.mark.parametrize("damage", ["truncated_model_dir", "consolidated_export"])
 def test_moep_eval_names_a_damaged_model_directory(tmp_path, capsys, damage):
-    """A truncated model.safetensors was a SafetensorError traceback; nothing is written (--output stays absent)."""
-    import test_generate
+    """A damaged checkpoint and a consolidated directory are one line each; nothing is written (--output stays
+    absent)."""
+    import eval_models
 
-    ckpt, message = getattr(test_generate, damage)(tmp_path)
+    ckpt, message = getattr(eval_models, damage)(tmp_path)
     before = files_under(tmp_path)
     assert eval_main([str(ckpt), "--tasks", "grammar_pairs", "--limit", "2", "--data_dir", str(tmp_path / "nowhere"),
                       "--output", str(tmp_path / "out")]) == 2

@@ -43,6 +43,16 @@ def copy_mlp(ffn, mlp) -> None:
     ffn.w2.weight.copy_(mlp.down_proj.weight)
 
 
+def our_copy(hf, router: TopKConfig, num_experts: int, shared: SharedExpertConfig, shared_mlp) -> MoELayer:
+    """Our layer (eval mode) with the published block `hf`'s router weight, routed experts and shared expert MLP."""
+    ours = our_layer(router, num_experts, shared).eval()
+    with torch.no_grad():
+        ours.router.weight.copy_(hf.gate.weight)
+    copy_hf_experts(ours, hf.experts)
+    copy_mlp(ours.shared.ffn, shared_mlp)
+    return ours
+
+
 @torch.no_grad()
 def perturb(module: torch.nn.Module, std: float = 0.3) -> None:
     for p in module.parameters():
@@ -77,12 +87,9 @@ def test_deepseek_v3_moe(norm_topk_prob):
         hf.gate.e_score_correction_bias.copy_(torch.randn(E) * 0.2)  # large enough to change choices
     router = TopKConfig(k=K, score="sigmoid", renormalize=norm_topk_prob, scaling_factor=2.5, bias_update_rate=0.001,
                         num_groups=G, group_topk=M, load_balancing_weight=0.0)
-    ours = our_layer(router, E, SharedExpertConfig(hidden_size=F_EXPERT * shared, gate="none")).eval()
+    ours = our_copy(hf, router, E, SharedExpertConfig(hidden_size=F_EXPERT * shared, gate="none"), hf.shared_experts)
     with torch.no_grad():
-        ours.router.weight.copy_(hf.gate.weight)
         ours.router.balancer.bias_E.copy_(hf.gate.e_score_correction_bias)
-    copy_hf_experts(ours, hf.experts)
-    copy_mlp(ours.shared.ffn, hf.shared_experts)
     x = torch.randn(3, 10, D)
     _, hf_weights, hf_idx = hf.gate(x)
     chosen = our_choices(ours, x)
@@ -105,12 +112,9 @@ def test_qwen2_moe_sparse_block(norm_topk_prob):
     perturb(hf)
     router = TopKConfig(k=K, score="softmax", renormalize=norm_topk_prob, load_balancing_weight=0.001,
                         load_balancing_scope="global")
-    ours = our_layer(router, E, SharedExpertConfig(hidden_size=12, gate="sigmoid")).eval()
+    ours = our_copy(hf, router, E, SharedExpertConfig(hidden_size=12, gate="sigmoid"), hf.shared_expert)
     with torch.no_grad():
-        ours.router.weight.copy_(hf.gate.weight)
         ours.shared.gate.weight.copy_(hf.shared_expert_gate.weight)
-    copy_hf_experts(ours, hf.experts)
-    copy_mlp(ours.shared.ffn, hf.shared_expert)
     x = torch.randn(2, 12, D)
     _, _, hf_idx = hf.gate(x.reshape(-1, D))
     assert torch.equal(our_choices(ours, x), as_mask(hf_idx, E))

@@ -1,6 +1,7 @@
 """Sharded checkpoints on 2 CPU processes: resume across every pair of ZeRO stages (0-3), bit-identical when
 nothing changes, ZeRO-3 over 6 steps stopped at 3 with lifecycle replacements and asynchronous saves, activation
-checkpointing switched on and off, and today's consolidated format (train.compile on <-> off: in one process,
+checkpointing switched on and off, the consolidated format of before 2026-12-03 once moep-convert has turned it
+into a sharded checkpoint, and the old 1-D sharded layout (train.compile on <-> off: in one process,
 tests/training/test_blocks.py).
 
 One launch trains the sources (a checkpoint at step 3 each), a second resumes every (source, target) pair."""
@@ -9,6 +10,8 @@ import pathlib
 
 import pytest
 import torch
+
+from moep_ds.cli import convert
 
 from tiny import DS_CONFIGS, launch, losses, write_recipe
 
@@ -28,17 +31,16 @@ def matrix(tmp_path_factory):
     for s in STAGES:
         out = tmp / f"src{s}"
         # ZeRO-3 runs the stack with every routed block (lifecycle replacements fire at step 3) for 6 steps; ZeRO-1
-        # stops at 4 (its step-4 checkpoint and today's consolidated format are resumed below)
+        # stops at 4 (its step-4 checkpoint, also in the older layouts, is resumed below)
         layers, steps = ("mixed", 6) if s == 3 else ("top2", 5)
         recipe = write_recipe(tmp / f"src{s}.yaml", layers, out, max_steps=steps, checkpoint={"every_steps": 3},
                               exit_at_step=4 if s == 1 else None)
         jobs.append({"recipe": str(recipe), "ds_config": ds(s)})
         sources[s] = (recipe, out)
-    jobs[1]["consolidated"] = str(tmp / "consolidated")
     # the same with experts sharded over an expert-parallel group of 2 (a rank reads its experts' rows only)
     ep = write_recipe(tmp / "src_ep.yaml", "top2", tmp / "src_ep", max_steps=5, exit_at_step=4,
                       checkpoint={"every_steps": 3}, expert_parallel_size=2)
-    jobs.append({"recipe": str(ep), "ds_config": ds(1), "consolidated": str(tmp / "consolidated_ep")})
+    jobs.append({"recipe": str(ep), "ds_config": ds(1)})
     sources["ep"] = (ep, tmp / "src_ep")
     bf16 = write_recipe(tmp / "src_bf16.yaml", "top2", tmp / "src_bf16", max_steps=5, exit_at_step=4,
                         checkpoint={"every_steps": 3})
@@ -91,11 +93,13 @@ def matrix(tmp_path_factory):
                      "overrides": [f"train.output_dir={dest}", "train.exit_at_step=4",
                                    f"train.activation_checkpointing={switch}"]})
         resumed[(s, "ac")] = dest
-    # today's consolidated format (written by ZeRO-1 at step 4, beside a sharded checkpoint) and the 1-D sharded
-    # layout of before 2026-12-03 resume the same
+    # the consolidated format (ZeRO-1's step-4 checkpoint as it would have been written), converted by moep-convert,
+    # and the 1-D sharded layout of before 2026-12-03 resume the same
     for source, suffix in ((1, ""), ("ep", "_ep")):
         sharded_ckpt = sources[source][1] / "checkpoints/step_00000004"
-        for name, ckpt in ((f"from_consolidated{suffix}", tmp / f"consolidated{suffix}"),
+        consolidated = to_consolidated(sharded_ckpt, tmp / f"consolidated{suffix}")
+        assert convert.main([str(consolidated), "--out", str(tmp / f"converted{suffix}")]) == 0
+        for name, ckpt in ((f"from_converted{suffix}", tmp / f"converted{suffix}"),
                            (f"from_sharded{suffix}", sharded_ckpt),
                            (f"from_legacy{suffix}", to_legacy(sharded_ckpt, tmp / f"legacy{suffix}"))):
             jobs.append({"recipe": str(sources[source][0]), "ds_config": ds(2), "resume": str(ckpt),
@@ -125,6 +129,41 @@ def to_legacy(ckpt: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
             pieces[sharded.legacy_key(key)] = sharded.whole(t).flat()
     sharded.dcp.save(pieces, storage_writer=sharded.writer(out), planner=sharded.ShardSavePlanner(), no_dist=True)
     sharded.save_json({k: list(v) for k, v in shapes.items()}, out / sharded.TENSORS_FILE)
+    return out
+
+
+def to_consolidated(ckpt: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """`ckpt` in the consolidated layout of before 2026-12-03 (its writer's files, here from one process):
+    model.safetensors (fp32 masters and buffers, the tied head left out), extra_state.pt, optimizer.pt
+    ({"moments": {name: {exp_avg, exp_avg_sq}}, "step"}), trainer_state.json without Adam's step, the rng files,
+    config.yaml, meta.json, COMPLETE."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from moep_ds import build_model, load_config
+    from moep_ds.checkpointing import model_state, sharded
+
+    out.mkdir()
+    with torch.device("meta"):
+        meta_model = build_model(load_config(ckpt / "config.yaml").model)
+    tensors = {}
+    for key, entry in sharded.read_metadata(ckpt).items():
+        if key in model_state.tied_names(meta_model) or key.endswith(sharded.EXTRA_STATE_SUFFIX):
+            continue
+        tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        sharded.load({key: sharded.whole(tensors[key])}, ckpt)
+    moments = {}
+    for key in [k for k in tensors if k.startswith(sharded.OPTIM_PREFIX)]:
+        name, moment = key.removeprefix(sharded.OPTIM_PREFIX).rsplit("/", 1)
+        moments.setdefault(name, {})[moment] = tensors.pop(key)
+    save_file(tensors, str(out / "model.safetensors"))
+    torch.save(json.loads((ckpt / "extra_state.json").read_text()), out / "extra_state.pt")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    torch.save({"moments": moments, "step": state.pop("optimizer_step")}, out / "optimizer.pt")
+    (out / "trainer_state.json").write_text(json.dumps(state))
+    for f in [*ckpt.glob("rng_rank*.pt"), ckpt / "config.yaml", ckpt / "meta.json", ckpt / "COMPLETE"]:
+        shutil.copyfile(f, out / f.name)
     return out
 
 
@@ -161,22 +200,25 @@ def test_zero3_resume_is_bit_identical_with_lifecycle_replacements(matrix):
     assert kept == ["step_00000004", "step_00000006"]  # async saves completed, cleanup kept the last 2
 
 
-def test_consolidated_checkpoint_of_today_still_resumes_and_loads(matrix):
-    """Also the 1-D sharded layout of before 2026-12-03 (ZeRO-1, and ZeRO-1 with expert parallelism 2)."""
+def test_a_converted_consolidated_checkpoint_and_the_old_sharded_layout_resume_alike(matrix):
+    """The consolidated format after moep-convert, and the 1-D sharded layout of before 2026-12-03 (ZeRO-1, and ZeRO-1
+    with expert parallelism 2); the consolidated directory itself is refused, naming moep-convert."""
     from moep_ds.checkpointing import sharded
     from moep_ds.checkpointing.model_dir import load_model_dir
+    from moep_ds.errors import UserError
 
     tmp, sources, _ = matrix
-    assert (tmp / "consolidated" / "model.safetensors").is_file()
     for suffix in ("", "_ep"):
         reference = losses(tmp / f"from_sharded{suffix}")
-        for old in ("consolidated", "legacy"):
+        for old in ("converted", "legacy"):
             got = losses(tmp / f"from_{old}{suffix}")
             assert sorted(got) == [5] and got == reference, (old, suffix)
     assert all(len(m.size) == 1 for m in sharded.read_metadata(tmp / "legacy_ep").values())
-    for old in ("consolidated", "legacy"):
+    for old in ("converted", "legacy"):
         model, cfg, _, meta = load_model_dir(tmp / old)
         assert meta["step"] == 4
+    with pytest.raises(UserError, match=r"run moep-convert .*consolidated --out DST"):
+        load_model_dir(tmp / "consolidated")
 
 
 def test_sharded_checkpoint_files_and_model_dir(matrix):
@@ -200,10 +242,12 @@ def test_sharded_checkpoint_files_and_model_dir(matrix):
     from moep_ds.cli.export import main as export
 
     assert export([str(sources[3][1]), "--out", str(tmp / "export")]) == 0  # one process, weights only
-    exported = load_model_dir(tmp / "export")[0]
-    for (name, a), b in zip(model.state_dict().items(), exported.state_dict().values()):
-        if isinstance(a, torch.Tensor):
-            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp / "export" / "model.safetensors"))  # for readers outside moep_ds
+    for name, a in model.state_dict().items():
+        if isinstance(a, torch.Tensor) and not (name == "head.weight" and cfg.model.tie_embeddings):
+            torch.testing.assert_close(a, exported[name], rtol=0, atol=0, msg=name)
     assert all(p.stat().st_mode & 0o777 == mode for p in (tmp / "export").iterdir())
 
 

@@ -68,7 +68,7 @@ def in_loop_lm(model: torch.nn.Module, tokenizer: Any, device: torch.device, bat
     device and dtype), scoring rank r's share of the batches of `ranks` = (r, N)."""
     from lm_eval.api.model import TemplateLM
 
-    from moep_ds.checkpointing.model_dir import routing_eval_modes
+    from moep_ds.models.eval_modes import routing_eval_modes
     from moep_ds.evaluation.harness import MoepLM
 
     lm = MoepLM.__new__(MoepLM)

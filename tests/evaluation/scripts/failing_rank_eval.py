@@ -18,10 +18,10 @@ read, write, score = model_dir.load_weights, run_eval.write_record, harness.cont
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def load_weights(model, path, cfg, **kwargs):
+def load_weights(model, path, **kwargs):
     if RANK == WORLD - 1:
         raise DamagedCheckpoint(f"checkpoint {str(path)!r} could not be read: simulated on this rank")
-    return read(model, path, cfg, **kwargs)
+    return read(model, path, **kwargs)
 
 
 def write_record(record, out_dir):

@@ -1,6 +1,9 @@
 """One error, one line, under a launcher: a data error on rank 0 while the other ranks wait for its preparation is
 printed once by rank 0; the others exit quietly instead of ending in a collective's traceback ("monitoredBarrier
 ... Connection closed by peer")."""
+import pathlib
+import sys
+
 import numpy as np
 import pytest
 import yaml
@@ -9,7 +12,8 @@ from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.megatron import write_indexed
 from moep_ds.data.tokenizer import train_tokenizer
 
-from tiny import REPO, launch, recipe
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
+from tiny import REPO, launch, recipe  # noqa: E402
 
 
 def tokenizer(tmp_path) -> str:
