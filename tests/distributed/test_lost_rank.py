@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -42,7 +43,6 @@ def test_the_survivor_names_the_killed_rank_in_one_line(tmp_path):
     assert procs[1].returncode == -9
     assert procs[0].returncode == 1, err0
     lines = [line for line in err0.splitlines() if line.strip() and not line.startswith("[W")]
-    assert lines == [f"error: lost rank 1 of 2: a collective failed ({lines[0].split('(', 1)[1].split(')')[0]}) and "
-                     "rank 1 did not answer within 3 s; resubmit to resume from the newest complete checkpoint"], err0
-    assert "Connection closed by peer [127.0.0.1]:" in lines[0] or "Connection reset by peer" in lines[0], err0
-    assert "Traceback" not in err0
+    assert len(lines) == 1 and re.fullmatch(
+        r"error: lost rank 1 of 2: a collective failed \(Connection (closed|reset) by peer \[127\.0\.0\.1\]:\d+\) and "
+        r"rank 1 did not answer within 3 s; resubmit to resume from the newest complete checkpoint", lines[0]), err0
