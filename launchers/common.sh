@@ -67,7 +67,9 @@ deepspeed_extra_args() {
 # (PYTHON*, NCCL*, PATH, ...) and those of its environment file (DS_ENV_FILE, default .deepspeed_env in ~ and in
 # the working directory). Write one file (private to the user) holding the variables a run reads (MOEP_* data and
 # cache folders, the hubs' HF_* / TRANSFORMERS_* / TOKENIZERS_* settings, GLOO_* / TORCH_*, OMP_NUM_THREADS,
-# DEEPSPEED_TIMEOUT), then the user's own file's lines, which win as DeepSpeed lets them; point DS_ENV_FILE at it.
+# DEEPSPEED_TIMEOUT, and PATH: the job's tools, e.g. the virtual environment's ninja, which DeepSpeed's JIT-built
+# ops need; a remote shell's PATH finds none or another version, whose build log format differs, so every switch
+# rebuilds the op), then the user's own file's lines, which win as DeepSpeed lets them; point DS_ENV_FILE at it.
 # DeepSpeed puts each value in double quotes on a shell command line: a value holding " $ ` \ or a newline is left
 # out with a warning (it would break the command or run on the nodes), and secrets (HF_TOKEN and other *_TOKEN,
 # *SECRET*, *PASSWORD*) are never written.
@@ -79,7 +81,7 @@ write_deepspeed_env() {
     for name in $(compgen -e); do
         case $name in
             *_TOKEN | *_TOKEN_* | *SECRET* | *PASSWORD*) continue ;;
-            MOEP_* | HF_* | TRANSFORMERS_* | TOKENIZERS_* | GLOO_* | TORCH_* | OMP_NUM_THREADS | DEEPSPEED_TIMEOUT) ;;
+            MOEP_* | HF_* | TRANSFORMERS_* | TOKENIZERS_* | GLOO_* | TORCH_* | OMP_NUM_THREADS | DEEPSPEED_TIMEOUT | PATH) ;;
             *) continue ;;
         esac
         value=${!name}

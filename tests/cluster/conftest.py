@@ -34,9 +34,9 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def torch_extensions(tmp_path_factory):
     """A TORCH_EXTENSIONS_DIR for every job of the session holding DeepSpeed's CPU shared-memory op, built (or copied
-    from the user's cache, mtimes kept) before the first job. Each trainer loads it at start; in the user's cache it
-    is rebuilt whenever another process's build made it stale (1-2.5 min on 2 busy cores, seen several times in one
-    session), here by nobody else."""
+    from the user's cache, mtimes kept) before the first job, with the ninja the jobs use (this interpreter's, first
+    on their PATH). Each trainer loads it at start; a build by another ninja version (another log format) makes it
+    stale, and the next load rebuilds it (1-5 min on 2 busy cores); here nobody else builds."""
     folder = tmp_path_factory.mktemp("torch_extensions")
     # torch builds in $TORCH_EXTENSIONS_DIR/NAME, else in ~/.cache/torch_extensions/py3XX_cpu/NAME
     user = (Path(os.environ["TORCH_EXTENSIONS_DIR"]) if os.environ.get("TORCH_EXTENSIONS_DIR") else
@@ -46,6 +46,8 @@ def torch_extensions(tmp_path_factory):
         shutil.copytree(built, folder / built.name, symlinks=True,
                         ignore=shutil.ignore_patterns("lock"))  # a build in progress elsewhere
     subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import ShareMemCommBuilder as B; B().load()"],
-                   env=dict(os.environ, TORCH_EXTENSIONS_DIR=str(folder)), check=True, timeout=900,
+                   env=dict(os.environ, TORCH_EXTENSIONS_DIR=str(folder),
+                            PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])),
+                   check=True, timeout=900,
                    stdout=subprocess.DEVNULL)
     return folder

@@ -37,7 +37,7 @@ OVERRIDES = [f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=
 JOB_TIMEOUT = 400
 # what a trainer on the second node must see as the job was given it
 ENV_KEYS = ("MOEP_PROBE", "MOEP_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS",
-            "TORCH_EXTENSIONS_DIR")
+            "TORCH_EXTENSIONS_DIR", "PATH")
 
 
 # ---- helpers
