@@ -74,7 +74,10 @@ deepspeed_extra_args() {
 # out with a warning (it would break the command or run on the nodes), and secrets (HF_TOKEN and other *_TOKEN,
 # *SECRET*, *PASSWORD*) are never written.
 write_deepspeed_env() {
-    local file=$1 user=${DS_ENV_FILE:-.deepspeed_env} source name value line sources
+    local file=$1 user=${DS_ENV_FILE:-.deepspeed_env} source name value line sources mpi=0
+    if [[ " ${DEEPSPEED_ARGS:-} " =~ [[:space:]]--launcher(=|[[:space:]]+)(openmpi|mpich|impi|mvapich)[[:space:]] ]]; then
+        mpi=1
+    fi
     sources=("$HOME/$user" "$PWD/$user")
     case $user in /*) sources=("$user") ;; esac
     (umask 077 && : >"$file")
@@ -87,6 +90,14 @@ write_deepspeed_env() {
         value=${!name}
         if [[ $value == *[\"\$\`\\]* || $value == *$'\n'* ]]; then
             log "warning: $name is not passed to the other nodes: its value holds \" \$ \` \\ or a newline"
+            continue
+        fi
+        # DeepSpeed's MPI runners put `-x NAME="value"` (quoted as for pdsh's shell) into mpirun's argv, which no shell
+        # reads: the quotes would become part of the value. Open MPI under SLURM starts its daemons with srun, which
+        # carries the job's whole environment: such a variable reaches the nodes unquoted without the file.
+        if [ "$mpi" = 1 ] && [[ $value =~ [^[:alnum:]_@%+=:,./-] ]]; then
+            log "warning: $name is left out of DeepSpeed's -x list (its MPI runner would pass the value with quotes):" \
+                "the nodes get the job's own"
             continue
         fi
         printf '%s=%s\n' "$name" "$value" >>"$file"
