@@ -150,16 +150,16 @@ def resumed_at(log: Path) -> list[int]:
 
 
 def wait_resumed(slurm: Cluster, job: str, log: Path, count: int) -> None:
-    """Wait for the requeued job's `count`-th resume. SLURM holds a requeued job back (Reason=BeginTime) for
-    cred_expire + 1 s (11 s here, ~2 min by default; launchers/README.md): once seen held, it is let go at once
-    (`scontrol update StartTime=now`, as an administrator may), which saves those seconds per requeue."""
+    """Wait for the requeued job's `count`-th resume; SLURM holds it back (Reason=BeginTime) for cred_expire + 1 s
+    first (11 s here, ~2 min by default; launchers/README.md). Not shortened with `scontrol update StartTime=now`:
+    a job let go while its old credential is still revoked is killed ("Killing non-startable batch job: Job
+    credential revoked", seen here)."""
     held = []
 
     def resumed() -> bool:
         fields = slurm.job(job)
         if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
             held.append(fields.get("StartTime"))
-            slurm.run("node1", ["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
         return len(resumed_at(log)) == count
 
     wait_for(resumed, JOB_TIMEOUT, f"resume {count} of the requeued job {job}", log)
