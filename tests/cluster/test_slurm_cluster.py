@@ -294,9 +294,9 @@ def test_deepspeed_mode_usr1_requeue_scancel_and_node_loss(slurm, shared, refere
     text = log2.read_text()
     lines = re.findall(r"^(?:node1: )?(error: lost rank.*)$", text, re.M)
     assert len(lines) == 1 and re.fullmatch(
-        r"error: lost rank 1 of 2: a collective failed \((Connection closed by peer|Connection reset by peer)"
-        r" \[10\.77\.0\.2\]:\d+\) and rank 1 did not answer within 5 s; resubmit to resume from the newest complete "
-        r"checkpoint", lines[0]), text[-6000:]
+        r"error: lost rank 1 of 2: a collective failed \([^()]*\[10\.77\.0\.2\]:\d+[^()]*\) and rank 1 did not answer "
+        r"within 5 s; resubmit to resume from the newest complete checkpoint", lines[0]), text[-6000:]
+    assert re.search(r"Connection (closed|reset) by peer", lines[0])  # gloo's words, e.g. "Read error [...]: ..."
     assert "Traceback" not in text, text[-6000:]
     wait_for(lambda: no_trainers_left(slurm, run_dir), 60, "no trainer left", log2)
     newest = newest_complete(run_dir)

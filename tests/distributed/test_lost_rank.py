@@ -44,5 +44,6 @@ def test_the_survivor_names_the_killed_rank_in_one_line(tmp_path):
     assert procs[0].returncode == 1, err0
     lines = [line for line in err0.splitlines() if line.strip() and not line.startswith("[W")]
     assert len(lines) == 1 and re.fullmatch(
-        r"error: lost rank 1 of 2: a collective failed \(Connection (closed|reset) by peer \[127\.0\.0\.1\]:\d+\) and "
+        r"error: lost rank 1 of 2: a collective failed \([^()]*\[127\.0\.0\.1\]:\d+[^()]*\) and "
         r"rank 1 did not answer within 3 s; resubmit to resume from the newest complete checkpoint", lines[0]), err0
+    assert re.search(r"Connection (closed|reset) by peer", lines[0])  # or gloo's "Read error [...]: ... reset by peer"
