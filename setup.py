@@ -33,7 +33,7 @@ setup(
         "numpy",
         "psutil",  # the trainer watches its launcher processes
     ],
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "import-linter>=2.1"]},
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "import-linter>=2.1", "mpi4py>=4"]},
     entry_points={
         "console_scripts": [
             "moep-pretrain = moep_ds.cli.pretrain:main",

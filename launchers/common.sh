@@ -67,24 +67,37 @@ deepspeed_extra_args() {
 # (PYTHON*, NCCL*, PATH, ...) and those of its environment file (DS_ENV_FILE, default .deepspeed_env in ~ and in
 # the working directory). Write one file (private to the user) holding the variables a run reads (MOEP_* data and
 # cache folders, the hubs' HF_* / TRANSFORMERS_* / TOKENIZERS_* settings, GLOO_* / TORCH_*, OMP_NUM_THREADS,
-# DEEPSPEED_TIMEOUT), then the user's own file's lines, which win as DeepSpeed lets them; point DS_ENV_FILE at it.
+# DEEPSPEED_TIMEOUT, and PATH: the job's tools, e.g. the virtual environment's ninja, which DeepSpeed's JIT-built
+# ops need; a remote shell's PATH finds none or another version, whose build log format differs, so every switch
+# rebuilds the op), then the user's own file's lines, which win as DeepSpeed lets them; point DS_ENV_FILE at it.
 # DeepSpeed puts each value in double quotes on a shell command line: a value holding " $ ` \ or a newline is left
 # out with a warning (it would break the command or run on the nodes), and secrets (HF_TOKEN and other *_TOKEN,
 # *SECRET*, *PASSWORD*) are never written.
 write_deepspeed_env() {
-    local file=$1 user=${DS_ENV_FILE:-.deepspeed_env} source name value line sources
+    local file=$1 user=${DS_ENV_FILE:-.deepspeed_env} source name value line sources mpi=0
+    if [[ " ${DEEPSPEED_ARGS:-} " =~ [[:space:]]--launcher(=|[[:space:]]+)(openmpi|mpich|impi|mvapich)[[:space:]] ]]; then
+        mpi=1
+    fi
     sources=("$HOME/$user" "$PWD/$user")
     case $user in /*) sources=("$user") ;; esac
     (umask 077 && : >"$file")
     for name in $(compgen -e); do
         case $name in
             *_TOKEN | *_TOKEN_* | *SECRET* | *PASSWORD*) continue ;;
-            MOEP_* | HF_* | TRANSFORMERS_* | TOKENIZERS_* | GLOO_* | TORCH_* | OMP_NUM_THREADS | DEEPSPEED_TIMEOUT) ;;
+            MOEP_* | HF_* | TRANSFORMERS_* | TOKENIZERS_* | GLOO_* | TORCH_* | OMP_NUM_THREADS | DEEPSPEED_TIMEOUT | PATH) ;;
             *) continue ;;
         esac
         value=${!name}
         if [[ $value == *[\"\$\`\\]* || $value == *$'\n'* ]]; then
             log "warning: $name is not passed to the other nodes: its value holds \" \$ \` \\ or a newline"
+            continue
+        fi
+        # DeepSpeed's MPI runners put `-x NAME="value"` (quoted as for pdsh's shell) into mpirun's argv, which no shell
+        # reads: the quotes would become part of the value. Open MPI under SLURM starts its daemons with srun, which
+        # carries the job's whole environment: such a variable reaches the nodes unquoted without the file.
+        if [ "$mpi" = 1 ] && [[ $value =~ [^[:alnum:]_@%+=:,./-] ]]; then
+            log "warning: $name is left out of DeepSpeed's -x list (its MPI runner would pass the value with quotes):" \
+                "the nodes get the job's own"
             continue
         fi
         printf '%s=%s\n' "$name" "$value" >>"$file"

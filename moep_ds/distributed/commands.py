@@ -96,6 +96,15 @@ def run_guarded(fn, *args) -> int:
         elif not isinstance(err, (ConfigError, SharedUserError)):  # every rank hits those alike
             print(f"[rank {rank}] error: {err}", file=sys.stderr)
         return exit_joined(2)
+    except RuntimeError as err:  # a collective failed: a rank is gone (one line naming it), or this rank's own bug
+        from moep_ds.distributed.rank_errors import lost_rank_error
+
+        lost = lost_rank_error(err)
+        if lost is None:
+            raise
+        rank = launcher_rank()
+        print(f"error: {lost}" if rank == 0 else f"[rank {rank}] error: {lost}", file=sys.stderr)
+        return exit_joined(1)
     except KeyboardInterrupt:  # a second Ctrl-C while the trainer checkpoints, or one before training started
         rank = launcher_rank()
         print("interrupted" if rank == 0 else f"[rank {rank}] interrupted", file=sys.stderr)

@@ -1,9 +1,15 @@
 """One error, one line, under a launcher: a step that may fail on some ranks only (rank 0 prepares the data while the
 others wait) ends with a collective on which every rank learns who failed. The first rank that failed raises its
 error (cli.run_guarded prints it as one line); the others raise ReportedElsewhere and exit quietly, instead of
-waiting in the next collective for a rank that is gone and printing that collective's traceback."""
+waiting in the next collective for a rank that is gone and printing that collective's traceback.
+
+A rank that is gone without a word (killed, its node lost) fails the survivors' next collective: `lost_rank_error`
+turns that collective's error into one line naming the lost rank (cli.run_guarded prints it on each survivor)."""
 from __future__ import annotations
 
+import os
+import re
+import time
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -39,3 +45,55 @@ def raise_agreed(error: UserError | None, group=None) -> None:
         # a SharedUserError is printed by rank 0 only: from another rank it must be printed by that rank
         raise error if first == 0 or not isinstance(error, SharedUserError) else UserError(str(error))
     raise ReportedElsewhere(f"rank {first} failed")
+
+
+# What a collective raises once a peer process is gone: gloo's "Connection closed by peer [addr]:port" / "reset by
+# peer" (its sockets closed: killed, crashed, its node lost) or a wait past the process group's timeout; NCCL's
+# aborted communicator. Other RuntimeErrors are this rank's own and keep their traceback.
+PEER_LOST_MARKS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+                   "Socket Timeout", "NCCL communicator was aborted", "NCCL error")
+# how long a surviving rank waits for the other survivors to answer after its collective failed
+LOST_RANK_WAIT_S = 10.0
+
+
+def lost_rank_error(err: BaseException, wait_s: float | None = None) -> UserError | None:
+    """A collective failed because a rank is gone (`err` is what it raised): an error naming the lost rank(s), one
+    line, or None when `err` is no such failure or every rank still answers (then `err` is this rank's own).
+
+    Every surviving rank marks itself in the rendezvous store and waits up to `wait_s` (MOEP_LOST_RANK_WAIT_S,
+    default 10) for the others' marks: the ranks without one are gone. A store that does not answer is gone with
+    its host, rank 0 (deepspeed / srun: the store lives in rank 0's process)."""
+    message = str(err)
+    if not isinstance(err, RuntimeError) or not any(mark in message for mark in PEER_LOST_MARKS):
+        return None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    wait_s = float(os.environ.get("MOEP_LOST_RANK_WAIT_S", LOST_RANK_WAIT_S)) if wait_s is None else wait_s
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cause = collective_cause(message)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"moep/alive/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world) if not store.check([f"moep/alive/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    except Exception:  # the store's process is gone
+        return UserError(f"lost rank 0 of {world}: a collective failed ({cause}) and the rendezvous store it held "
+                         "no longer answers; resubmit to resume from the newest complete checkpoint")
+    if not missing:
+        return None
+    names = ", ".join(map(str, missing))
+    return UserError(f"lost rank{'s' if len(missing) > 1 else ''} {names} of {world}: a collective failed ({cause}) "
+                     f"and rank{'s' if len(missing) > 1 else ''} {names} did not answer within {wait_s:g} s; "
+                     "resubmit to resume from the newest complete checkpoint")
+
+
+def collective_cause(message: str) -> str:
+    """gloo's words without its source path ("[.../pair.cc:553] ") and its advice: "Connection closed by peer
+    [10.0.0.2]:4321"."""
+    first = message.strip().splitlines()[0] if message.strip() else message
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", first)
+    return first.split(". ")[0].rstrip(".")

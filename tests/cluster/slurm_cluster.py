@@ -227,15 +227,16 @@ class Cluster:
             subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
         if len(self.nodes) == 2:
             ns1, ns2 = (self.state["namespaces"][n] for n in self.nodes)
-            subprocess.run(["ip", "link", "add", "name", "eth1", "netns", ns1, "type", "veth",
-                            "peer", "name", "eth1", "netns", ns2], check=True)
+            # eth0: the interface DeepSpeed's `--launcher openmpi` names for MPI's TCP transport by default
+            subprocess.run(["ip", "link", "add", "name", "eth0", "netns", ns1, "type", "veth",
+                            "peer", "name", "eth0", "netns", ns2], check=True)
         for i, node in enumerate(self.nodes):
             ns = self.state["namespaces"][node]
-            dev = "eth1" if len(self.nodes) == 2 else "lo"
-            subprocess.run(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/{24 if dev == 'eth1' else 32}",
+            dev = "eth0" if len(self.nodes) == 2 else "lo"
+            subprocess.run(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/{24 if dev == 'eth0' else 32}",
                             "dev", dev], check=True)
-            if dev == "eth1":
-                subprocess.run(["ip", "-n", ns, "link", "set", "eth1", "up"], check=True)
+            if dev == "eth0":
+                subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "up"], check=True)
             # the holder: PID 1 of the node's PID namespace (a node sees only its own processes, as the
             # launchers' signal_trainers.sh expects), keeping the node's hostname (UTS namespace) and mount
             # namespace (its own /proc, the node's /etc/hosts and ssh client configuration bound over the
