@@ -17,6 +17,10 @@ from moep_ds.config import Config
 from moep_ds.data.dataset import open_split
 from moep_ds.data.prepare import check_meta, check_tokenizer_fits, prepare
 from moep_ds.data.sampler import BatchLoader
+from moep_ds.distributed.expert_parallel import check_parallel_layout
+from moep_ds.distributed.launcher import launcher_generations  # noqa: F401 - re-exported
+from moep_ds.distributed.process_group import init_distributed, leave_process_group, setup_logging, world_size_to_be
+from moep_ds.distributed.rank_errors import agreed, raise_agreed
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.analyze import analyze, markdown
@@ -35,10 +39,6 @@ from moep_ds.training.startup import (  # noqa: F401 - re-exported for callers o
 from moep_ds.training.stop import INTERRUPT_ECHO_S, StopRequest, launcher_chain, parent_pid  # noqa: F401
 from moep_ds.training.train_module import TrainModule
 from moep_ds.training.trainer_state import TrainerState
-from moep_ds.distributed.expert_parallel import check_parallel_layout
-from moep_ds.distributed.launcher import launcher_generations  # noqa: F401 - re-exported
-from moep_ds.distributed.process_group import init_distributed, leave_process_group, setup_logging, world_size_to_be
-from moep_ds.distributed.rank_errors import agreed, raise_agreed
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,6 @@ def prepare_data(cfg: Config, rank: int, local_rank: int) -> tuple[pathlib.Path,
                               f"for {str(prepared)!r}): nodes that do not share $MOEP_CACHE_DIR each prepared their "
                               "own; run moep-prepare once into a shared MOEP_CACHE_DIR")
     return prepared, meta
-
-
 
 
 class Trainer(TrainModule):
