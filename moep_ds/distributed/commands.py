@@ -78,6 +78,12 @@ def exit_joined(code: int) -> int:
     os._exit(code)
 
 
+def say(line: str) -> None:
+    """`line` on stderr, prefixed with the launcher rank on every rank but 0."""
+    rank = launcher_rank()
+    print(line if rank == 0 else f"[rank {rank}] {line}", file=sys.stderr)
+
+
 def run_guarded(fn, *args) -> int:
     """Run a command body, turning expected failures into one line on stderr and exit status 2.
 
@@ -90,11 +96,8 @@ def run_guarded(fn, *args) -> int:
     except ReportedElsewhere:  # another rank printed the error
         return exit_joined(2)
     except UserError as err:
-        rank = launcher_rank()
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        elif not isinstance(err, (ConfigError, SharedUserError)):  # every rank hits those alike
-            print(f"[rank {rank}] error: {err}", file=sys.stderr)
+        if launcher_rank() == 0 or not isinstance(err, (ConfigError, SharedUserError)):  # every rank hits those alike
+            say(f"error: {err}")
         return exit_joined(2)
     except RuntimeError as err:  # a collective failed: a rank is gone (one line naming it), or this rank's own bug
         from moep_ds.distributed.rank_errors import lost_rank_error
@@ -102,12 +105,10 @@ def run_guarded(fn, *args) -> int:
         lost = lost_rank_error(err)
         if lost is None:
             raise
-        rank = launcher_rank()
-        print(f"error: {lost}" if rank == 0 else f"[rank {rank}] error: {lost}", file=sys.stderr)
+        say(f"error: {lost}")
         return exit_joined(1)
     except KeyboardInterrupt:  # a second Ctrl-C while the trainer checkpoints, or one before training started
-        rank = launcher_rank()
-        print("interrupted" if rank == 0 else f"[rank {rank}] interrupted", file=sys.stderr)
+        say("interrupted")
         return exit_joined(130)
 
 

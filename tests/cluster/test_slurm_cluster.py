@@ -174,6 +174,15 @@ def newest_complete(run_dir: Path) -> int:
     return max(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file())
 
 
+def second_node_environment(slurm: Cluster, run_dir: Path, env: dict) -> dict:
+    """The environment of node2's trainer, after checking that the job's variables (ENV_KEYS) reached it."""
+    [remote] = trainers(slurm, "node2", run_dir)
+    seen = environ(remote)
+    for key in ENV_KEYS:
+        assert seen.get(key) == env[key], key
+    return seen
+
+
 def no_trainers_left(slurm: Cluster, run_dir: Path) -> bool:
     return not any(trainers(slurm, n, run_dir) for n in slurm.nodes)
 
@@ -255,10 +264,7 @@ def test_deepspeed_mode_usr1_requeue_scancel_and_node_loss(slurm, shared, refere
     wait_for(lambda: newest_step(run_dir) >= 5, JOB_TIMEOUT, "5 steps", log)
 
     # the second node's trainer got the job's environment through pdsh + ssh
-    [remote] = trainers(slurm, "node2", run_dir)
-    seen = environ(remote)
-    for key in ENV_KEYS:
-        assert seen.get(key) == env[key], key
+    seen = second_node_environment(slurm, run_dir, env)
     assert "SSH_CONNECTION" in seen  # started through ssh, not srun
 
     # preemption: SIGUSR1 to the batch shell -> checkpoint, requeue, resume
@@ -408,10 +414,7 @@ def test_deepspeed_openmpi_launcher_on_two_nodes(slurm, shared, reference, tmp_p
     job, _ = launch(slurm, "slurm_multi_node.sbatch", env, tmp_path)
     log = tmp_path / f"slurm-{job}.out"
     wait_for(lambda: newest_step(run_dir) >= 1, JOB_TIMEOUT, "the first step", log)
-    [remote] = trainers(slurm, "node2", run_dir)
-    seen = environ(remote)
-    for key in ENV_KEYS:
-        assert seen.get(key) == env[key], key
+    seen = second_node_environment(slurm, run_dir, env)
     assert seen.get("OMPI_COMM_WORLD_RANK") == "1" and seen.get("OMPI_COMM_WORLD_SIZE") == "2"
     wait_state(slurm, job, {"COMPLETED", "FAILED", "CANCELLED"}, log)
     text = log.read_text()
