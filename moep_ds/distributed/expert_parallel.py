@@ -46,8 +46,6 @@ def routed_module_classes(model: nn.Module) -> list[type]:
     return classes
 
 
-moe_layer_classes = routed_module_classes
-
 
 def check_parallel_layout(cfg: Any, ds: dict, world_size: int) -> None:
     ep = cfg.train.expert_parallel_size

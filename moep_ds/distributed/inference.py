@@ -70,8 +70,8 @@ def split_model(cfg: Any, model_dir: Path, dtype: str, expert_parallel: bool) ->
     if expert_parallel:
         model.to(device, getattr(torch, dtype))
     else:
-        if routed_module_classes(model):  # routing differs between ranks' batches: fetch a routed block as one unit
-            deepspeed.utils.set_z3_leaf_modules(model, routed_module_classes(model))
+        if routed := routed_module_classes(model):  # routing differs between ranks' batches: fetch a routed block whole
+            deepspeed.utils.set_z3_leaf_modules(model, routed)
         engine, _, _, _ = deepspeed.initialize(model=model, config=ds, dist_init_required=False)
     held = "of the experts, the rest whole" if expert_parallel else "of the model (ZeRO-3)"
     log.info("%d ranks, each holding 1/%d %s, %s", world, world, held, dtype)

@@ -23,7 +23,7 @@ from moep_ds.training.balancing import install_count_reducers
 from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.branch import resolve_start_step
 from moep_ds.training.ds_config import precision, zero_stage
-from moep_ds.distributed.expert_parallel import expert_parallel_plan, moe_layer_classes, setup_expert_parallel
+from moep_ds.distributed.expert_parallel import expert_parallel_plan, routed_module_classes, setup_expert_parallel
 from moep_ds.training.grad_norm import ExactClipping
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
@@ -86,10 +86,10 @@ class TrainModule:
             # without this glibc keeps most of what checkpointing frees (training/host_memory.py)
             log.info("activation checkpointing on CPU: host buffers of >= %d KiB go back to the OS when freed",
                      RELEASE_THRESHOLD >> 10)
-        if zero_stage(self.ds) == 3 and moe_layer_classes(model):
+        if zero_stage(self.ds) == 3 and (routed := routed_module_classes(model)):
             # Expert order depends on the data: gather each MoE module's parameters as one unit so that ranks
             # routing differently never wait on different parameter fetches.
-            deepspeed.utils.set_z3_leaf_modules(model, moe_layer_classes(model))
+            deepspeed.utils.set_z3_leaf_modules(model, routed)
         groups = param_groups(model, cfg.train.optimizer)
         if plan.size > 1:
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
