@@ -29,6 +29,11 @@ load from other processes on a shared machine distorts the rows as little and as
                  the shared expert's N rows (x its width in units of F): the FLOP-proportional bound
     hf_eager, hf_grouped  transformers' DeepseekV3MoE / Qwen2MoeSparseMoeBlock with the same weights (and bias),
                  experts_implementation "eager" / "grouped_mm"
+    gemm_floor   only the matrix products of a step, on the same routing: the routed experts' nine F.grouped_mm
+                 calls (three forward, six backward) and the shared expert's nine mm, on inputs already grouped, with
+                 no routing, gather, activation or combine. Every row issues these products (transformers'
+                 grouped_mm block the same calls, its gate and up fused), so hf_grouped / gemm_floor is the largest
+                 speed-up over that block any implementation of the same products can show on this machine
 Ratios: ours / ideal (targets: expert choice <= 1.10, top-2, DeepSeek and Qwen <= 1.15); for the others
 other / ours (speed-up; target >= 1.10 for every library implementation).
 
@@ -282,7 +287,34 @@ def published_rows(kind: str, args, x: torch.Tensor, g: torch.Tensor) -> tuple[d
         diffs = {name: (fn(x) - reference).abs().max().item() for name, (fn, _) in fns.items()}
     steps = {name: fwd_bwd(fn, x, g, params) for name, (fn, params) in fns.items()}
     steps["ideal"] = ideal_ffn(layer, x, g, (K + shared_units) * x.shape[1])
+    steps["gemm_floor"] = gemm_floor(layer, x)
     return steps, diffs
+
+
+def gemm_floor(layer: MoELayer, x: torch.Tensor) -> Step:
+    """The GEMMs of one forward+backward of `layer` on x's routing, alone (see the module docstring)."""
+    x_TD = x.detach().reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        offs = torch.cumsum(layer.router(x).counts_E, 0).to(torch.int32)
+    S, ex, ffn = int(offs[-1]), layer.experts, layer.shared.ffn
+    w1, w2, w3 = (w.detach() for w in (ex.w1_EDF, ex.w2_EFD, ex.w3_EDF))
+    s1, s2, s3 = (lin.weight.detach() for lin in (ffn.w1, ffn.w2, ffn.w3))
+    x_SD, g_SD, g_TD = torch.randn(S, x.shape[-1]), torch.randn(S, x.shape[-1]), torch.randn_like(x_TD)
+
+    def step() -> None:
+        gm = F.grouped_mm
+        h1, h3 = gm(x_SD, w1, offs=offs), gm(x_SD, w3, offs=offs)  # forward (h1 stands in for the activation)
+        gm(h1, w2, offs=offs)
+        gm(h1.t(), g_SD, offs=offs)  # backward: dW2, da, dW1, dW3, dx (two products)
+        da = gm(g_SD, w2.transpose(1, 2), offs=offs)
+        gm(x_SD.t(), da, offs=offs), gm(x_SD.t(), h3, offs=offs)
+        gm(da, w1.transpose(1, 2), offs=offs), gm(h3, w3.transpose(1, 2), offs=offs)
+        a1, a3 = x_TD @ s1.t(), x_TD @ s3.t()  # the shared expert, forward and backward
+        a1 @ s2.t()
+        da = g_TD @ s2
+        g_TD.t() @ a1, da.t() @ x_TD, a3.t() @ x_TD, da @ s1, a3 @ s3
+
+    return step
 
 
 def main() -> None:
@@ -367,6 +399,10 @@ def print_published(kind: str, times: dict[str, float], diffs: dict[str, float])
         speedup = times[name] / ours
         print(f"{f'{kind}: {name} / ours (speed-up)':<46} {ours * 1e3:8.1f} {times[name] * 1e3:9.1f} "
               f"{speedup:6.3f}  {'>= 1.10 ' + ('ok' if speedup >= 1.10 else 'missed'):<12} {diffs[name]:.1e}")
+    floor = times["gemm_floor"]
+    print(f"{f'{kind}: ours / GEMM floor':<46} {ours * 1e3:8.1f} {floor * 1e3:9.1f} {ours / floor:6.3f}")
+    print(f"{f'{kind}: hf_grouped / GEMM floor (ceiling)':<46} {times['hf_grouped'] * 1e3:8.1f} "
+          f"{floor * 1e3:9.1f} {times['hf_grouped'] / floor:6.3f}")
 
 
 if __name__ == "__main__":

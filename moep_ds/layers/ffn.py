@@ -72,7 +72,8 @@ class GatedMLP(nn.Module):
         self.w2 = nn.Linear(hidden, d_model, bias=cfg.bias)  # down
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w2(gated_activation(self.kind, self.w1(x_TD), self.w3(x_TD)))
+        # the two projections are temporaries of this call: the fused backward may overwrite them (layers/glu.py)
+        return self.w2(gated_activation(self.kind, self.w1(x_TD), self.w3(x_TD), consume=True))
 
 
 @FFNS.register("swiglu", config=FFNConfig)

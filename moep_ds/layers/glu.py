@@ -14,6 +14,12 @@ bit-identical to the eager expression in every dtype (SwiGLU, compiled with eage
 that no output (logits, an export) depends on a buffer's size; GeGLU's tanh-GELU rounds differently when
 generated and keeps the eager forward. The backward agrees with autograd's to rounding.
 
+A caller whose gate and up are temporaries of its own (the projections it just computed, seen by nothing else) says
+so with `consume=True`: the backward then writes d_gate over gate and d_up over up, their last use, instead of
+into two new [tokens, F] buffers (less memory at the backward's peak, and no fresh pages to fault in: measured
+with bench/moe_layer.py). A second backward through the same graph (retain_graph) then fails on autograd's
+"modified by an inplace operation" check instead of reading the overwritten values.
+
 Used where it pays: buffers of at least FUSED_MIN_NUMEL elements, outside a compiled region (there, the block's
 own compilation fuses the same code). The first use on a device type compiles the kernels (a few seconds,
 cached on disk by torch); if that fails (say, no C++ compiler), one warning is logged and the unfused
@@ -65,6 +71,16 @@ def _geglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
 
 
 _KERNELS = {"swiglu": (_swiglu_forward, _swiglu_backward), "geglu": (_geglu_forward, _geglu_backward)}
+
+
+def _in_place(backward):  # noqa: ANN001, ANN202
+    """The backward writing d_gate over gate and d_up over up (one kernel: every element is read before written)."""
+    def run(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+        d_gate, d_up = backward(grad, gate, up)
+        gate.copy_(d_gate)
+        up.copy_(d_up)
+
+    return run
 _FORWARD_COMPILED = {"swiglu"}  # bit-identical to eager (see the module docstring)
 _compiled: dict[str, tuple] = {}
 _available: dict[str, bool] = {}  # device type -> whether the compiled kernels run there
@@ -76,11 +92,12 @@ def compile_pointwise(fn):  # noqa: ANN001, ANN201
 
 
 def kernels(kind: str) -> tuple:
-    """(forward, backward) for `kind`: the backward compiled, the forward where it is bit-identical."""
+    """(forward, backward, in-place backward) for `kind`: the backwards compiled, the forward where it is
+    bit-identical."""
     if kind not in _compiled:
         forward, backward = _KERNELS[kind]
         _compiled[kind] = (compile_pointwise(forward) if kind in _FORWARD_COMPILED else forward,
-                           compile_pointwise(backward))
+                           compile_pointwise(backward), compile_pointwise(_in_place(backward)))
     return _compiled[kind]
 
 
@@ -92,9 +109,10 @@ def fused_available(device: torch.device) -> bool:
             grad, gate, up = (t.clone() for t in torch.linspace(-3.0, 3.0, 96, device=device).view(3, 4, 8))
             with torch.no_grad():  # as the kernels run: inside an autograd Function
                 for kind in _KERNELS:
-                    forward, backward = kernels(kind)
+                    forward, backward, in_place = kernels(kind)
                     forward(gate, up)
                     backward(grad, gate, up)
+                    in_place(grad, gate.clone(), up.clone())
             _available[device.type] = True
         except Exception as err:  # noqa: BLE001 - any failure to compile means: run unfused
             logger.warning("fused gated activation unavailable on %s (%s: %s); using the unfused kernels",
@@ -110,17 +128,21 @@ def rows(t: torch.Tensor) -> torch.Tensor:
 
 class FusedGatedActivation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str, consume: bool) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(gate, up)
-        ctx.kind = kind
+        ctx.kind, ctx.consume = kind, consume
         return kernels(kind)[0](rows(gate), rows(up)).view(gate.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         gate, up = ctx.saved_tensors
-        d_gate, d_up = gated_activation_backward(ctx.kind, grad, gate, up, fused=True)
-        return d_gate, d_up, None
+        if not ctx.consume:
+            d_gate, d_up = gated_activation_backward(ctx.kind, grad, gate, up, fused=True)
+            return d_gate, d_up, None, None
+        gate_rows, up_rows = rows(gate), rows(up)  # views of the saved buffers (copies if they had to be)
+        kernels(ctx.kind)[2](rows(grad.contiguous()), gate_rows, up_rows)
+        return gate_rows.view(gate.shape), up_rows.view(up.shape), None, None
 
 
 def use_fused(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -128,10 +150,11 @@ def use_fused(gate: torch.Tensor, up: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and fused_available(gate.device))
 
 
-def gated_activation(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up for kind "swiglu" (SiLU) or "geglu" (tanh GELU); fused where it pays (module docstring)."""
+def gated_activation(kind: str, gate: torch.Tensor, up: torch.Tensor, *, consume: bool = False) -> torch.Tensor:
+    """act(gate) * up for kind "swiglu" (SiLU) or "geglu" (tanh GELU); fused where it pays (module docstring).
+    `consume`: gate and up are the caller's temporaries, which the fused backward may overwrite."""
     if use_fused(gate, up):
-        return FusedGatedActivation.apply(gate, up, kind)
+        return FusedGatedActivation.apply(gate, up, kind, consume)
     return unfused(kind, gate, up)
 
 

@@ -53,7 +53,7 @@ def expert_ffn(
     if w3 is None:
         h = EXPERT_ACTIVATIONS[kind](h)
     else:
-        h = gated_activation(kind, h, x @ w3 if b3 is None else x @ w3 + b3)
+        h = gated_activation(kind, h, x @ w3 if b3 is None else x @ w3 + b3, consume=True)
     y = h @ w2
     return y if b2 is None else y + b2
 
@@ -90,7 +90,7 @@ def grouped_expert_ffn(
         h_SF = EXPERT_ACTIVATIONS[kind](h_SF)
     else:
         up_SF = mm(x_SD, w3_EDF)
-        h_SF = gated_activation(kind, h_SF, up_SF if b3_EF is None else up_SF + per_token(b3_EF))
+        h_SF = gated_activation(kind, h_SF, up_SF if b3_EF is None else up_SF + per_token(b3_EF), consume=True)
     y_SD = mm(h_SF, w2_EFD)
     return y_SD if b2_ED is None else y_SD + per_token(b2_ED)
 

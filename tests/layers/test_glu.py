@@ -161,3 +161,25 @@ def test_inside_a_compiled_region_the_expression_is_left_to_the_compiler(fused_e
     out = compiled(gate, up)
     assert kernel_calls == []
     torch.testing.assert_close(out, 2.0 * glu.unfused("swiglu", gate, up))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_consumed_operands_take_the_gradients_in_place(kind, fused_everywhere):
+    """consume=True: the same gradients, bit for bit, written over the caller's gate and up (no new buffers);
+    a second backward through the graph fails loudly instead of reading the overwritten values."""
+    torch.manual_seed(0)
+    x, w_gate, w_up = torch.randn(37, 16, requires_grad=True), torch.randn(16, 24), torch.randn(16, 24)
+    grad = torch.randn(37, 24)
+    expected = torch.autograd.grad(glu.gated_activation(kind, x @ w_gate, x @ w_up), x, grad)[0]
+    gate, up = x @ w_gate, x @ w_up
+    out = glu.gated_activation(kind, gate, up, consume=True)
+    gate_before, up_before = gate.detach().clone(), up.detach().clone()
+    d_gate, d_up = torch.autograd.grad(out, (gate, up), grad, retain_graph=True)
+    assert d_gate.data_ptr() == gate.data_ptr() and d_up.data_ptr() == up.data_ptr()
+    assert not torch.equal(gate.detach(), gate_before) and not torch.equal(up.detach(), up_before)
+    ref_gate, ref_up = glu.gated_activation_backward(kind, grad, gate_before, up_before, fused=True)
+    assert torch.equal(d_gate, ref_gate) and torch.equal(d_up, ref_up)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, (gate, up), grad)
+    gate, up = x @ w_gate, x @ w_up
+    assert torch.equal(torch.autograd.grad(glu.gated_activation(kind, gate, up, consume=True), x, grad)[0], expected)

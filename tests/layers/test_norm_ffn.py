@@ -5,13 +5,14 @@ from moep_ds.layers.norm import NormConfig, build_norm
 
 
 def test_rmsnorm_matches_formula_and_gemma_scale_is_one_plus_w():
-    x = torch.randn(3, 8, dtype=torch.float64)
+    x = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     rms = build_norm(NormConfig(type="rmsnorm", eps=1e-6), 8).double()
     gemma = build_norm(NormConfig(type="gemma_rmsnorm", eps=1e-6), 8).double()
+    scale = torch.linspace(0.5, 2.0, 8, dtype=torch.float64)  # the float64 values themselves, not float32 ones
     with torch.no_grad():
-        rms.weight.copy_(torch.linspace(0.5, 2.0, 8))
-        gemma.weight.copy_(torch.linspace(0.5, 2.0, 8) - 1.0)
-    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.linspace(0.5, 2.0, 8, dtype=torch.float64)
+        rms.weight.copy_(scale)
+        gemma.weight.copy_(scale - 1.0)
+    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
     torch.testing.assert_close(rms(x), ref)
     torch.testing.assert_close(gemma(x), ref)
 
