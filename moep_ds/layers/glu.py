@@ -92,13 +92,19 @@ def compile_pointwise(fn):  # noqa: ANN001, ANN201
 
 
 def kernels(kind: str) -> tuple:
-    """(forward, backward, in-place backward) for `kind`: the backwards compiled, the forward where it is
-    bit-identical."""
+    """(forward, backward) for `kind`: the backward compiled, the forward where it is bit-identical."""
     if kind not in _compiled:
         forward, backward = _KERNELS[kind]
         _compiled[kind] = (compile_pointwise(forward) if kind in _FORWARD_COMPILED else forward,
-                           compile_pointwise(backward), compile_pointwise(_in_place(backward)))
+                           compile_pointwise(backward))
     return _compiled[kind]
+
+
+def in_place_backward(kind: str):  # noqa: ANN201
+    """The backward over gate and up (`consume=True`), compiled on its first use."""
+    if f"{kind}/in_place" not in _compiled:
+        _compiled[f"{kind}/in_place"] = compile_pointwise(_in_place(_KERNELS[kind][1]))
+    return _compiled[f"{kind}/in_place"]
 
 
 def fused_available(device: torch.device) -> bool:
@@ -109,10 +115,9 @@ def fused_available(device: torch.device) -> bool:
             grad, gate, up = (t.clone() for t in torch.linspace(-3.0, 3.0, 96, device=device).view(3, 4, 8))
             with torch.no_grad():  # as the kernels run: inside an autograd Function
                 for kind in _KERNELS:
-                    forward, backward, in_place = kernels(kind)
+                    forward, backward = kernels(kind)
                     forward(gate, up)
                     backward(grad, gate, up)
-                    in_place(grad, gate.clone(), up.clone())
             _available[device.type] = True
         except Exception as err:  # noqa: BLE001 - any failure to compile means: run unfused
             logger.warning("fused gated activation unavailable on %s (%s: %s); using the unfused kernels",
@@ -141,7 +146,7 @@ class FusedGatedActivation(torch.autograd.Function):
             d_gate, d_up = gated_activation_backward(ctx.kind, grad, gate, up, fused=True)
             return d_gate, d_up, None, None
         gate_rows, up_rows = rows(gate), rows(up)  # views of the saved buffers (copies if they had to be)
-        kernels(ctx.kind)[2](rows(grad.contiguous()), gate_rows, up_rows)
+        in_place_backward(ctx.kind)(rows(grad.contiguous()), gate_rows, up_rows)
         return gate_rows.view(gate.shape), up_rows.view(up.shape), None, None
 
 
@@ -168,4 +173,4 @@ def gated_activation_backward(kind: str, grad: torch.Tensor, gate: torch.Tensor,
 
 
 __all__ = ["FUSED_MIN_NUMEL", "GATE_ACTIVATIONS", "FusedGatedActivation", "fused_available", "gated_activation",
-           "gated_activation_backward", "gelu_tanh", "unfused"]
+           "gated_activation_backward", "gelu_tanh", "in_place_backward", "unfused"]
