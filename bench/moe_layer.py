@@ -33,7 +33,7 @@ load from other processes on a shared machine distorts the rows as little and as
                  calls (three forward, six backward) and the shared expert's nine mm, on inputs already grouped, with
                  no routing, gather, activation or combine (nor the router's and Qwen's gate's small [N, D] x [D, E]
                  and [N, D] x [D, 1] products). Every row issues these products (transformers' grouped_mm block the
-                 same multiply-adds, its gate and up fused; tests/bench/test_moe_layer.py counts them), so
+                 same multiply-adds, its gate and up fused; tests/bench/test_moe_layer_floor.py counts them), so
                  hf_grouped / gemm_floor is the largest speed-up over that block any implementation of the same
                  products can show on this machine
 Ratios: ours / ideal (targets: expert choice <= 1.10, top-2, DeepSeek and Qwen <= 1.15); for the others
