@@ -28,6 +28,7 @@ expression is used from then on.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +82,11 @@ def _in_place(backward):  # noqa: ANN001, ANN202
         up.copy_(d_up)
 
     return run
+
+
 _FORWARD_COMPILED = {"swiglu"}  # bit-identical to eager (see the module docstring)
 _compiled: dict[str, tuple] = {}
+_compiled_in_place: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = {}
 _available: dict[str, bool] = {}  # device type -> whether the compiled kernels run there
 
 
@@ -102,9 +106,9 @@ def kernels(kind: str) -> tuple:
 
 def in_place_backward(kind: str):  # noqa: ANN201
     """The backward over gate and up (`consume=True`), compiled on its first use."""
-    if f"{kind}/in_place" not in _compiled:
-        _compiled[f"{kind}/in_place"] = compile_pointwise(_in_place(_KERNELS[kind][1]))
-    return _compiled[f"{kind}/in_place"]
+    if kind not in _compiled_in_place:
+        _compiled_in_place[kind] = compile_pointwise(_in_place(_KERNELS[kind][1]))
+    return _compiled_in_place[kind]
 
 
 def fused_available(device: torch.device) -> bool:
@@ -142,12 +146,8 @@ class FusedGatedActivation(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         gate, up = ctx.saved_tensors
-        if not ctx.consume:
-            d_gate, d_up = gated_activation_backward(ctx.kind, grad, gate, up, fused=True)
-            return d_gate, d_up, None, None
-        gate_rows, up_rows = rows(gate), rows(up)  # views of the saved buffers (copies if they had to be)
-        in_place_backward(ctx.kind)(rows(grad.contiguous()), gate_rows, up_rows)
-        return gate_rows.view(gate.shape), up_rows.view(up.shape), None, None
+        d_gate, d_up = gated_activation_backward(ctx.kind, grad, gate, up, fused=True, in_place=ctx.consume)
+        return d_gate, d_up, None, None
 
 
 def use_fused(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -164,10 +164,15 @@ def gated_activation(kind: str, gate: torch.Tensor, up: torch.Tensor, *, consume
 
 
 def gated_activation_backward(kind: str, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *,
-                              fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_gate, d_up) of gated_activation, for hand-written backwards (no autograd); `fused` None: where it pays."""
+                              fused: bool | None = None, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) of gated_activation, for hand-written backwards (no autograd); `fused` None: where it pays.
+    `in_place`: the fused kernel may write them over gate and up (module docstring, `consume`)."""
     if fused or (fused is None and use_fused(gate, up) and grad.shape == gate.shape):
-        d_gate, d_up = kernels(kind)[1](rows(grad.contiguous()), rows(gate), rows(up))
+        gate_rows, up_rows = rows(gate), rows(up)  # views of gate and up (copies where they had to be)
+        if in_place:
+            in_place_backward(kind)(rows(grad.contiguous()), gate_rows, up_rows)
+            return gate_rows.view(gate.shape), up_rows.view(up.shape)
+        d_gate, d_up = kernels(kind)[1](rows(grad.contiguous()), gate_rows, up_rows)
         return d_gate.view(gate.shape), d_up.view(up.shape)
     return _KERNELS[kind][1](grad, gate, up)
 
