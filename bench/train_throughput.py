@@ -22,7 +22,7 @@ process, so that peak memory is a clean per-process high-water mark. Per row:
   peak mem/rank    CPU: ru_maxrss minus the RSS just before the model is built (the largest over ranks);
                    GPU: torch.cuda.max_memory_allocated
   opt state/rank   bytes of the tensors in the torch optimizer's state (Adam moments and step counters) inside
-                   DeepSpeed's wrappers (`moep_ds.training.state.inner_optimizer`), the largest over ranks
+                   DeepSpeed's wrappers (`moep_ds.distributed.optimizer_state.inner_optimizer`), the largest over ranks
 Targets (printed, not asserted): ZeRO-2 on 1 process >= 0.90 x plain; ZeRO-2 / ZeRO-0 optimizer state per rank
 on 2 processes <= 0.55.
 
@@ -256,7 +256,7 @@ def worker(row: Row, args: argparse.Namespace) -> None:
     from moep_ds.config import load_config
     from moep_ds.data.prepare import prepare
     from moep_ds.distributed.process_group import init_distributed
-    from moep_ds.training.state import inner_optimizer
+    from moep_ds.distributed.optimizer_state import inner_optimizer
 
     device = init_distributed()  # both kinds of row pay for the process group before the baseline
     rank = dist.get_rank()

@@ -1,4 +1,7 @@
-"""The recipe: one YAML file, parsed strictly into a typed dataclass tree.
+"""The recipe: one YAML file, parsed strictly into a typed dataclass tree. This root assembles the sections, each
+defined beside its code (models/, data/, training/, evaluation/), and sits at the top of the import graph, below the
+commands only: no other floor imports it. A floor that reads a stored recipe parses the section it needs
+(checkpointing.model_dir.StoredRecipe: the model), with the YAML and override machinery of recipe_yaml.py.
 
     cfg = load_config("configs/x.yaml", overrides=["train.optimizer.lr=1e-3", "model.layers[0].repeat=2"])
 
@@ -9,17 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import re
 from typing import Any
-
-import yaml
 
 from moep_ds.data.config import DataConfig
 from moep_ds.evaluation.config import EvalConfig
-from moep_ds.models.config import ModelConfig, layer_entries
-from moep_ds.models.plan import plan_for
-from moep_ds.moe.layer import check_lifecycle_placement
-from moep_ds.schema import ConfigError, fail, join, parse, to_dict
+from moep_ds.models.config import ModelConfig
+from moep_ds.models.plan import check_routed_layout
+from moep_ds.recipe_yaml import apply_override, dump_yaml, read_yaml
+from moep_ds.schema import fail, parse, to_dict
 from moep_ds.training.config import TrainConfig
 
 
@@ -44,142 +44,7 @@ class Config:
         if self.train.eval_every and self.data.val_fraction == 0 and self.data.val_source is None:
             fail("train.eval_every", self.train.eval_every,
                  "needs validation data: data.val_fraction > 0 or a data.val_source")
-        for layer_path, layer in layer_entries(self.model.layers, "model"):
-            check_lifecycle_placement(layer, layer_path)
-        plan_for(self.model, self.train.expert_parallel_size)  # the plan's one check of the routed stages
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 insists on `1.0e-3`) and refuses a key given twice
-    in one mapping (PyYAML keeps the last silently, so a recipe's second `d_model:` would hide its first)."""
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        check_unique_keys(node, "", set())
-        return super().construct_document(node)
-
-
-def check_unique_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
-    """ConstructorError at the second occurrence of a key, naming its dotted path and where the first one is."""
-    if id(node) in seen:  # an alias: its node was checked where its anchor is (and aliases can nest exponentially)
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            check_unique_keys(item, f"{path}[{i}]", seen)
-    elif isinstance(node, yaml.MappingNode):
-        first: dict[str, yaml.Node] = {}
-        for key, value in node.value:
-            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *base` entries may be overridden by the mapping's own keys, as YAML intends
-            dotted = join(path, key.value)
-            if key.value in first:
-                raise yaml.constructor.ConstructorError(
-                    "first given", first[key.value].start_mark, f"duplicate key {dotted}", key.start_mark)
-            first[key.value] = key
-            check_unique_keys(value, dotted, seen)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"),
-    list("-+0123456789"),
-)
-
-
-def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-
-
-def yaml_error_text(err: Exception) -> str:
-    """The parser's problem with its 1-based line and column (PyYAML spreads them over several lines)."""
-    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
-    if mark is None or problem is None:
-        return str(err).strip().splitlines()[0]
-    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
-    context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
-    if context and context_mark is not None:
-        text += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
-    return text
-
-
-def read_yaml(path: str | pathlib.Path, what: str = "config file") -> dict[str, Any]:
-    """The recipe at `path` as plain data; errors name it as `what` (a command's option, e.g. "--config")."""
-    name = f"{what} {str(path)!r}"
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{name} does not exist")
-    if path.suffix not in (".yaml", ".yml"):
-        raise ConfigError(f"{name} is not a YAML file (expected .yaml or .yml)")
-    try:
-        raw = yaml_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{name} is not valid YAML: {yaml_error_text(err)}") from None
-    except OSError as err:
-        raise ConfigError(f"{name} cannot be read: {err.strerror or err}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{name} must hold a mapping of sections, got {type(raw).__name__}")
-    return raw
-
-
-_SEGMENT = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
-_DOTTED = re.compile(r"[^.\[\]]+(?:\.[^.\[\]]+|\[\d+\])*")
-
-
-def split_key(key: str) -> list[str | int]:
-    """'model.layers[3].moe.num_experts' -> ['model', 'layers', 3, 'moe', 'num_experts']."""
-    if not _DOTTED.fullmatch(key):
-        bad_index = re.search(r"\[(?!\d+\])[^\]]*\]?", key)
-        why = f"{bad_index.group()} is not a list index like [0]" if bad_index else "it is not a dotted path"
-        raise ConfigError(f"override key {key!r}: {why} (e.g. model.layers[0].repeat)")
-    parts: list[str | int] = []
-    for name, index in _SEGMENT.findall(key):
-        if index:
-            parts.append(int(index))
-        elif name.isdigit():
-            parts.append(int(name))
-        else:
-            parts.append(name)
-    return parts
-
-
-def dotted(parts: list[str | int]) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
-
-
-def check_step(node: Any, part: str | int, parents: list[str | int], key: str) -> None:
-    """`part` can select in `node` (found at `parents`): an index in range of a list, a name in a mapping."""
-    where = dotted(parents) or "the recipe"
-    if isinstance(part, int):
-        if not isinstance(node, list):
-            raise ConfigError(f"override {key!r}: {where} is not a list, so [{part}] cannot index it")
-        if part >= len(node):
-            raise ConfigError(f"override {key!r}: index {part} is out of range ({where} has {len(node)} item(s))")
-    elif isinstance(node, list):
-        raise ConfigError(f"override {key!r}: {where} is a list; pick an item, e.g. {where}[0].{part}")
-    elif not isinstance(node, dict):
-        raise ConfigError(f"override {key!r}: {where} ({node!r}) is not a mapping, so it has no key {part!r}")
-
-
-def apply_override(raw: dict[str, Any], override: str) -> None:
-    if "=" not in override:
-        raise ConfigError(f"override {override!r} must look like key.path=value")
-    key, text = override.split("=", 1)
-    key = key.strip()
-    parts = split_key(key)
-    node: Any = raw
-    for depth, part in enumerate(parts[:-1]):
-        check_step(node, part, parts[:depth], key)
-        if isinstance(part, int):
-            node = node[part]
-            continue
-        if isinstance(parts[depth + 1], str) and not isinstance(node.get(part), (dict, list)):
-            node[part] = {}  # a new (or replaced scalar) section; an index needs an existing list
-        node = node.get(part)
-    check_step(node, parts[-1], parts[:-1], key)
-    try:
-        node[parts[-1]] = yaml_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {override!r}: the value is not valid YAML: {yaml_error_text(err)}") from None
+        check_routed_layout(self.model, self.train.expert_parallel_size)
 
 
 def config_from_dict(raw: dict[str, Any], overrides: list[str] | None = None) -> Config:
@@ -196,4 +61,4 @@ def load_config(path: str | pathlib.Path, overrides: list[str] | None = None) ->
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return dump_yaml(to_dict(cfg))

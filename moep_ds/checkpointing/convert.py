@@ -59,14 +59,15 @@ def hf_model_section(path: Path) -> dict[str, Any] | None:
 
 def source_recipe(src: Path) -> tuple[Any, str]:
     """(the recipe of consolidated `src`, the key prefix of its weights)."""
-    from moep_ds.config import config_from_dict, read_yaml
+    from moep_ds.checkpointing.model_dir import StoredRecipe
+    from moep_ds.recipe_yaml import read_yaml
 
     model_section = hf_model_section(src)
     if model_section is not None:
-        return config_from_dict({"model": model_section}), HF_KEY_PREFIX
+        return StoredRecipe.parse({"model": model_section}), HF_KEY_PREFIX
     if not (src / CONFIG_FILE).is_file():
         raise UserError(f"{str(src)!r} has {WEIGHTS_FILE} but no {CONFIG_FILE} (nor a moep_ds export's config.json)")
-    return config_from_dict(read_yaml(src / CONFIG_FILE)), ""
+    return StoredRecipe.parse(read_yaml(src / CONFIG_FILE)), ""
 
 
 def check_source(src: Path) -> None:

@@ -16,6 +16,8 @@ loaded: the loaders name `moep-convert` (checkpointing/convert.py), which turns 
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +31,7 @@ from moep_ds.checkpointing.model_state import load_module
 from moep_ds.checkpointing.streaming import TensorEntry, sharded_entries
 from moep_ds.errors import UserError
 from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
+from moep_ds.schema import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +85,11 @@ def stored_weights(model_dir: Path, cfg: Any, prefix: str = "") -> tuple[list[Te
 
 def write_recipe_files(cfg: Any, out: Path, tokenizer_dir: str | os.PathLike | None, meta: dict | None) -> None:
     """config.yaml, meta.json and the tokenizer files: what makes a weights directory loadable on its own."""
-    from moep_ds.config import dump_config
+    from moep_ds.recipe_yaml import dump_yaml
+    from moep_ds.schema import to_dict
 
-    (out / CONFIG_FILE).write_text(dump_config(cfg), encoding="utf-8")
+    (out / CONFIG_FILE).write_text(dump_yaml(cfg.raw if isinstance(cfg, StoredRecipe) else to_dict(cfg)),
+                                   encoding="utf-8")
     (out / META_FILE).write_text(json.dumps(meta or {}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if tokenizer_dir is not None:
         from moep_ds.data.tokenizer import copy_tokenizer
@@ -128,12 +133,40 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     return p
 
 
-def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> tuple[Path, Any]:
+@dataclasses.dataclass
+class StoredRecipe:
+    """A stored recipe as the floors below the root recipe read it: the plain data (overrides applied) and its model
+    section, parsed and checked as the root would (moep_ds.config parses the whole: `config_from_dict(raw)`)."""
+
+    raw: dict[str, Any]
+    model: Any  # models.config.ModelConfig
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], overrides: list[str] | None = None) -> StoredRecipe:
+        import moep_ds.components  # noqa: F401 - fills the registries
+        from moep_ds.models.config import ModelConfig
+        from moep_ds.models.plan import check_routed_layout
+        from moep_ds.recipe_yaml import apply_override
+        from moep_ds.schema import PositiveInt, parse
+
+        raw = copy.deepcopy(raw)
+        for override in overrides or []:
+            apply_override(raw, override)
+        if not isinstance(raw.get("model"), dict):
+            raise ConfigError("model: required section is missing")
+        model = parse(ModelConfig, raw["model"], "model")
+        train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+        check_routed_layout(model, parse(PositiveInt, train.get("expert_parallel_size", 1),
+                                         "train.expert_parallel_size"))
+        return cls(raw, model)
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> tuple[Path, StoredRecipe]:
     """(resolved model directory, its recipe with `overrides` applied), without building the model."""
-    from moep_ds.config import config_from_dict, read_yaml
+    from moep_ds.recipe_yaml import read_yaml
 
     model_dir = resolve_model_dir(path)
-    return model_dir, config_from_dict(read_yaml(model_dir / CONFIG_FILE), overrides)
+    return model_dir, StoredRecipe.parse(read_yaml(model_dir / CONFIG_FILE), overrides)
 
 
 def load_model_dir(path: str | os.PathLike, overrides: list[str] | None = None) -> tuple[Any, Any, Any, dict]:

@@ -109,7 +109,7 @@ def task_manager(args: argparse.Namespace, cfg: Any, tasks: list[str], tmp: str)
     """lm-eval TaskManager and task names: local rendered YAMLs (checked against the data) or the hub's."""
     from lm_eval.tasks import TaskManager
 
-    from moep_ds.evaluation.tasks import HUB_TASKS, render_tasks, resolve_data_dir
+    from moep_ds.evaluation.tasks import HUB_TASKS, local_task_manager
 
     if args.hub:
         manager = TaskManager()
@@ -118,22 +118,20 @@ def task_manager(args: argparse.Namespace, cfg: Any, tasks: list[str], tmp: str)
         if unknown:
             raise SharedUserError(f"unknown lm-eval task(s) {unknown}; `lm-eval ls tasks` lists them")
         return manager, names, None
-    data_dir = resolve_data_dir(args.data_dir or cfg.eval.data_dir, must_exist=False)
-    rendered = render_tasks(data_dir, tmp)
-    rendered.resolve(tasks)
-    return TaskManager(include_defaults=False, include_path=str(rendered.path)), tasks, str(data_dir)
+    manager, data_dir = local_task_manager(args.data_dir or cfg.eval.data_dir, tasks, tmp)
+    return manager, tasks, str(data_dir)
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any] | None:
     """Check the tasks and data, load the model, run simple_evaluate; returns the results record (None on the
     ranks other than 0 under a launcher: evaluation/partitioned.py)."""
-    from lm_eval import simple_evaluate
-
     from moep_ds.checkpointing.model_dir import load_recipe
-    from moep_ds.evaluation.harness import MoepLM
+    from moep_ds.config import config_from_dict
+    from moep_ds.evaluation.harness import MoepLM, run_tasks
     from moep_ds.evaluation.partitioned import load_eval_model
 
-    model_dir, cfg = load_recipe(args.checkpoint, args.set)  # a run directory resolves (and logs) once
+    model_dir, stored = load_recipe(args.checkpoint, args.set)  # a run directory resolves (and logs) once
+    cfg = config_from_dict(stored.raw)
     tasks = split_tasks(args.tasks) if args.tasks else (cfg.eval.tasks or DEFAULT_TASKS)
     batch_size = args.batch_size or cfg.eval.batch_size
     with tempfile.TemporaryDirectory(prefix="moep_eval_tasks_") as tmp:
@@ -141,9 +139,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any] | None:
         model, cfg, tokenizer, meta, engine = load_eval_model(model_dir, args.set, args.dtype, args.expert_parallel)
         lm = MoepLM(model=model, tokenizer=tokenizer, batch_size=batch_size, device=args.device, dtype=args.dtype)
         lm.meta, lm.engine = meta, engine
-        results = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=args.limit,
-                                  num_fewshot=args.num_fewshot, bootstrap_iters=args.bootstrap_iters,
-                                  log_samples=False)
+        results = run_tasks(lm, names, manager, limit=args.limit, num_fewshot=args.num_fewshot,
+                            bootstrap_iters=args.bootstrap_iters)
     if results is None or lm.ranks[0] != 0:
         return None
     settings = {"tasks": names, "data_dir": data_dir, "batch_size": batch_size, "limit": args.limit,

@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from moep_ds.config import config_from_dict, read_yaml
+    from moep_ds.config import config_from_dict
+    from moep_ds.recipe_yaml import read_yaml
     from moep_ds.interop.importer import import_checkpoint
 
     raw = read_yaml(args.config, "--config")

@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def recipe_sections(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The `data` and `model` sections of the recipe given as --config (read as pretrain.py reads it)."""
-    from moep_ds.config import read_yaml
+    from moep_ds.recipe_yaml import read_yaml
     from moep_ds.schema import fail
 
     recipe = read_yaml(path, what="--config")

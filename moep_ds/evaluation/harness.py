@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.evaluation.generate import DTYPES, decode_steps, eval_mode, place_model
-from moep_ds.evaluation.partitioned import load_eval_model, split_over_ranks
+from moep_ds.evaluation.partitioned import load_eval_model, model_device, split_over_ranks
 from moep_ds.models.eval_modes import routing_eval_modes, summarize_routing_modes
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class MoepLM(TemplateLM):
         max_length: int | None = None,
         dtype: str = "float32",
         expert_parallel: bool | str = False,
+        ranks: tuple[int, int] | None = None,
         **lm_eval_args: Any,
     ):
         super().__init__()
@@ -136,9 +137,13 @@ class MoepLM(TemplateLM):
             model, _, tokenizer, self.meta, self.engine = load_eval_model(pretrained, overrides, dtype, ep)
         if tokenizer is None:
             raise UserError(f"{pretrained or 'the model'} has no tokenizer (tokenizer.json); lm-eval needs one")
-        self._device = place_model(model, device, dtype)
+        # `ranks` (r, N): the model being trained, scored as it is (its device and training precision), rank r of N
+        # scoring its share of the batches
+        self._device = model_device(model) if ranks is not None else place_model(model, device, dtype)
         self.model = model.eval()
-        self.ranks = (dist.get_rank(), dist.get_world_size()) if split_over_ranks(model) else (0, 1)
+        if ranks is None:
+            ranks = (dist.get_rank(), dist.get_world_size()) if split_over_ranks(model) else (0, 1)
+        self.ranks = ranks
         self.tokenizer = tokenizer
         if not str(batch_size or "").isdigit():
             log.warning("batch_size %r is not a number: using 16 (scores do not depend on it)", batch_size)
@@ -316,3 +321,14 @@ def register() -> None:
 
 
 register()
+
+
+def run_tasks(lm: MoepLM, tasks: list[str], manager: Any, *, limit: int | float | None = None,
+              num_fewshot: int | None = None, bootstrap_iters: int = 0) -> dict[str, Any] | None:
+    """Score `tasks` with lm-eval's `simple_evaluate` over `lm`: the one entry point of moep-eval (cli/eval.py)
+    and of the in-loop evaluation (training/callbacks/downstream_eval.py). None on ranks other than 0."""
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                           bootstrap_iters=bootstrap_iters, log_samples=False)
+

@@ -176,3 +176,15 @@ def task_spec(cfg: dict) -> TaskSpec:
         return TaskSpec(cfg["group"], subtasks=tuple(cfg["task"]))
     files = (cfg.get("dataset_kwargs") or {}).get("data_files") or {}
     return TaskSpec(cfg["task"], data_files=tuple(Path(f) for f in files.values()))
+
+
+def local_task_manager(data_dir: str | os.PathLike | None, tasks: list[str], tmp: str | os.PathLike):
+    """(lm-eval TaskManager over the local task YAMLs rendered into `tmp` for `data_dir` (default: $MOEP_DATA_DIR,
+    ../shared/data), the data folder used): an unknown task or missing data fails here, naming it."""
+    from lm_eval.tasks import TaskManager
+
+    folder = resolve_data_dir(data_dir, must_exist=False)
+    rendered = render_tasks(folder, tmp)
+    rendered.resolve(tasks)
+    return TaskManager(include_defaults=False, include_path=str(rendered.path)), folder
+

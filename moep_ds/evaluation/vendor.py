@@ -11,9 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import moep_ds
-
-PACKAGE_DIR = Path(moep_ds.__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the moep_ds package folder
 # every module of these packages registers components or is model code
 MODEL_PACKAGES = ("layers", "routing", "moe", "blocks", "models")
 EXTRA_MODULES = ("moep_ds.schema", "moep_ds.registry", "moep_ds.errors")

@@ -11,14 +11,11 @@ A revision named `stepN` (Pythia's checkpoints) is the weights after N optimizer
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 from moep_ds.errors import UserError
+from moep_ds.models.source_spec import HUB, revision_step, split_hub_spec
 
-HUB = "hf:"
-STEP_REVISION = re.compile(r"step(\d+)")
-REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 WEIGHT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
                    "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "generation_config.json"]
@@ -44,23 +41,6 @@ class Source:
         if self.repo_id is not None:
             out.update(hf_repo=self.repo_id, hf_revision=self.revision, hf_commit=self.commit)
         return out
-
-
-def split_hub_spec(spec: str) -> tuple[str, str]:
-    """(repo id, revision) of `hf:REPO[@REVISION]`; one line naming the spec when it is malformed."""
-    body = spec[len(HUB):]
-    repo_id, _, revision = body.partition("@")
-    if not REPO_ID.fullmatch(repo_id) or ("@" in body and not revision):
-        raise UserError(f"{spec!r} is not hf:ORG/NAME[@REVISION] (e.g. hf:EleutherAI/pythia-1b@step13000)")
-    return repo_id, revision or "main"
-
-
-def revision_step(spec: str | None) -> int | None:
-    """N of a source at revision `stepN` (hf:EleutherAI/pythia-1b@step13000 -> 13000), else None."""
-    if not spec or not spec.startswith(HUB) or "@" not in spec:
-        return None
-    match = STEP_REVISION.fullmatch(spec.rpartition("@")[2])
-    return int(match.group(1)) if match else None
 
 
 def resolve(spec: str, what: str = "SRC") -> Source:

@@ -45,14 +45,14 @@ EXPERT_OF_DENSE = {
 def dense_model_config(model_cfg: Any) -> Any:
     """The dense model an FFN-MoE recipe upcycles from: each ffn_moe block as a dense block whose FFN is the expert
     FFN (same attention, norms, residual layout); every other block as it is."""
-    from moep_ds.config import config_from_dict
+    from moep_ds.checkpointing.model_dir import StoredRecipe
     from moep_ds.schema import to_dict
 
     raw = to_dict(model_cfg)
     raw.pop("init_from", None)
     raw.pop("upcycle", None)
     raw["layers"] = [densified(entry, f"model.layers[{i}]") for i, entry in enumerate(raw["layers"])]
-    return config_from_dict({"model": raw}).model
+    return StoredRecipe.parse({"model": raw}).model
 
 
 def densified(entry: dict[str, Any], path: str) -> dict[str, Any]:

@@ -166,7 +166,7 @@ def check_init_from(cfg: ModelConfig, path: str) -> None:
     keeps naming it after the folder is gone)."""
     if cfg.init_from is not None and cfg.init_from.startswith("hf:"):
         from moep_ds.errors import UserError
-        from moep_ds.interop.hub import split_hub_spec
+        from moep_ds.models.source_spec import split_hub_spec
 
         try:
             split_hub_spec(cfg.init_from)

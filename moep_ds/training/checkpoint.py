@@ -9,11 +9,12 @@ RUN_DIR/checkpoints/step_00000100/
     rng_rank{r}.pt                 each rank's RNG states (tensors and tuples: loads with weights_only=True)
     config.yaml, meta.json, tokenizer files, COMPLETE
 
-What a rank owns: under ZeRO-1/2 (and DeepSpeed's bf16 optimizer) the fragments of each parameter in its flat
-partition (`param._hp_mapping`); under ZeRO-3 the valid part of its padded partition; without partitioning
-(ZeRO-0 fp32) an even share of every replicated tensor. Expert parameters are offset by the rank's place in
-the expert-parallel group. A load asks for the same pieces of the new layout, and DCP reads whatever saved
-pieces overlap them, so world size, expert-parallel size, ZeRO stage and master precision may all change.
+What a rank owns (distributed/owned_state.py) is written and read as pieces of the global flat tensors, so world
+size, expert-parallel size, ZeRO stage and master precision may all change between save and load.
+
+`Checkpointer` is the one seam: it saves the run's parts ({train_module, trainer, callbacks}: the TrainModule's
+weights, moments and step state, the trainer's position, each named callback's `state_dict`) and, resuming, reads
+the trainer state and checks its version before anything is restored, then restores every part.
 
 A checkpoint is written under `.tmp-<tag>` and renamed once every rank's files are durable (DCP fsyncs and
 gathers the ranks' results before its metadata is written), so a crash at any point leaves the previous
@@ -23,6 +24,7 @@ training goes on while DCP writes them on a gloo group of their own; the rename 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import errno
 import json
 import logging
@@ -30,7 +32,6 @@ import pathlib
 import random
 import re
 import shutil
-import warnings
 from typing import Any
 
 import numpy as np
@@ -39,85 +40,16 @@ import torch.distributed as dist
 
 from moep_ds.checkpointing import layout, model_state, sharded
 from moep_ds.checkpointing.model_dir import convert_hint, is_consolidated, read_meta, write_recipe_files
-from moep_ds.checkpointing.model_state import canonical_name, is_expert_param
-from moep_ds.distributed import deepspeed_adapter
-from moep_ds.checkpointing.sharded import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
+from moep_ds.checkpointing.sharded import MODEL_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
+from moep_ds.distributed import optimizer_state as st
+from moep_ds.distributed.owned_state import commit_partitions, owned_pieces
 from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
-from moep_ds.moe.shard import full_shape
-from moep_ds.training import state as st
 from moep_ds.training.rng import rng_state
+from moep_ds.training.trainer_state import TrainerState
 
 log = logging.getLogger(__name__)
 
 TRAINER_STATE_FILE = "trainer_state.json"
-
-
-# ---- what this rank owns --------------------------------------------------------------------------------
-
-
-def replica_share(numel: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, stop) of replica `rank`'s even share of a tensor that `size` ranks hold whole."""
-    return rank * numel // size, (rank + 1) * numel // size
-
-
-def replica_position(p: torch.nn.Parameter) -> tuple[int, int]:
-    """(rank, size) among the ranks holding the same whole copy of an unpartitioned parameter."""
-    if is_expert_param(p) and hasattr(p, "group_name"):
-        group = deepspeed_adapter.expert_data_parallel_group(p.group_name)
-        return dist.get_rank(group), dist.get_world_size(group)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def local_pieces(p: torch.nn.Parameter, optimizer, whole_replicas: bool) -> list[tuple[int, dict[str, torch.Tensor]]]:
-    """[(flat offset within the local parameter, {"param": fp32 master view, key: moment view})] held here.
-
-    `whole_replicas`: a rank loading an unpartitioned parameter needs all of it; saving, it writes its share."""
-    if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition, padded at the end of the last one
-        start, valid = model_state.zero3_partition(p)
-        views = {key: st.local_partition(p, key) for key in ("param", *st.ADAM_KEYS)}
-        return [(start, {k: v.narrow(0, 0, valid) for k, v in views.items()})] if valid else []
-    if deepspeed_adapter.has_fragment_mapping(p):  # ZeRO-1/2, bf16 optimizer: a fragment of the rank's partition
-        frag = deepspeed_adapter.fragment(p, st.ADAM_KEYS)
-        return [] if frag is None else [frag]
-    master = st.master(p)  # ZeRO-0 bf16/fp16: the fp32 master beside the module's parameter
-    state = st.inner_optimizer(optimizer).state.get(master, {})
-    views = {"param": master.data.view(-1), **{k: state[k].view(-1) for k in st.ADAM_KEYS if k in state}}
-    start, stop = (0, p.numel()) if whole_replicas else replica_share(p.numel(), *replica_position(p))
-    return [(start, {k: v[start:stop] for k, v in views.items()})] if stop > start else []
-
-
-def engine_pieces(engine, model, ep: ExpertParallelPlan, for_load: bool) -> dict[str, FlatShard]:
-    """Masters and moments this rank owns, as pieces of the global flat tensors (optimizer state must exist)."""
-    out = {}
-    for name, p in model.named_parameters():
-        name = canonical_name(name)
-        base, numel = model_state.expert_offset(p_numel(p), is_expert_param(p), ep)
-        shape = model_state.global_shape(full_shape(p), is_expert_param(p), ep)
-        for start, views in local_pieces(p, engine.optimizer, whole_replicas=for_load):
-            for key, view in views.items():
-                out[piece_name(name, key)] = FlatShard(view, base + start, numel, shape)
-    return out
-
-
-def piece_name(name: str, key: str) -> str:
-    return MODEL_PREFIX + name if key == "param" else f"{OPTIM_PREFIX}{name}/{key}"
-
-
-def commit_partitions(model, pieces: dict[str, FlatShard]) -> None:
-    """Write loaded ZeRO-3 partitions back through DeepSpeed (they are copies when the optimizer is offloaded),
-    and the working partition the model computes with from the master (the model itself loaded none)."""
-    for name, p in model.named_parameters():
-        if hasattr(p, "ds_id"):
-            for key in ("param", *st.ADAM_KEYS):
-                piece = pieces.get(piece_name(canonical_name(name), key))
-                if piece is not None:
-                    st.set_local_partition(p, key, piece.local)
-            with torch.no_grad():
-                p.ds_tensor.data.copy_(st.local_partition(p, "param").to(p.ds_tensor.dtype))
-
-
-def p_numel(p: torch.nn.Parameter) -> int:
-    return p.ds_numel if hasattr(p, "ds_id") else p.numel()
 
 
 # ---- saving ---------------------------------------------------------------------------------------------
@@ -137,6 +69,8 @@ class CheckpointWriter:
     def save(self, engine, model, cfg, step: int, trainer_state: dict[str, Any], *,
              plan: ExpertParallelPlan = SINGLE_PROCESS,
              tokenizer_dir: pathlib.Path | None = None, meta: dict | None = None) -> pathlib.Path:
+        """Write checkpoint `step` of `engine` (a distributed.engine.Engine) over `model`, with `trainer_state`
+        (JSON) and the recipe `cfg`; returns its final path (asynchronous: where it will be once written)."""
         self.wait()
         rank = dist.get_rank()
         tag = layout.checkpoint_tag(step)
@@ -154,8 +88,7 @@ class CheckpointWriter:
         try:
             torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
             if rank == 0:
-                sharded.save_json({**trainer_state, "optimizer_step": st.optimizer_step_count(engine.optimizer)},
-                                  tmp / TRAINER_STATE_FILE)
+                sharded.save_json(trainer_state, tmp / TRAINER_STATE_FILE)
                 sharded.save_json(model_state.extra_states(model), tmp / model_state.EXTRA_STATE_FILE)
                 write_recipe_files(cfg, tmp, tokenizer_dir, {"step": step, **(meta or {})})
         except OSError as err:
@@ -179,7 +112,7 @@ class CheckpointWriter:
     @staticmethod
     def pieces(engine, model, ep: ExpertParallelPlan) -> dict[str, FlatShard]:
         st.init_optimizer_state(engine.optimizer)
-        pieces = engine_pieces(engine, model, ep, for_load=False)
+        pieces = owned_pieces(engine.optimizer, model, ep, for_load=False)
         if dist.get_rank() == 0:  # buffers and extra state (for torch's loader) are the same on every rank
             pieces.update({MODEL_PREFIX + n: sharded.whole(b) for n, b in model_state.buffers(model).items()})
             pieces.update({MODEL_PREFIX + n: v for n, v in model_state.extra_states(model).items()})
@@ -280,19 +213,16 @@ def resume_candidates(resume: str | None, run_dir: pathlib.Path) -> list[pathlib
     return [path]
 
 
-def check_checkpoint(ckpt: pathlib.Path) -> None:
-    """DamagedCheckpoint naming the first unusable file; a consolidated checkpoint is refused (moep-convert)."""
+def check_checkpoint(ckpt: pathlib.Path) -> TrainerState:
+    """The checkpoint's trainer state (version checked); DamagedCheckpoint naming the first unusable file; a
+    consolidated checkpoint is refused (moep-convert)."""
     if is_consolidated(ckpt):
         raise CheckpointError(convert_hint(ckpt))
     sharded.check_files(ckpt)
     if not (ckpt / TRAINER_STATE_FILE).exists() and "imported_from" in read_meta(ckpt):
         raise CheckpointError(f"checkpoint {str(ckpt)!r} holds a model only (moep-import), no training state to "
                               "resume: start a run from it with model.init_from")
-    try:
-        json.loads((ckpt / TRAINER_STATE_FILE).read_text())
-    except (OSError, ValueError) as err:
-        raise DamagedCheckpoint(f"checkpoint {str(ckpt)!r} is damaged: {str(ckpt / TRAINER_STATE_FILE)!r} "
-                                f"({sharded.first_line(err)})") from None
+    return read_trainer_state(ckpt)
 
 
 def load_model_state(model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGLE_PROCESS) -> None:
@@ -300,35 +230,29 @@ def load_model_state(model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGL
     model_state.load_module(model, ckpt, plan)
 
 
-def load_engine_state(engine, model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGLE_PROCESS) -> dict[str, Any]:
-    """Restore fp32 masters, Adam moments/step, schedule, loss scaler, counters and RNG; returns trainer state."""
-    state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
+def read_trainer_state(ckpt: pathlib.Path) -> TrainerState:
+    """The trainer state of checkpoint `ckpt`, parsed and its version checked: before anything is restored."""
+    try:
+        raw = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise DamagedCheckpoint(f"checkpoint {str(ckpt)!r} is damaged: {str(ckpt / TRAINER_STATE_FILE)!r} "
+                                f"({sharded.first_line(err)})") from None
+    return TrainerState.from_state_dict(raw, str(ckpt))
+
+
+def load_pieces(engine, model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGLE_PROCESS) -> None:
+    """The fp32 masters and Adam moments this rank owns from `ckpt` into `engine` (a distributed.engine.Engine),
+    and the model's working copies made to match them."""
     st.init_optimizer_state(engine.optimizer)
-    pieces = engine_pieces(engine, model, plan, for_load=True)
+    pieces = owned_pieces(engine.optimizer, model, plan, for_load=True)
     with torch.no_grad():
         sharded.load(pieces, ckpt)
     commit_partitions(model, pieces)
     st.refresh_working_copies(engine.optimizer)
-    st.set_optimizer_step_count(engine.optimizer, [p for p in model.parameters()], state["optimizer_step"])
-    restore_trainer_state(engine, state)
-    restore_rng(ckpt, dist.get_rank(), state)
-    return state
 
 
-def restore_trainer_state(engine, state: dict[str, Any]) -> None:
-    if engine.lr_scheduler is not None:
-        restore_schedule(engine.lr_scheduler, state["lr_scheduler"]["last_epoch"])
-    scaler = st.loss_scaler(engine.optimizer)
-    if scaler is not None and state.get("loss_scaler"):
-        for key, value in state["loss_scaler"].items():
-            setattr(scaler, key, value)
-    engine.global_steps = state["step"]
-    engine.global_samples = state["global_samples"]
-    engine.skipped_steps = state.get("skipped_steps", 0)
-
-
-def check_same_tokenizer(state: dict[str, Any], meta: dict[str, Any], ckpt: pathlib.Path) -> None:
-    saved, current = state.get("tokenizer_sha256"), meta.get("tokenizer_sha256")
+def check_same_tokenizer(state: TrainerState, meta: dict[str, Any], ckpt: pathlib.Path) -> None:
+    saved, current = state.tokenizer_sha256, meta.get("tokenizer_sha256")
     if saved and current and saved != current:
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r} was trained with tokenizer sha256 {saved[:12]}..., but data.tokenizer of this "
@@ -354,14 +278,14 @@ def warn_model_changes(model_cfg: Any, ckpt: pathlib.Path) -> list[str]:
     return changes
 
 
-def warn_length_change(state: dict[str, Any], max_steps: int, ckpt: pathlib.Path) -> bool:
+def warn_length_change(state: TrainerState, max_steps: int, ckpt: pathlib.Path) -> bool:
     """Warn when the run's length differs from the one the checkpoint was saved in (a longer run, an edited recipe,
     epochs counted anew): the lr schedule follows the new length from the checkpoint's step on."""
-    saved = state.get("max_steps")  # absent in checkpoints of before 2026-12-02
+    saved = state.max_steps  # absent in checkpoints of before 2026-12-02
     if saved is None or saved == max_steps:
         return False
     log.warning("the run is %d steps long now, %d when %s was saved: the lr schedule follows %d from step %d on",
-                max_steps, saved, ckpt, max_steps, state["step"])
+                max_steps, saved, ckpt, max_steps, state.step)
     return True
 
 
@@ -375,28 +299,11 @@ def differences(saved: Any, now: Any, path: str) -> list[str]:
     return [] if saved == now else [f"{path} ({saved!r} there, {now!r} now)"]
 
 
-def restore_schedule(scheduler, last_epoch: int) -> None:
-    """Put the schedule at `last_epoch` and set every group's lr from it. The schedule is a function of the
-    step alone, so this works whatever the number of parameter groups (expert parallelism adds MoE groups),
-    unlike LRScheduler.load_state_dict, which also leaves the groups' current lr stale."""
-    scheduler.last_epoch = last_epoch - 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": intended here
-        scheduler.step()
-
-
-def loss_scaler_state(engine) -> dict[str, Any] | None:
-    scaler = st.loss_scaler(engine.optimizer)
-    if scaler is None:
-        return None
-    return {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
-
-
-def restore_rng(ckpt: pathlib.Path, rank: int, state: dict[str, Any]) -> None:
+def restore_rng(ckpt: pathlib.Path, rank: int, state: TrainerState) -> None:
     """Same world size: each rank continues its own RNG streams; otherwise streams are re-seeded per rank."""
     path = ckpt / f"rng_rank{rank}.pt"
     rng = None
-    if state.get("world_size") == dist.get_world_size() and path.is_file():
+    if state.world_size == dist.get_world_size() and path.is_file():
         try:
             rng = torch.load(path, weights_only=True)
         except Exception:  # noqa: BLE001 - a file of pickled objects (numpy arrays) is refused: re-seed instead
@@ -409,7 +316,48 @@ def restore_rng(ckpt: pathlib.Path, rank: int, state: dict[str, Any]) -> None:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     else:
-        seed = state.get("seed", 0) * 1000003 + state["step"] * 101 + rank
+        seed = (state.seed or 0) * 1000003 + state.step * 101 + rank
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed % 2**32)
+
+
+class Checkpointer:
+    """The one seam through which a run saves and resumes: a checkpoint holds the parts of the `Trainer`
+    ({train_module, trainer, callbacks}) and the recipe; `read` parses and version-checks the trainer state before
+    `restore` puts anything back (collective: every rank calls `save`, `restore` and `wait` at the same steps)."""
+
+    def __init__(self, run_dir: pathlib.Path, cfg: Any, tokenizer_dir: pathlib.Path | None):
+        train = cfg.train.checkpoint
+        self.writer = CheckpointWriter(run_dir, train.keep_last, async_save=train.async_save)
+        self.cfg = cfg
+        self.tokenizer_dir = tokenizer_dir
+
+    def save(self, trainer: Any) -> pathlib.Path:
+        """Checkpoint `trainer` (training/trainer.py) at its step: its TrainModule's pieces and state, its own
+        position and its callbacks' states."""
+        module = trainer.module
+        state = TrainerState(**trainer.state_dict(), **module.state_dict(), callbacks=trainer.callback_states())
+        meta = {"tokens": trainer.step * module.tokens_per_step, **module.report.as_dict()}
+        return self.writer.save(module.engine, module.model, self.cfg, trainer.step, state.state_dict(),
+                                plan=module.plan, tokenizer_dir=self.tokenizer_dir, meta=meta)
+
+    @staticmethod
+    def read(ckpt: pathlib.Path) -> TrainerState:
+        return read_trainer_state(ckpt)
+
+    def restore(self, ckpt: pathlib.Path, state: TrainerState, trainer: Any, saved_global_batch: int | None) -> None:
+        """Every part from `ckpt`, whose state `read` gave: the module's masters, moments and step state (the
+        weights were loaded into the model before the engine existed), the RNG streams, the trainer's position,
+        then each callback's state (a callback the checkpoint has no state for keeps its own)."""
+        module = trainer.module
+        load_pieces(module.engine, module.model, ckpt, module.plan)
+        module.load_state_dict(dataclasses.asdict(state), state.step, saved_global_batch)
+        restore_rng(ckpt, dist.get_rank(), state)
+        trainer.load_state_dict(state)
+
+    def failed(self) -> bool:
+        return self.writer.failed()
+
+    def wait(self) -> None:
+        self.writer.wait()

@@ -82,12 +82,16 @@ class TrainConfig:
     # recompute each block's activations in backward (torch non-reentrant checkpoint; training/blocks.py)
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each block in place (Module.compile(); parameter names unchanged)
-    # callbacks the trainer runs at its hooks (training/callbacks/): [{type: downstream_eval, tasks: [...]}, ...];
-    # a type is a registered name or module:Class of the user's own module
-    callbacks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # callbacks the trainer runs at its hooks besides the built-in ones (training/callbacks/), by name, each parsed
+    # into its own config class when the recipe is read: {evals: {type: downstream_eval, tasks: [...]}}; a type is a
+    # registered name or module:Class of the user's own module; `validation: null` removes a built-in callback (a
+    # built-in name with a config replaces it). The list form [{type: downstream_eval, ...}] names each by its type
+    callbacks: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def validate(self, path: str) -> None:
-        from moep_ds.training.callbacks import parse_callback  # imports a user's module named here
+    @classmethod
+    def preprocess(cls, raw: dict[str, Any], path: str) -> dict[str, Any]:
+        if "callbacks" not in raw:
+            return raw
+        from moep_ds.training.callbacks import parse_callbacks  # registers the names; imports a user's module
 
-        for i, entry in enumerate(self.callbacks):
-            parse_callback(entry, f"{path}.callbacks[{i}]")
+        return {**raw, "callbacks": parse_callbacks(raw["callbacks"], f"{path}.callbacks" if path else "callbacks")}

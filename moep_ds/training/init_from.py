@@ -18,8 +18,8 @@ from moep_ds.checkpointing.sharded import OPTIM_PREFIX
 from moep_ds.interop.sources import source_weights
 from moep_ds.interop.weights import fill_pieces
 from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
-from moep_ds.training import state as st
-from moep_ds.training.checkpoint import commit_partitions, engine_pieces
+from moep_ds.distributed import optimizer_state as st
+from moep_ds.distributed.owned_state import commit_partitions, owned_pieces
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def initialise_from_source(engine, model, cfg: Any, plan: ExpertParallelPlan = S
     label = f"model.init_from ({src!r})"
     fill_pieces(model_state.module_pieces(model, plan), weights, keep, label)
     st.init_optimizer_state(engine.optimizer)  # zero moments, step 0: what a fresh optimizer's first step makes
-    masters = {k: v for k, v in engine_pieces(engine, model, plan, for_load=True).items()
+    masters = {k: v for k, v in owned_pieces(engine.optimizer, model, plan, for_load=True).items()
                if not k.startswith(OPTIM_PREFIX)}
     fill_pieces(masters, weights, keep, label)
     commit_partitions(model, masters)

@@ -17,7 +17,7 @@ After every optimizer step, on every rank:
 Under ZeRO 1/2 (and DeepSpeed's bf16 optimizer) the fp32 masters and Adam moments are partitioned over the
 (expert-)data-parallel ranks, and the module parameters are copies that the engine overwrites from the
 masters after every step: a clone written only into the module would be reverted. Rows are therefore read
-and written through DeepSpeed's partitioned-state API (training/state.py over
+and written through DeepSpeed's partitioned-state API (distributed/optimizer_state.py over
 `deepspeed.utils.safe_{get,set}_full_{fp32_param,optimizer_state}`), whose reads are collective over each
 parameter's data-parallel group: every rank makes the same calls in the same order. Noise is drawn on every
 rank for every row, from a generator seeded by (seed, layer, step), so all ranks and a resumed run agree.
@@ -31,15 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moep_ds.routing.lifecycle import ExpertRows, LifecycleManaged, clone_with_noise, lifecycle_layers
-from moep_ds.training import state as st
-
-
-def loss_scale(optimizer: Any) -> float:
-    """fp16 dynamic loss scaling multiplies every gradient, dL/dy included; 1 without it."""
-    scale = getattr(optimizer, "loss_scale", None)
-    if torch.is_tensor(scale) and scale.numel() == 1:
-        scale = float(scale)
-    return float(scale) if isinstance(scale, (int, float)) and scale > 0 else 1.0
+from moep_ds.distributed import optimizer_state as st
 
 
 class ExpertLifecycleCallback:
@@ -60,8 +52,8 @@ class ExpertLifecycleCallback:
 
     @classmethod
     def for_engine(cls, engine: Any, ep_group: Any = None) -> ExpertLifecycleCallback:
-        return cls(engine.module, engine.optimizer, dp_group=getattr(engine, "data_parallel_group", None),
-                   ep_group=ep_group)
+        """For the model and optimizer of `engine` (a distributed.engine.Engine)."""
+        return cls(engine.module, engine.optimizer, dp_group=engine.data_parallel_group, ep_group=ep_group)
 
     def after_optimizer_step(self, step: int | None = None) -> list[dict[str, Any]]:
         """Fold the step's statistics of every managed layer, apply due replacements; returns the new events."""
@@ -71,7 +63,7 @@ class ExpertLifecycleCallback:
         sums = torch.cat([lifecycle.step_sums for lifecycle in lifecycles])
         if self.distributed:
             dist.all_reduce(sums, group=self.dp_group)
-        impact_scale = 1.0 / loss_scale(self.optimizer)
+        impact_scale = 1.0 / st.optimizer_loss_scale(self.optimizer)
         events = []
         layer_sums = sums.split([lifecycle.step_sums.numel() for lifecycle in lifecycles])
         for (name, layer), lifecycle, one_layer in zip(self.layers, lifecycles, layer_sums):
@@ -148,4 +140,4 @@ class ExpertLifecycleCallback:
         return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape]
 
 
-__all__ = ["ExpertLifecycleCallback", "loss_scale"]
+__all__ = ["ExpertLifecycleCallback"]

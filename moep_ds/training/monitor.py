@@ -1,7 +1,7 @@
 """Metrics: `metrics.jsonl`, `expert_utilization.jsonl` and TensorBoard scalars through DeepSpeed's monitor.
 
 DeepSpeed's engine logs only the learning rate by itself; everything else goes through
-`engine.monitor.write_events`. Files are written by rank 0 only.
+`Engine.write_events` (distributed/engine.py: DeepSpeed's monitor). Files are written by rank 0 only.
 
 Routing statistics describe the whole data-parallel batch: on log steps (only) they are all-reduced over the
 ranks, per-expert token counts summed and per-token means (dropped fraction, router entropy) averaged.
@@ -115,9 +115,7 @@ class Monitor:
 
     def write_events(self, step: int, scalars: dict[str, float]) -> None:
         """TensorBoard scalars, keyed by their full tag (`train/loss`, `moe/layers.3.entropy`, ...)."""
-        monitor = getattr(self.engine, "monitor", None)
-        if monitor is not None and monitor.enabled:
-            monitor.write_events([(tag, v, step) for tag, v in scalars.items()])
+        self.engine.write_events([(tag, v, step) for tag, v in scalars.items()])
 
     def log_step(self, step: int, metrics: dict[str, float], stats: dict[str, torch.Tensor]) -> None:
         """Called by every rank on log steps (the statistics are reduced over ranks); rank 0 writes."""
@@ -142,8 +140,4 @@ class Monitor:
         if self.enabled:
             self.metrics.close()
             self.utilization.close()
-            monitor = getattr(self.engine, "monitor", None)
-            for writer in getattr(monitor, "monitors", []) if monitor is not None else []:
-                summary = getattr(writer, "summary_writer", None)
-                if summary is not None:
-                    summary.flush()
+            self.engine.flush_events()

@@ -6,17 +6,20 @@ import logging
 import math
 import pathlib
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
 from moep_ds.checkpointing import layout, sharded
-from moep_ds.config import Config
 from moep_ds.data.errors import DataError
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.models.causal_lm import build_model
 from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
-from moep_ds.training.ds_config import zero_stage
+from moep_ds.distributed.ds_fields import zero_stage
 from moep_ds.distributed.zero3 import check_partitioned, gathered_for_init, partitioned_construction
+
+if TYPE_CHECKING:
+    from moep_ds.config import Config
 
 log = logging.getLogger(__name__)
 

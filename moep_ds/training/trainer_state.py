@@ -1,19 +1,20 @@
-"""The trainer's own state in a checkpoint (`trainer_state` beside the weights): typed, versioned, written and read
-here only.
+"""The trainer's own state in a checkpoint (`trainer_state.json` beside the weights): typed, versioned, written and
+read here only.
 
 Version 1 is the dict the trainer wrote before this class existed (no `version` key; `max_steps` and
-`global_batch_size` absent in the oldest ones); version 2 adds `version`. Both read. The checkpoint writer adds
-its own keys (e.g. `optimizer_step`) to the dict it stores; they are kept in `extra` so that a state read and
-written again loses nothing.
+`global_batch_size` absent in the oldest ones); version 2 adds `version`; version 3 adds `callbacks` (each named
+callback's `state_dict`) and keeps Adam's step as `optimizer_step` (versions 1-2 wrote it beside the rest). All
+three read; a newer version is refused before anything is restored. Unknown keys are kept in `extra` so that a
+state read and written again loses nothing.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from moep_ds.training.checkpoint import CheckpointError
+from moep_ds.checkpointing.sharded import CheckpointError
 
-VERSION = 2
+VERSION = 3
 
 
 @dataclasses.dataclass
@@ -26,10 +27,12 @@ class TrainerState:
     global_batch_size: int | None = None
     lr_scheduler: dict[str, Any] | None = None
     loss_scaler: dict[str, Any] | None = None
+    optimizer_step: int | None = None
     world_size: int | None = None
     expert_parallel_size: int | None = None
     seed: int | None = None
     tokenizer_sha256: str | None = None
+    callbacks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
@@ -38,10 +41,12 @@ class TrainerState:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], where: str = "the checkpoint") -> TrainerState:
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{where}: trainer state is not a mapping ({type(state).__name__})")
         version = state.get("version", 1)
-        if version not in (1, VERSION):
+        if version not in range(1, VERSION + 1):
             raise CheckpointError(f"{where}: trainer state version {version!r} is newer than this moep_ds reads "
-                                  f"(1 or {VERSION})")
+                                  f"(1 to {VERSION})")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         missing = [k for k in ("step", "global_samples", "data") if k not in state]
         if missing:
@@ -49,6 +54,8 @@ class TrainerState:
         known = {k: v for k, v in state.items() if k in names}
         if known.get("skipped_steps") is None:
             known["skipped_steps"] = 0
+        if known.get("callbacks") is None:
+            known["callbacks"] = {}
         extra = {k: v for k, v in state.items() if k not in names and k != "version"}
         return cls(**known, extra=extra)
 

@@ -379,7 +379,7 @@ def zero2_run(ep: int, out_dir: str) -> None:
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from deepspeed.utils import safe_get_full_grad
 
-    from moep_ds.training import state as st
+    from moep_ds.distributed import optimizer_state as st
     from moep_ds.training.config import OptimizerConfig
     from moep_ds.distributed.expert_parallel import expert_parallel_plan, setup_expert_parallel
     from moep_ds.training.optim import param_groups

@@ -8,9 +8,8 @@ from moep_ds import build_model
 from moep_ds.config import config_from_dict
 from moep_ds.schema import ConfigError
 from moep_ds.training.config import ScheduleConfig, TrainConfig
-from moep_ds.training.ds_config import (
-    DeepSpeedConfigError, DeepSpeedConfigFileError, check_with_deepspeed, read_ds_config, reconcile,
-)
+from moep_ds.distributed.ds_validation import check_with_deepspeed
+from moep_ds.training.ds_config import DeepSpeedConfigError, DeepSpeedConfigFileError, read_ds_config, reconcile
 from moep_ds.distributed.expert_parallel import ParallelLayoutError, check_parallel_layout
 from moep_ds.training.optim import lr_multiplier, param_groups
 from repo_paths import REPO
@@ -189,7 +188,7 @@ def test_expert_parallel_layout_errors():
                               "(DeepSpeed's optimizer there leaves expert gradients out of the gradient norm it "
                               "clips by); use ZeRO 1-2, or fp32")
     check_parallel_layout(cfg, {"zero_optimization": {"stage": 2}}, 4)
-    check_parallel_layout(cfg, {"zero_optimization": {"stage": 0}}, 2)  # fp32: training/grad_norm.py
+    check_parallel_layout(cfg, {"zero_optimization": {"stage": 0}}, 2)  # fp32: distributed/grad_norm.py
     check_parallel_layout(cfg, {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, 2)
 
 

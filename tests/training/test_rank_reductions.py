@@ -2,7 +2,7 @@
 all-reduce is answered with the element-wise SUM of what both ranks contribute (recorded first from the other
 rank), as gloo/NCCL's all_reduce(SUM) would. Expert-choice thresholds are averaged (training/hooks.py); the step's
 losses are averaged and a stop request or a due time-based checkpoint of ANY rank stops / checkpoints every rank
-(Trainer.reduce_step)."""
+(TrainModule.reduce_step, with the flags of the stop and checkpointing callbacks)."""
 import copy
 import types
 
@@ -11,9 +11,10 @@ import torch
 
 from moep_ds.routing.expert_choice import ExpertChoiceConfig, ExpertChoiceRouter
 from moep_ds.training import hooks
-from moep_ds.training import trainer as trainer_mod
+from moep_ds.training import train_module as train_module_mod
 from moep_ds.training.balancing import LossFreeBalancing
-from moep_ds.training.trainer import Trainer
+from moep_ds.training.callbacks.builtin import Checkpointing
+from moep_ds.training.train_module import TrainModule
 
 WORLD = 2
 
@@ -72,12 +73,18 @@ def test_expert_choice_thresholds_are_averaged_over_the_ranks(monkeypatch):
                 assert torch.equal(b, before[rank][name]), name
 
 
-def fake_trainer(rank: int, requested: bool, minutes: float | None):
+def fake_module(rank: int):
+    return types.SimpleNamespace(world=WORLD, rank=rank, device=torch.device("cpu"),
+                                 balancing=LossFreeBalancing(torch.nn.Module()))
+
+
+def checkpointing_flags(minutes: float | None, last_save: float) -> dict[str, bool]:
+    """The flags the built-in checkpointing callback contributes on a rank whose last save was at `last_save`."""
     cfg = types.SimpleNamespace(train=types.SimpleNamespace(checkpoint=types.SimpleNamespace(every_minutes=minutes)))
-    return types.SimpleNamespace(cfg=cfg, world=WORLD, rank=rank, device=torch.device("cpu"),
-                                 stop=types.SimpleNamespace(requested=requested),
-                                 balancing=LossFreeBalancing(torch.nn.Module()),
-                                 checkpoints=types.SimpleNamespace(failed=lambda: False))
+    callback = Checkpointing()
+    callback.trainer = types.SimpleNamespace(cfg=cfg, checkpointer=types.SimpleNamespace(failed=lambda: False))
+    callback.last_save = last_save
+    return callback.flags()
 
 
 @pytest.mark.parametrize("stopping_rank", [None, 0, 1])
@@ -90,24 +97,26 @@ def test_reduce_step_averages_losses_and_any_ranks_flag_stops_or_checkpoints_eve
     import time
 
     reduce = SimulatedSum()
-    monkeypatch.setattr(trainer_mod.dist, "all_reduce", reduce)
+    monkeypatch.setattr(train_module_mod.dist, "all_reduce", reduce)
     now = time.time()
     sums = [{"loss": torch.tensor(2.0 + r), "ce_loss": torch.tensor(1.5 * (r + 1)), "aux/x": torch.tensor(0.25 * r)}
             for r in range(WORLD)]
-    fakes = [fake_trainer(r, requested=r == stopping_rank, minutes=1.0) for r in range(WORLD)]
-    last_saves = [now - (120 if r == due_rank else 0) for r in range(WORLD)]  # 2 minutes ago: a save is due
+    fakes = [fake_module(r) for r in range(WORLD)]
+    # 2 minutes since the last save on `due_rank`: a save is due there
+    flags = [{"stop": r == stopping_rank, **checkpointing_flags(1.0, now - (120 if r == due_rank else 0))}
+             for r in range(WORLD)]
     results = []
     for phase in ("record", "reduce"):
         reduce.recording = phase == "record"
         for rank in range(WORLD):
             reduce.rank = rank
-            results.append(Trainer.reduce_step(fakes[rank], sums[rank], last_saves[rank]))
-    for rank, (losses, stop, time_due) in enumerate(results[WORLD:]):
+            results.append(TrainModule.reduce_step(fakes[rank], sums[rank], flags[rank]))
+    for rank, (losses, agreed) in enumerate(results[WORLD:]):
         assert sorted(losses) == ["aux/x", "ce_loss", "loss"]
         for key, value in losses.items():
             assert float(value) == pytest.approx(sum(float(s[key]) for s in sums) / WORLD), (rank, key)
-        assert stop is (stopping_rank is not None), (rank, stopping_rank)
-        assert time_due is (due_rank is not None), (rank, due_rank)
+        assert agreed == {"stop": stopping_rank is not None, "checkpoint_due": due_rank is not None,
+                          "checkpoint_failed": False}, (rank, stopping_rank, due_rank)
 
 
 def test_reduce_step_sums_the_balancing_counts_over_ranks_and_updates_every_bias_alike(monkeypatch):
@@ -118,7 +127,7 @@ def test_reduce_step_sums_the_balancing_counts_over_ranks_and_updates_every_bias
     from moep_ds.routing.topk import TopKConfig, TopKRouter
 
     reduce = SimulatedSum()
-    monkeypatch.setattr(trainer_mod.dist, "all_reduce", reduce)
+    monkeypatch.setattr(train_module_mod.dist, "all_reduce", reduce)
     big = 2.0 ** 25
     local = [torch.tensor([big + 3, 1, 5, 7], dtype=torch.float64), torch.tensor([1, 9, 0, 1], dtype=torch.float64)]
     fakes, routers = [], []
@@ -126,7 +135,7 @@ def test_reduce_step_sums_the_balancing_counts_over_ranks_and_updates_every_bias
         r = TopKRouter(TopKConfig(k=1, bias_update_rate=0.5), d_model=4, num_experts=4)
         r.balancer.bias_E.copy_(torch.tensor([0.5, 0.0, -0.5, 1.0]))
         r.balancer.step_counts_E.copy_(local[rank])
-        fake = fake_trainer(rank, requested=False, minutes=None)
+        fake = fake_module(rank)
         fake.balancing = LossFreeBalancing(torch.nn.ModuleList([r]))
         fakes.append(fake)
         routers.append(r)
@@ -136,10 +145,10 @@ def test_reduce_step_sums_the_balancing_counts_over_ranks_and_updates_every_bias
         for rank in range(WORLD):
             reduce.rank = rank
             if phase == "record":  # what the rank sends, without updating its bias
-                Trainer.reduce_step(types.SimpleNamespace(**{**vars(fakes[rank]), "balancing": types.SimpleNamespace(
-                    local_counts=fakes[rank].balancing.local_counts, end_step=lambda c: None)}), sums, 0.0)
+                TrainModule.reduce_step(types.SimpleNamespace(**{**vars(fakes[rank]), "balancing": types.SimpleNamespace(
+                    local_counts=fakes[rank].balancing.local_counts, end_step=lambda c: None)}), sums, {"stop": False})
             else:
-                Trainer.reduce_step(fakes[rank], sums, 0.0)
+                TrainModule.reduce_step(fakes[rank], sums, {"stop": False})
     want = loss_free_bias_update(torch.tensor([0.5, 0.0, -0.5, 1.0]), local[0] + local[1], 0.5)
     assert torch.equal(want, torch.tensor([0.0, 0.5, 0.0, 1.5]))  # [2^25+4, 10, 5, 8]: only expert 0 above the mean
     for r in routers:

@@ -50,7 +50,7 @@ def test_zero3_built_partitioned_trains_as_zero2(zero_matrix, precision):
 
 
 def test_every_zero_stage_and_precision_logs_the_gradient_norm(zero_matrix):
-    """ZeRO-0 fp32's norm is computed by training/grad_norm.py, the others by DeepSpeed: the same quantity."""
+    """ZeRO-0 fp32's norm is computed by distributed/grad_norm.py, the others by DeepSpeed: the same quantity."""
     norms = {key: [m["grad_norm"] for m in metrics(run) if "loss" in m] for key, run in zero_matrix.items()}
     assert all(len(n) == 20 for n in norms.values()), {key: len(n) for key, n in norms.items()}
     for stage in (0, 1, 3):
@@ -111,7 +111,7 @@ def expert_parallel_runs(tmp_path_factory):
 def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs, stage):
     """Each expert's gradient is averaged over the ranks that hold it, not added to other experts' (ZeRO-1 with
     DeepSpeed's non-contiguous gradient path did that), and clipped by the norm over all experts (ZeRO-0 fp32:
-    training/grad_norm.py; DeepSpeed's own clipping there averages the ranks' norms)."""
+    distributed/grad_norm.py; DeepSpeed's own clipping there averages the ranks' norms)."""
     _, runs = expert_parallel_runs
     ep1, ep2 = losses(runs[stage, 1][1]), losses(runs[stage, 2][1])
     assert sorted(ep1) == sorted(ep2) == list(range(1, 9))
@@ -248,7 +248,7 @@ def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path, stage):
-    """ZeRO-0 included: DeepSpeed 0.19 leaves its loss scaling to us there (training/state.py loss_for_backward)."""
+    """ZeRO-0 included: DeepSpeed 0.19 leaves its loss scaling to us there (distributed/optimizer_state.py loss_for_backward)."""
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=16)
     ds = json.loads((DS_CONFIGS / f"zero{stage}_fp16.json").read_text())

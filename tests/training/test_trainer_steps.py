@@ -5,7 +5,7 @@ import pytest
 
 from moep_ds.config import config_from_dict
 from moep_ds.errors import UserError
-from moep_ds.training.trainer import total_steps
+from moep_ds.training.startup import total_steps
 
 MODEL = {"vocab_size": 64, "d_model": 32, "max_seq_len": 16, "layers": [{"type": "dense", "attention": {"num_heads": 2}}]}
 
@@ -57,7 +57,7 @@ MOE_MODEL = {"vocab_size": 64, "d_model": 32, "max_seq_len": 16, "layers": [
 @pytest.mark.parametrize("num_windows, eval_batches, scored", [(9, 1, 4), (9, 8, 8), (10, 8, 8)])
 def test_validation_loss_is_the_mean_token_loss_over_the_same_windows_at_any_rank_count(
         tmp_path, monkeypatch, num_windows, eval_batches, scored):
-    """Trainer.evaluate on 1 and 2 simulated ranks (the all-reduce stubbed out: rank r's share is total_r / all
+    """TrainModule.evaluate (over the windows the validation callback opened) on 1 and 2 simulated ranks (the all-reduce stubbed out: rank r's share is total_r / all
     windows, so the shares add up to the mean), micro-batches of 2, a global batch of 4 (on 1 rank: 2 accumulation
     steps): the first eval_batches x 4 validation windows (all whole global batches when fewer: 10 windows are 8 on
     1 rank too, where whole micro-batch steps would be 10), in file order, the mean next-token cross-entropy without the auxiliary loss, routers in eval mode;
@@ -71,8 +71,8 @@ def test_validation_loss_is_the_mean_token_loss_over_the_same_windows_at_any_ran
 
     from moep_ds.data.dataset import open_split
     from moep_ds.models.causal_lm import build_model
-    from moep_ds.training import trainer as trainer_mod
-    from moep_ds.training.trainer import Trainer
+    from moep_ds.training import train_module as train_module_mod
+    from moep_ds.training.train_module import TrainModule
 
     seq_len = 8
     (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
@@ -83,14 +83,13 @@ def test_validation_loss_is_the_mean_token_loss_over_the_same_windows_at_any_ran
     torch.manual_seed(0)
     model = build_model(cfg.model)
     model.train()
-    monkeypatch.setattr(trainer_mod.dist, "all_reduce", lambda tensor: None)
+    monkeypatch.setattr(train_module_mod.dist, "all_reduce", lambda tensor: None)
 
     def evaluate(rank, world):
-        fake = types.SimpleNamespace(prepared=tmp_path, cfg=cfg, engine=model, rank=rank, world=world,
-                                     device=torch.device("cpu"),
-                                     ds={"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4})
-        fake.val = Trainer.open_validation(fake)
-        value = Trainer.evaluate(fake)
+        module = types.SimpleNamespace(engine=model, rank=rank, world=world, device=torch.device("cpu"),
+                                       ds={"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4})
+        validation = validation_callback(tmp_path, cfg, module)
+        value = TrainModule.evaluate(module, validation.val, validation.windows)
         assert model.training
         return value
 
@@ -116,26 +115,36 @@ def test_too_few_validation_windows_for_one_evaluation_step_are_refused_at_start
     import numpy as np
 
     from moep_ds.data.errors import DataError
-    from moep_ds.training.trainer import Trainer
 
     (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
     np.zeros(3 * 8 + 1, dtype=np.uint16).tofile(tmp_path / "val.bin")
     cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": 8}, "train": {"max_steps": 1, "eval_every": 5}})
-    fake = types.SimpleNamespace(prepared=tmp_path, cfg=cfg, world=2,
-                                 ds={"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4})
+    module = types.SimpleNamespace(world=2, ds={"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4})
     with pytest.raises(DataError, match=r"^train.eval_every \(5\): 3 validation windows in '.*' are fewer than one "
                                         r"global batch \(4\); hold out more \(data.val_fraction\) or give a "
                                         r"data.val_source$"):
-        Trainer.open_validation(fake)
-    fake.cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": 8}, "train": {"max_steps": 1}})
-    assert Trainer.open_validation(fake) is None  # no evaluation: the split is not read
+        validation_callback(tmp_path, cfg, module)
+    cfg = config_from_dict({"model": MOE_MODEL, "data": {"seq_len": 8}, "train": {"max_steps": 1}})
+    assert validation_callback(tmp_path, cfg, module).val is None  # no evaluation: the split is not read
+
+
+def validation_callback(prepared, cfg, module):
+    """The built-in validation callback set up on a trainer of `cfg` whose prepared corpus is `prepared`."""
+    import types
+
+    from moep_ds.training.callbacks.builtin import Validation
+
+    callback = Validation()
+    callback.trainer = types.SimpleNamespace(prepared=prepared, cfg=cfg, module=module)
+    callback.setup()
+    return callback
 
 
 def fake_preparation(monkeypatch, copies):
-    """trainer_mod's dist and preparation replaced by recorders; `copies` is what all_gather_object gathers."""
+    """assemble's dist and preparation replaced by recorders; `copies` is what all_gather_object gathers."""
     import types
 
-    from moep_ds.training import trainer as trainer_mod
+    from moep_ds.training import assemble as trainer_mod
 
     calls = []
 

@@ -1,17 +1,33 @@
 """The trainer's hooks: a `Callback` with no-op methods, the typed events they receive, and the registry of the
-names a recipe may give (`train.callbacks: [{type: NAME, ...options}]`).
+names a recipe may give.
+
+A run's callbacks are named: the built-in ones (training/callbacks/builtin.py: router_thresholds, lifecycle,
+monitoring, checkpointing, validation, stop), the recipe's `train.callbacks` (a mapping name -> config; a built-in
+name replaces that callback, `null` removes it) and those given to the Trainer. They run in order of `priority`
+(higher first; at_end in reverse), the order given breaking ties (built-in, recipe, Trainer's).
 
 Hooks, in the order the trainer calls them in one step (training/trainer.py):
   before_step(StepEvent)           before the step's micro-batches
-  after_optimizer_step(StepEvent)  after the step's one all-reduce (losses, balancing counts, stop flags) and the
-                                   loss-free balancing update; a callback may append to `event.events`
+  after_optimizer_step(StepEvent)  after the step's one all-reduce (losses, balancing counts, every callback's
+                                   `flags`) and the loss-free balancing update; a callback may append to
+                                   `event.events`
   after_step(StepEvent)            logging, then checkpointing (on_save), then evaluation (on_evaluation)
   on_save(SaveEvent)               a checkpoint was written (or started, when saving asynchronously)
   on_evaluation(EvalEvent)         an evaluation produced metrics (validation loss, downstream accuracies)
   on_stop(StepEvent)               the run stops early on request (signal, STOP file, exit_at_step)
   at_end(EndEvent)                 after the last step, on every rank
-and once, before the first step, on_load(LoadEvent) when the run resumed from a checkpoint.
+  on_error(ErrorEvent)             the loop failed (the error is raised again once every callback has seen it)
+and once, before the first step, `setup()` (the trainer and its parts exist) and, when the run resumed from a
+checkpoint, on_load(LoadEvent) after `load_state_dict` gave each callback the state its `state_dict` saved.
 Every rank calls every hook: a callback that runs a collective runs it on all ranks alike.
+
+State a callback keeps across a resume (`state_dict`) is updated in after_optimizer_step: every callback's
+after_optimizer_step runs before the step's checkpoint (saved in the checkpointing callback's after_step), so the
+checkpoint of step N holds what the callbacks knew at the end of step N (as the trainer's loss-free balancing and
+lifecycle state); what after_step, on_evaluation and on_save change after that is in the next checkpoint.
+
+`flags()` are this rank's requests for the step: they travel in the step's one all-reduce, and `event.flags` holds
+each flag set on any rank. `stop` ends the run after the step (with a checkpoint); any callback may set it.
 
 A recipe's `type` is a registered name (`CALLBACKS.names()`), or `module:Class` / `module.Class`, which imports
 the user's own Python module (on PYTHONPATH) to find the class. A class's options are its `Config` dataclass
@@ -36,7 +52,7 @@ class StepEvent:
     losses: dict[str, Any] = dataclasses.field(default_factory=dict)  # averaged over ranks, on the device
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # this rank's routing statistics
     stop: bool = False  # the run stops after this step
-    save_due: bool = False  # a time-based checkpoint is due (any rank)
+    flags: dict[str, bool] = dataclasses.field(default_factory=dict)  # the callbacks' flags, set on any rank
     started: float = 0.0  # time.time() at the step's start
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # discrete events (lifecycle)
 
@@ -66,10 +82,32 @@ class EndEvent:
     stopped: bool  # stopped on request before max_steps
 
 
+@dataclasses.dataclass
+class ErrorEvent:
+    step: int  # the last step completed
+    error: BaseException
+
+
 class Callback:
-    """Subclass and override the hooks you need; `self.trainer` is set when the trainer takes the callback."""
+    """Subclass and override the hooks you need; `self.trainer` is set when the trainer takes the callback, then
+    `setup()` runs."""
 
     trainer: Trainer
+    priority: int = 0  # higher runs earlier; the built-in ones run before a callback of priority 0
+
+    def setup(self) -> None:
+        pass
+
+    def flags(self) -> dict[str, bool]:
+        """This rank's requests for the step just trained (e.g. {"stop": True}), OR-ed over the ranks."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this callback keeps across a resume (JSON-serialisable), saved in every checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
     def before_step(self, event: StepEvent) -> None:
         pass
@@ -93,6 +131,9 @@ class Callback:
         pass
 
     def at_end(self, event: EndEvent) -> None:
+        pass
+
+    def on_error(self, event: ErrorEvent) -> None:
         pass
 
 
@@ -124,7 +165,11 @@ CALLBACKS = CallbackRegistry("callback")
 
 
 def parse_callback(value: Any, path: str) -> Any:
-    """One entry of train.callbacks, as its callback's config dataclass."""
+    """One entry of train.callbacks, as its callback's config dataclass (one already parsed is kept)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "type"):
+        return value
+    if isinstance(value, str):
+        value = {"type": value}
     if not isinstance(value, dict) or "type" not in value:
         raise ConfigError(f"{path}: {value!r} must be a mapping with a 'type' key (one of "
                           f"{', '.join(CALLBACKS.names())}, or module:Class)")
@@ -132,7 +177,33 @@ def parse_callback(value: Any, path: str) -> Any:
     return parse_dataclass(CALLBACKS.config_class(value["type"]), value, path)
 
 
+def parse_callbacks(value: Any, path: str) -> dict[str, Any]:
+    """train.callbacks as {name: config dataclass, or None to remove the built-in callback of that name}. The
+    mapping form names each entry; the list form (`[{type: downstream_eval, ...}]`) names each by its type
+    (`type_2`, ... for a repeated one)."""
+    if isinstance(value, list):
+        named: dict[str, Any] = {}
+        for i, entry in enumerate(value):
+            config = parse_callback(entry, f"{path}[{i}]")
+            name, n = config.type, 1
+            while name in named:
+                n += 1
+                name = f"{config.type}_{n}"
+            named[name] = config
+        return named
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {value!r} must be a mapping of names to callbacks ({{name: {{type: ...}}}}, "
+                          "or name: null to remove a built-in one)")
+    return {str(name): None if entry is None else parse_callback(entry, f"{path}.{name}")
+            for name, entry in value.items()}
+
+
 def build_callback(cfg: Any) -> Callback:
     CALLBACKS.resolve(cfg.type, "train.callbacks")
     cls = CALLBACKS.get(cfg.type)
     return cls(cfg) if hasattr(cls, "Config") else cls()
+
+
+def ordered(callbacks: dict[str, Callback]) -> list[tuple[str, Callback]]:
+    """(name, callback) by priority, higher first; the order given breaks ties."""
+    return sorted(callbacks.items(), key=lambda item: -item[1].priority)

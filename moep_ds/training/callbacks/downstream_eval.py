@@ -63,25 +63,10 @@ def kept_rng():
     return restore
 
 
-def in_loop_lm(model: torch.nn.Module, tokenizer: Any, device: torch.device, batch_size: int, ranks: tuple[int, int]):
-    """moep-eval's MoepLM over the model being trained as it is (MoepLM's own constructor would move it to one
-    device and dtype), scoring rank r's share of the batches of `ranks` = (r, N)."""
-    from lm_eval.api.model import TemplateLM
-
-    from moep_ds.models.eval_modes import routing_eval_modes
-    from moep_ds.evaluation.harness import MoepLM
-
-    lm = MoepLM.__new__(MoepLM)
-    TemplateLM.__init__(lm)
-    lm.meta, lm.engine, lm._device, lm.model, lm.ranks = {}, None, device, model, ranks
-    lm.tokenizer, lm.batch_size, lm._max_length = tokenizer, batch_size, model.cfg.max_seq_len
-    lm.routing_eval_mode = routing_eval_modes(model)
-    return lm
-
-
 @CALLBACKS.register("downstream_eval", config=DownstreamEvalConfig)
 class DownstreamEval(Callback):
     Config = DownstreamEvalConfig
+    priority = 150  # after validation: both after the step's checkpoint
 
     def __init__(self, cfg: DownstreamEvalConfig):
         self.cfg = cfg
@@ -89,16 +74,13 @@ class DownstreamEval(Callback):
         self.tmp = None
 
     def task_manager(self):
-        from lm_eval.tasks import TaskManager
-
-        from moep_ds.evaluation.tasks import render_tasks, resolve_data_dir
+        from moep_ds.evaluation.tasks import local_task_manager
 
         if self.tasks is None:
-            data_dir = resolve_data_dir(self.cfg.data_dir or self.trainer.cfg.eval.data_dir, must_exist=False)
             self.tmp = tempfile.TemporaryDirectory(prefix="moep_eval_tasks_")
-            rendered = render_tasks(data_dir, self.tmp.name)
-            rendered.resolve(self.cfg.tasks)  # an unknown task or missing data fails here, naming it
-            self.tasks = TaskManager(include_defaults=False, include_path=str(rendered.path)), list(self.cfg.tasks)
+            manager, _ = local_task_manager(self.cfg.data_dir or self.trainer.cfg.eval.data_dir, self.cfg.tasks,
+                                            self.tmp.name)  # an unknown task or missing data fails here, naming it
+            self.tasks = manager, list(self.cfg.tasks)
         return self.tasks
 
     def before_step(self, event: StepEvent) -> None:
@@ -112,20 +94,20 @@ class DownstreamEval(Callback):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        from lm_eval import simple_evaluate
-
+        """moep-eval's own scoring (evaluation/harness.py `MoepLM` and `run_tasks`) of the model being trained, as
+        it is (its device and precision), the batches split over the data-parallel ranks."""
         from moep_ds.data.tokenizer import load_tokenizer
+        from moep_ds.evaluation.harness import MoepLM, run_tasks
         from moep_ds.evaluation.report import flat_scores
 
         t = self.trainer
         manager, names = self.task_manager()
-        model = t.engine.module
-        lm = in_loop_lm(model, load_tokenizer(t.prepared), t.device, self.cfg.batch_size, (t.rank, t.world))
+        model = t.module.model
         restore = kept_rng()
-        model.eval()
+        lm = MoepLM(model=model, tokenizer=load_tokenizer(t.prepared), batch_size=self.cfg.batch_size,
+                    ranks=(t.rank, t.world))
         try:
-            results = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=self.cfg.limit,
-                                      num_fewshot=self.cfg.num_fewshot, bootstrap_iters=0, log_samples=False)
+            results = run_tasks(lm, names, manager, limit=self.cfg.limit, num_fewshot=self.cfg.num_fewshot)
         finally:
             model.train()
             restore()

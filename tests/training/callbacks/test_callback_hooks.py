@@ -1,20 +1,12 @@
-"""The trainer's callbacks (training/callbacks/): recipe entries parsed strictly, a user's own callback class named
-as module:Class and run at its hooks end to end, the typed trainer state reading the checkpoints written before it
-(version 1)."""
-import json
-import pathlib
-import sys
-
+"""The trainer's callbacks (training/callbacks/): recipe entries parsed strictly (a user's own callback class named
+as module:Class; running at its hooks: tests/training/test_trainer_loop.py), the typed trainer state reading the
+checkpoints written before it (versions 1 and 2)."""
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/training: tiny.py
-
-from moep_ds.schema import ConfigError  # noqa: E402
-from moep_ds.training.callbacks import CALLBACKS, Callback, parse_callback  # noqa: E402
-from moep_ds.training.checkpoint import CheckpointError  # noqa: E402
-from moep_ds.training.trainer_state import VERSION, TrainerState  # noqa: E402
-
-from tiny import REPO, env, launch, write_recipe  # noqa: E402
+from moep_ds.schema import ConfigError
+from moep_ds.training.callbacks import CALLBACKS, Callback, parse_callback
+from moep_ds.checkpointing.sharded import CheckpointError
+from moep_ds.training.trainer_state import VERSION, TrainerState
 
 RECORDER = '''
 import dataclasses
@@ -61,16 +53,17 @@ V1_STATE = {"step": 4, "max_steps": 10, "global_samples": 64, "skipped_steps": 0
             "tokenizer_sha256": "ab", "optimizer_step": 4}
 
 
-def test_trainer_state_reads_version_1_and_writes_version_2_without_losing_keys():
+def test_trainer_state_reads_versions_1_and_2_and_writes_version_3_without_losing_keys():
     state = TrainerState.from_state_dict(V1_STATE)
     assert (state.step, state.global_samples, state.global_batch_size, state.world_size) == (4, 64, 16, 2)
-    assert state.data == {"epoch": 0, "global_batch": 4} and state.extra == {"optimizer_step": 4}
+    assert state.data == {"epoch": 0, "global_batch": 4} and state.optimizer_step == 4 and state.callbacks == {}
+    assert TrainerState.from_state_dict({**V1_STATE, "version": 2, "future_key": 1}).extra == {"future_key": 1}
     out = state.state_dict()
-    assert out == {"version": VERSION, **V1_STATE}
+    assert VERSION == 3 and out == {"version": 3, **V1_STATE, "callbacks": {}}
     assert TrainerState.from_state_dict(out) == state
     oldest = {"step": 3, "global_samples": 48, "data": {"epoch": 0, "global_batch": 3}}  # before max_steps existed
     assert TrainerState.from_state_dict(oldest).max_steps is None
-    with pytest.raises(CheckpointError, match=r"^ckpt: trainer state version 9 is newer than this moep_ds reads"):
+    with pytest.raises(CheckpointError, match=r"^ckpt: trainer state version 9 is newer than this moep_ds reads \(1 to 3\)$"):
         TrainerState.from_state_dict({**V1_STATE, "version": 9}, "ckpt")
     with pytest.raises(CheckpointError, match=r"^ckpt: trainer state lacks data$"):
         TrainerState.from_state_dict({"step": 1, "global_samples": 8}, "ckpt")
@@ -98,39 +91,23 @@ def test_recipe_entries_are_parsed_strictly_and_user_classes_imported(tmp_path, 
         parse_callback({"type": "no_such_module:X"}, "t[0]")
 
 
-@pytest.mark.slow
-def test_a_users_callback_named_in_the_recipe_runs_at_its_hooks(tmp_path):
-    """A class in the user's own module (on PYTHONPATH), named in train.callbacks: every hook in the loop's order
-    (the step's checkpoint before its evaluation), on_stop at exit_at_step, on_load when resumed."""
-    (tmp_path / "my_callbacks.py").write_text(RECORDER)
-    log_path = tmp_path / "hooks.jsonl"
-    out = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=4, eval_every=2, exit_at_step=3,
-                          checkpoint={"every_steps": 2, "keep_last": 3, "at_end": True},
-                          callbacks=[{"type": "my_callbacks:Recorder", "out": str(log_path)}])
-    args = ["--config", str(recipe), "--ds_config", str(REPO / "ds_configs" / "quickstart.json")]
-    import subprocess
+def test_train_callbacks_are_parsed_once_into_their_configs_by_name():
+    """The mapping form names each callback (null removes a built-in one); the list form names each by its type.
+    The recipe holds the parsed configs: the trainer builds from them without parsing again."""
+    from moep_ds.config import config_from_dict, dump_config
+    from moep_ds.training.callbacks.downstream_eval import DownstreamEvalConfig
 
-    def run(*extra):
-        e = env()
-        e["PYTHONPATH"] = f"{tmp_path}:{e['PYTHONPATH']}"
-        proc = subprocess.run([sys.executable, str(REPO / "pretrain.py"), *args, *extra], env=e, cwd=REPO,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+    model = {"vocab_size": 64, "d_model": 32, "max_seq_len": 16, "layers": [{"type": "dense", "attention": {"num_heads": 2}}]}
+    cfg = config_from_dict({"model": model, "train": {"callbacks": {
+        "validation": None, "evals": {"type": "downstream_eval", "every": 5}}}})
+    assert cfg.train.callbacks["validation"] is None
+    assert cfg.train.callbacks["evals"] == DownstreamEvalConfig(every=5)
+    again = config_from_dict({"model": model, "train": {"callbacks": cfg.train.callbacks}})  # dumped and read back
+    assert again.train.callbacks == cfg.train.callbacks and "validation: null" in dump_config(cfg)
+    listed = config_from_dict({"model": model, "train": {"callbacks": [{"type": "downstream_eval"}] * 2}})
+    assert list(listed.train.callbacks) == ["downstream_eval", "downstream_eval_2"]
+    with pytest.raises(ConfigError, match=r"^train.callbacks.evals.evry: unknown key; did you mean 'every'\?"):
+        config_from_dict({"model": model, "train": {"callbacks": {"evals": {"type": "downstream_eval", "evry": 1}}}})
+    with pytest.raises(ConfigError, match=r"^train.callbacks: 'x' must be a mapping of names to callbacks"):
+        config_from_dict({"model": model, "train": {"callbacks": "x"}})
 
-    run()
-    rows = [json.loads(line) for line in log_path.read_text().splitlines()]
-    hooks = [(r["hook"], r["step"]) for r in rows]
-    step = [("before_step", 1), ("after_optimizer_step", 1), ("after_step", 1)]
-    assert hooks == step + [
-        ("before_step", 2), ("after_optimizer_step", 2), ("on_save", 2), ("on_evaluation", 2), ("after_step", 2),
-        ("before_step", 3), ("after_optimizer_step", 3), ("on_save", 3), ("after_step", 3), ("on_stop", 3),
-        ("at_end", 3)]
-    assert "val_loss" in rows[hooks.index(("on_evaluation", 2))]["metrics"]
-    assert rows[hooks.index(("after_step", 3))]["stop"] is True
-    log_path.unlink()
-    run("--resume", "auto", "--set", "train.exit_at_step=null")
-    hooks = [(r["hook"], r["step"]) for r in (json.loads(line) for line in log_path.read_text().splitlines())]
-    assert hooks[0] == ("on_load", 3)
-    assert hooks[1:] == [("before_step", 4), ("after_optimizer_step", 4), ("on_save", 4), ("on_evaluation", 4),
-                         ("after_step", 4), ("at_end", 4)]

@@ -1,4 +1,4 @@
-"""ZeRO-0 fp32 clipping by the norm of the whole gradient (training/grad_norm.py); the expert-parallel case runs
+"""ZeRO-0 fp32 clipping by the norm of the whole gradient (distributed/grad_norm.py); the expert-parallel case runs
 in test_train_distributed.py (expert parallel 2 == 1 under ZeRO-0)."""
 from types import SimpleNamespace
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from moep_ds.training.grad_norm import ExactClipping, model_grad_norm
+from moep_ds.distributed.grad_norm import ExactClipping, model_grad_norm
 
 
 def model_with_grads(scale: float) -> nn.Module:

@@ -61,6 +61,14 @@ def loss_scaler(optimizer):
     return scaler if scaler is not None else unfused_loss_scale(optimizer)
 
 
+def optimizer_loss_scale(optimizer: Any) -> float:
+    """fp16 dynamic loss scaling multiplies every gradient, dL/dy included; 1 without it."""
+    scale = getattr(optimizer, "loss_scale", None)
+    if torch.is_tensor(scale) and scale.numel() == 1:
+        scale = float(scale)
+    return float(scale) if isinstance(scale, (int, float)) and scale > 0 else 1.0
+
+
 def master(param: torch.nn.Parameter) -> torch.Tensor:
     """The tensor that is the parameter's fp32 master and keys its optimizer state when it is not partitioned."""
     return getattr(param, "_moep_fp32_master", param)

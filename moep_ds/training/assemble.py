@@ -1,0 +1,204 @@
+"""One start-up function, `assemble`: everything a run builds before its first step, returned as `RunParts` for the
+Trainer (training/trainer.py). In order: the DeepSpeed config read and reconciled (before the ranks meet), the
+process group, the run directory claimed, the data prepared, the model with this rank's experts (with the weights
+of the checkpoint it resumes from, read before the engine exists), the DeepSpeed engine, the loader, the
+TrainModule and the checkpointer. The trainer state of that checkpoint is read and version-checked here, before
+anything else of it is restored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import pathlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from moep_ds.checkpointing import sharded
+from moep_ds.data.dataset import open_split
+from moep_ds.data.prepare import check_meta, check_tokenizer_fits, prepare
+from moep_ds.data.sampler import BatchLoader
+from moep_ds.distributed import engine as ds_engine
+from moep_ds.distributed.ds_validation import check_with_deepspeed
+from moep_ds.distributed.expert_parallel import check_parallel_layout, expert_parallel_plan, setup_expert_parallel
+from moep_ds.distributed.process_group import init_distributed, setup_logging, world_size_to_be
+from moep_ds.distributed.rank_errors import agreed, raise_agreed
+from moep_ds.errors import SharedUserError, UserError
+from moep_ds.models.accounting import meta_param_report
+from moep_ds.training import checkpoint as ckpt_io
+from moep_ds.training.balancing import install_count_reducers
+from moep_ds.training.blocks import apply_block_options
+from moep_ds.training.branch import resolve_start_step
+from moep_ds.training.ds_config import precision, read_ds_config, reconcile, zero_stage
+from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
+from moep_ds.training.init_from import initialise_from_source
+from moep_ds.training.monitor import drop_rows_after
+from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
+from moep_ds.training.resume_batch import reconcile_resumed, saved_global_batch
+from moep_ds.training.run_dir import claim_run_dir
+from moep_ds.training.startup import build_rank_model, check_output_dir, peak_flops, set_aside, total_steps
+from moep_ds.training.train_module import TrainModule
+from moep_ds.training.trainer_state import TrainerState
+
+if TYPE_CHECKING:
+    from moep_ds.config import Config
+
+log = logging.getLogger(__name__)
+
+PREPARE_TIMEOUT = datetime.timedelta(hours=12)
+
+
+@dataclasses.dataclass(eq=False)
+class RunParts:
+    """What `assemble` builds for the Trainer."""
+
+    cfg: Config
+    ds: dict[str, Any]  # the reconciled DeepSpeed config
+    rank: int
+    world: int
+    device: torch.device
+    run_dir: pathlib.Path
+    prepared: pathlib.Path  # the packed corpus and its tokenizer
+    meta: dict[str, Any]  # of the prepared corpus
+    module: TrainModule
+    checkpointer: ckpt_io.Checkpointer
+    max_steps: int
+    start_step: int  # where a fresh run starts: train.start_step (training/branch.py), else 0
+    resume_from: pathlib.Path | None = None
+    resumed: TrainerState | None = None  # its trainer state, read and version-checked, not yet restored
+    saved_global_batch: int | None = None  # the global batch its data position counts in
+
+
+def prepare_data(cfg: Config, rank: int, local_rank: int) -> tuple[pathlib.Path, dict]:
+    """Rank 0 prepares (or reuses) the packed corpus; then the first rank of every other node, which finds it
+    complete where the nodes share the cache folder and prepares its node's copy where they do not; then the rest,
+    who find it complete. The ranks wait in monitored barriers of a gloo group of their own with PREPARE_TIMEOUT,
+    not the collectives' timeout (DeepSpeed's DEEPSPEED_TIMEOUT, 10 minutes), which tokenizing a large corpus on
+    first use could outlast. A rank that fails still comes to the barrier; then it reports its error in one line and
+    the others exit quietly (rank_errors.py), where they ended in the barrier's traceback once it was gone. Copies
+    prepared on several nodes must agree (a sentencepiece tokenizer trained on a sample could differ)."""
+    waiting = dist.new_group(backend="gloo")
+    prepared = None
+    for turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
+        error = None
+        try:
+            prepared = prepare(cfg.data) if turn else prepared
+        except UserError as err:
+            error = err
+        dist.monitored_barrier(group=waiting, timeout=PREPARE_TIMEOUT, wait_all_ranks=True)
+        raise_agreed(error, group=waiting)  # one line from the preparing rank, the others exit quietly
+    meta = agreed(lambda: check_meta(prepared, vocab_size=cfg.model.vocab_size), group=waiting)
+    copies = [None] * dist.get_world_size()
+    dist.all_gather_object(copies, (meta.get("tokenizer_sha256"), meta["train_tokens"]), group=waiting)
+    dist.destroy_process_group(waiting)
+    if len(set(copies)) > 1:
+        raise SharedUserError(f"the ranks prepared different corpora ({len(set(copies))} tokenizers / token counts "
+                              f"for {str(prepared)!r}): nodes that do not share $MOEP_CACHE_DIR each prepared their "
+                              "own; run moep-prepare once into a shared MOEP_CACHE_DIR")
+    return prepared, meta
+
+
+def new_model(cfg: Config, ds: dict[str, Any]):
+    """(The model with this rank's experts only (its expert-parallel plan, moe/plan.py), under ZeRO-3 with this
+    rank's partition of every parameter only (distributed/zero3.py), the plan); initialised from the seed alike
+    on every rank, at every expert-parallel size and ZeRO stage."""
+    plan = expert_parallel_plan(cfg.model, cfg.train.expert_parallel_size)
+    model = build_rank_model(cfg.model, ds, cfg.train.seed, plan)
+    setup_expert_parallel(model, plan)
+    install_count_reducers(model)
+    return model, plan
+
+
+def load_resumed_model(cfg: Config, ds: dict[str, Any], resume: str | None, run_dir: pathlib.Path, rank: int):
+    """(model, plan, checkpoint resumed from or None, its TrainerState or None): the model with the weights of the
+    checkpoint to resume from. `--resume auto` skips a damaged newest checkpoint: all ranks agree on each candidate
+    before the engine, the only holder of optimizer state, exists. Only a run without checkpoints starts fresh:
+    were none of them loadable, training from step 0 would overwrite the run's logs and its rotation delete them."""
+    model, plan = new_model(cfg, ds)
+    candidates = ckpt_io.resume_candidates(resume, run_dir)
+    for i, ckpt in enumerate(candidates):
+        error, state = None, None
+        try:
+            state = ckpt_io.check_checkpoint(ckpt)  # the trainer state, version-checked before any weight is read
+            ckpt_io.load_model_state(model, ckpt, plan)
+        except sharded.DamagedCheckpoint as err:
+            error = err
+        if sharded.agree(error is None):
+            if rank == 0:
+                set_aside(candidates[:i])
+            return model, plan, ckpt, state
+        if resume != "auto":
+            raise error or sharded.DamagedCheckpoint(f"checkpoint {str(ckpt)!r} could not be read on every rank")
+        log.warning("skipping damaged checkpoint %s: %s", ckpt, error or "unreadable on another rank")
+        model, plan = new_model(cfg, ds)  # a failed read may have written part of the weights
+    if candidates:  # every rank agreed on each: all raise this
+        raise sharded.CheckpointError(
+            f"--resume auto: all {len(candidates)} checkpoint(s) in {str(candidates[0].parent)!r} are damaged, "
+            f"the newest is {str(candidates[0])!r} (see the warnings above); move them away to train from step 0")
+    return model, plan, None, None
+
+
+def build_engine(cfg: Config, ds: dict[str, Any], model, plan, device: torch.device, max_steps: int,
+                 start_step: int) -> ds_engine.Engine:
+    apply_block_options(model, activation_checkpointing=cfg.train.activation_checkpointing,
+                        compile=cfg.train.compile)
+    if cfg.train.activation_checkpointing and device.type == "cpu" and return_freed_buffers_to_os():
+        # without this glibc keeps most of what checkpointing frees (training/host_memory.py)
+        log.info("activation checkpointing on CPU: host buffers of >= %d KiB go back to the OS when freed",
+                 RELEASE_THRESHOLD >> 10)
+    return ds_engine.initialize(
+        model, param_groups(model, cfg.train.optimizer), lambda groups: build_optimizer(groups, cfg.train.optimizer),
+        lambda optimizer: build_scheduler(optimizer, cfg.train.schedule, max_steps, start_step), ds, plan)
+
+
+def assemble(cfg: Config, ds_config_path: str | dict | None, resume: str | None, *, overwrite: bool = False,
+             allow_batch_change: bool = False) -> RunParts:
+    """The run's parts, up to the first step (module docstring)."""
+    # a bad file fails before the ranks meet (init_distributed waits for all of them and compiles an op)
+    raw_ds = read_ds_config(ds_config_path)
+    reconcile(raw_ds, cfg.train, world_size_to_be())
+    device = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    setup_logging(rank)
+    run_dir = pathlib.Path(cfg.train.output_dir)
+    ds = reconcile_resumed(raw_ds, cfg.train, world, resume, run_dir, allow_batch_change)
+    ds.setdefault("tensorboard", {"enabled": True, "output_path": str(run_dir), "job_name": "tensorboard"})
+    check_with_deepspeed(ds)
+    check_parallel_layout(cfg, ds, world)
+    check_output_dir(cfg.train.output_dir)
+    claim_run_dir(run_dir, resume, overwrite)
+    # before any tokenizing (prepare_data), which a tokenizer larger than the model would waste
+    agreed(check_tokenizer_fits, cfg.data, cfg.model.vocab_size, run=rank == 0)
+    prepared, meta = prepare_data(cfg, rank, int(os.environ.get("LOCAL_RANK", rank)))
+    dataset = open_split(prepared, "train", cfg.data.seq_len)
+    model, plan, resume_from, state = load_resumed_model(cfg, ds, resume, run_dir, rank)
+    max_steps = total_steps(cfg, len(dataset), ds["train_batch_size"])
+    start_step = resolve_start_step(cfg, max_steps)  # 0 unless branching (training/branch.py)
+    engine = build_engine(cfg, ds, model, plan, device, max_steps, start_step)
+    report = meta_param_report(cfg.model, cfg.data.seq_len)  # of the whole model
+    log.info("model: %s | %s | ZeRO-%d | %d ranks | expert parallel %d | %d steps", report.as_dict(), precision(ds),
+             zero_stage(ds), world, cfg.train.expert_parallel_size, max_steps)
+    loader = BatchLoader(dataset, micro_batch_size=ds["train_micro_batch_size_per_gpu"],
+                         grad_accum=ds["gradient_accumulation_steps"], dp_rank=rank, dp_size=world,
+                         seed=cfg.train.seed, shuffle=cfg.data.order == "shuffled")
+    module = TrainModule(engine=engine, model=model, plan=plan, loader=loader, ds=ds, report=report,
+                         tokens_per_step=ds["train_batch_size"] * cfg.data.seq_len, device=device,
+                         peak_flops=peak_flops(cfg, device))
+    parts = RunParts(cfg=cfg, ds=ds, rank=rank, world=world, device=device, run_dir=run_dir, prepared=prepared,
+                     meta=meta, module=module, checkpointer=ckpt_io.Checkpointer(run_dir, cfg, prepared),
+                     max_steps=max_steps, start_step=start_step)
+    if resume_from is None:  # a fresh start: the weights of model.init_from, when the recipe names a source
+        module.start_at(start_step)
+        initialise_from_source(engine, model, cfg, plan)
+        return parts
+    ckpt_io.check_same_tokenizer(state, meta, resume_from)
+    log.info("resumed from %s at step %d", resume_from, state.step)
+    if rank == 0:
+        ckpt_io.warn_length_change(state, max_steps, resume_from)
+        ckpt_io.warn_model_changes(cfg.model, resume_from)
+        drop_rows_after(run_dir, state.step)
+    return dataclasses.replace(parts, resume_from=resume_from, resumed=state,
+                               saved_global_batch=saved_global_batch(state.state_dict()))

@@ -1,0 +1,137 @@
+"""A Trainer over fake parts: a TrainModule without DeepSpeed (its losses a function of the step) and a
+checkpointer that keeps checkpoints in memory, so that the loop, the callbacks and the checkpoint seam are tested in
+one process, without a launch. One gloo process group of one rank (the callbacks' collectives need one)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import pathlib
+import tempfile
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moep_ds.config import config_from_dict
+from moep_ds.moe.plan import SINGLE_PROCESS
+from moep_ds.training.assemble import RunParts
+from moep_ds.training.trainer import Trainer
+from moep_ds.training.trainer_state import TrainerState
+
+MODEL = {"vocab_size": 64, "d_model": 16, "max_seq_len": 8, "layers": [{"type": "dense", "attention": {"num_heads": 2}}]}
+
+
+class FakeEngine:
+    """What the built-in callbacks read of a distributed.engine.Engine."""
+
+    def __init__(self):
+        self.module = torch.nn.Linear(2, 2)
+        self.optimizer = None
+        self.data_parallel_group = None
+        self.events: list[tuple[str, float, int]] = []
+        self.training = None
+
+    def train(self) -> None:
+        self.training = True
+
+    def eval(self) -> None:
+        self.training = False
+
+    def write_events(self, events) -> None:
+        self.events += events
+
+    def flush_events(self) -> None:
+        pass
+
+
+class FakeModule:
+    """A TrainModule whose step's loss is 1 / step, whose flags pass through its one 'all-reduce' unchanged."""
+
+    def __init__(self):
+        self.engine = FakeEngine()
+        self.model = self.engine.module
+        self.plan = SINGLE_PROCESS
+        self.tokens_per_step = 16
+        self.ds = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}
+        self.report = type("Report", (), {"as_dict": staticmethod(lambda: {"params_total": 6})})()
+        self.trained = 0  # optimizer steps taken by this module
+        self.evaluations = 0
+
+    def train_step(self):
+        self.trained += 1
+        return {"loss": torch.tensor(1.0 / self.trained)}, {}
+
+    def reduce_step(self, sums, flags):
+        return sums, dict(flags)
+
+    def metrics(self, step, losses, seconds):
+        return {**losses, "lr": 0.1, "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9)}
+
+    def evaluate(self, val, windows):
+        self.evaluations += 1
+        return 0.5
+
+    def state_dict(self):
+        return {"global_samples": self.trained, "data": {"epoch": 0, "global_batch": self.trained},
+                "global_batch_size": 1}
+
+    def load_state_dict(self, state, step, saved_global_batch):
+        self.trained = state["global_samples"]
+
+
+class MemoryCheckpointer:
+    """The Checkpointer's contract, in memory: `save` keeps the TrainerState the real one writes."""
+
+    def __init__(self):
+        self.saved: dict[int, dict] = {}
+
+    def save(self, trainer) -> pathlib.Path:
+        state = TrainerState(**trainer.state_dict(), **trainer.module.state_dict(),
+                             callbacks=trainer.callback_states())
+        self.saved[trainer.step] = json.loads(json.dumps(state.state_dict()))  # as the JSON file holds it
+        return pathlib.Path(f"step_{trainer.step}")
+
+    def restore(self, ckpt, state, trainer, saved_global_batch) -> None:
+        trainer.module.load_state_dict(dataclasses.asdict(state), state.step, saved_global_batch)
+        trainer.load_state_dict(state)
+
+    def failed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A gloo process group of this process alone (the callbacks' collectives are then no-ops)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def prepared_corpus(folder: pathlib.Path, windows: int = 8, seq_len: int = 8) -> pathlib.Path:
+    """A prepared folder holding a validation split (what the validation callback opens)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
+    np.arange(windows * seq_len + 1, dtype=np.uint16).tofile(folder / "val.bin")
+    return folder
+
+
+def fake_trainer(tmp_path: pathlib.Path, train: dict, *, checkpointer: MemoryCheckpointer | None = None,
+                 resume_step: int | None = None, callbacks=()) -> Trainer:
+    """A Trainer of recipe `train` over fake parts (resuming from `checkpointer`'s checkpoint of `resume_step`)."""
+    cfg = config_from_dict({"model": MODEL, "data": {"seq_len": 8, "val_fraction": 0.1},
+                            "train": {"output_dir": str(tmp_path / "run"), "log_every": 1, **train}})
+    checkpointer = checkpointer or MemoryCheckpointer()
+    resumed = None if resume_step is None else TrainerState.from_state_dict(checkpointer.saved[resume_step])
+    parts = RunParts(cfg=cfg, ds={"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}, rank=0, world=1,
+                     device=torch.device("cpu"), run_dir=tmp_path / "run", prepared=prepared_corpus(tmp_path / "data"),
+                     meta={}, module=FakeModule(), checkpointer=checkpointer, max_steps=cfg.train.max_steps,
+                     start_step=0, resume_from=None if resumed is None else pathlib.Path(f"step_{resume_step}"),
+                     resumed=resumed)
+    return Trainer(parts, callbacks)
