@@ -3,7 +3,7 @@ or `train.compile` off / on.
 
 # B micro-batch, T sequence length
 
-Each row is a fresh process running `Trainer(cfg, ds_configs/<--ds_config>.json).fit()` on one process (gloo)
+Each row is a fresh process running `build_trainer(cfg, ds_configs/<--ds_config>.json).fit()` on one process (gloo)
 on the embedded corpus (`data.source=builtin`). Defaults: activation checkpointing, `configs/nova_moe.yaml` at full
 width, T=512, B=16, 3 optimizer steps, ZeRO-0 fp32. Per row:
   peak RSS       ru_maxrss of the training process (everything: libraries, weights, gradients, Adam state,
@@ -62,7 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     from moep_ds.distributed.process_group import init_distributed
     from moep_ds.training.ds_config import read_ds_config
     from moep_ds.training.host_memory import return_freed_buffers_to_os
-    from moep_ds.training.trainer import Trainer
+    from moep_ds.training.trainer import build_trainer
 
     init_distributed()
     if args.release and not return_freed_buffers_to_os():
@@ -74,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     baseline = current_rss()
     ds = read_ds_config(str(REPO / "ds_configs" / f"{args.ds_config}.json"))
     ds["tensorboard"] = {"enabled": False}
-    Trainer(cfg, ds, None).fit()
+    build_trainer(cfg, ds, None).fit()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     result = {"peak_rss": peak, "peak_above_base": peak - baseline, "losses": [m["loss"] for m in metrics],

@@ -56,13 +56,13 @@ def resume_worker(args, cfg) -> None:
     """Resume the largest run's sharded checkpoint at this (smaller) world size and train one step."""
     import torch.distributed as dist
 
-    from moep_ds.training.trainer import Trainer
+    from moep_ds.training.trainer import build_trainer
 
     start = time.perf_counter()
-    trainer = Trainer(cfg, str(REPO / f"ds_configs/zero{args.stage}_fp32.json"), args.resume)
+    trainer = build_trainer(cfg, str(REPO / f"ds_configs/zero{args.stage}_fp32.json"), args.resume)
     seconds = time.perf_counter() - start
-    trainer.engine.train()
-    losses, _ = trainer.train_step()
+    trainer.module.engine.train()
+    losses, _ = trainer.module.train_step()
     if dist.get_rank() == 0:
         row = {"ranks": dist.get_world_size(), "resumed_step": trainer.step, "init_and_load_s": seconds, **losses}
         (pathlib.Path(args.out) / "resume.json").write_text(json.dumps(row))
@@ -78,7 +78,7 @@ def worker(args) -> None:
     from moep_ds.checkpointing import sharded
     from moep_ds.config import load_config
     from moep_ds.training import checkpoint as ckpt_io
-    from moep_ds.training.trainer import Trainer
+    from moep_ds.training.trainer import build_trainer
 
     out = pathlib.Path(args.out)
     cfg = load_config(REPO / "configs/nova_moe.yaml", [
@@ -86,9 +86,10 @@ def worker(args) -> None:
         "train.max_steps=1", "train.log_every=1", *args.set])
     if args.resume:
         return resume_worker(args, cfg)
-    trainer = Trainer(cfg, str(REPO / f"ds_configs/zero{args.stage}_fp32.json"), None)
-    trainer.engine.train()
-    trainer.train_step()
+    trainer = build_trainer(cfg, str(REPO / f"ds_configs/zero{args.stage}_fp32.json"), None)
+    module = trainer.module
+    module.engine.train()
+    module.train_step()
     trainer.step = 1
     rank = dist.get_rank()
     rows = {}
@@ -99,7 +100,7 @@ def worker(args) -> None:
             start = time.perf_counter()
             save()
             stall = time.perf_counter() - start
-            trainer.checkpoints.wait()
+            trainer.checkpointer.wait()
         dist.barrier()
         start = time.perf_counter()
         load()
@@ -114,10 +115,10 @@ def worker(args) -> None:
     sharded_path = out / "checkpoints" / "step_00000001"
 
     def load_sharded():
-        ckpt_io.load_engine_state(trainer.engine, trainer.model, sharded_path, trainer.ep_plan)
+        ckpt_io.load_pieces(module.engine, module.model, sharded_path, module.plan)
 
     measure("sharded (sync)", trainer.save, load_sharded, sharded_path)
-    trainer.checkpoints = ckpt_io.CheckpointWriter(trainer.run_dir, keep_last=1, async_save=True)
+    trainer.checkpointer.writer = ckpt_io.CheckpointWriter(trainer.run_dir, keep_last=1, async_save=True)
     measure("sharded (async)", trainer.save, load_sharded, sharded_path)
     rows = {k: {**v, "rank_rss_after_step": rss()} for k, v in rows.items()}
     if rank == 0:

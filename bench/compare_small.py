@@ -271,19 +271,19 @@ def read_metrics(run_dir: pathlib.Path) -> list[dict]:
 def train_and_evaluate(name: str, cfg, args: argparse.Namespace, prepared: pathlib.Path, pairs) -> dict:
     from moep_ds.data.tokenizer import load_tokenizer
     from moep_ds.training.ds_config import read_ds_config
-    from moep_ds.training.trainer import Trainer
+    from moep_ds.training.trainer import build_trainer
 
     ds = read_ds_config(str(REPO / "ds_configs" / "zero0_fp32.json"))
     ds["tensorboard"] = {"enabled": False}
-    trainer = Trainer(cfg, ds, None)
+    trainer = build_trainer(cfg, ds, None)
     start = time.perf_counter()
     trainer.fit()
     train_s = time.perf_counter() - start
-    model = trainer.model.eval()
+    model, report = trainer.module.model.eval(), trainer.module.report
     seq = cfg.data.seq_len
-    result = {"params_total": trainer.report.params_total, "params_non_embedding": trainer.report.params_non_embedding,
-              "params_active": trainer.report.params_active, "steps": trainer.step,
-              "tokens": trainer.step * trainer.tokens_per_step, "train_s": train_s,
+    result = {"params_total": report.params_total, "params_non_embedding": report.params_non_embedding,
+              "params_active": report.params_active, "steps": trainer.step,
+              "tokens": trainer.step * trainer.module.tokens_per_step, "train_s": train_s,
               "val_loss": validation_loss(model, prepared / "val.bin", seq, args.val_windows,
                                           cfg.train.micro_batch_size),
               "blimp": blimp_accuracy(model, load_tokenizer(prepared), pairs, seq) if pairs else None}

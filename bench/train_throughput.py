@@ -5,7 +5,7 @@
 For each model (the dense, Nova-MoE and MSIT recipes, shrunk by overrides to a CPU size) one run measures:
   plain      the same model, data and AdamW parameter groups in a hand-written loop: batch -> forward ->
              backward -> clip -> AdamW -> schedule, one process, no DeepSpeed (the reference, "(a)")
-  zeroS xP   `moep_ds.training.trainer.Trainer(...).fit()` with ZeRO stage S on P processes (torchrun, gloo)
+  zeroS xP   `moep_ds.training.trainer.build_trainer(...).fit()` with ZeRO stage S on P processes (torchrun, gloo)
 Every row is its own fresh process (or process group), launched one after another with OMP_NUM_THREADS=1 per
 process, so that peak memory is a clean per-process high-water mark. Per row:
   tok/s            all ranks together: median over the timed steps (after --warmup) of tokens per optimizer step /
@@ -207,12 +207,12 @@ def plain_stepper(cfg, device):  # noqa: ANN201
 def paired_run(cfg, ds: dict, device, warmup: int) -> dict:
     """--paired: plain-loop and Trainer steps alternating in this process (order swapped every pair); the
     per-pair ratios plain CPU time / Trainer CPU time after `warmup` pairs, and each side's median step time."""
-    from moep_ds.training.trainer import Trainer
+    from moep_ds.training.trainer import build_trainer
 
     plain_step, _ = plain_stepper(cfg, device)
-    trainer = Trainer(cfg, ds, None)
-    trainer.engine.train()
-    sides = {"plain": plain_step, "trainer": trainer.train_step}
+    trainer = build_trainer(cfg, ds, None)
+    trainer.module.engine.train()
+    sides = {"plain": plain_step, "trainer": trainer.module.train_step}
     cpu = {name: [] for name in sides}
     for i in range(cfg.train.max_steps):
         for name in (("plain", "trainer") if i % 2 == 0 else ("trainer", "plain")):
@@ -227,10 +227,11 @@ def paired_run(cfg, ds: dict, device, warmup: int) -> dict:
 def trainer_run(cfg, ds: dict, warmup: int) -> tuple[float | None, float, object]:
     """Our Trainer; returns (median tokens/s of all ranks from rank 0's metrics.jsonl, or None elsewhere, this
     rank's median tokens/s in CPU time of `train_step`, engine)."""
-    from moep_ds.training.trainer import Trainer
+    from moep_ds.training.trainer import build_trainer
 
-    trainer = Trainer(cfg, ds, None)
-    cpu_seconds, train_step = [], trainer.train_step
+    trainer = build_trainer(cfg, ds, None)
+    module = trainer.module
+    cpu_seconds, train_step = [], module.train_step
 
     def timed_train_step():
         start = time.process_time()
@@ -238,14 +239,14 @@ def trainer_run(cfg, ds: dict, warmup: int) -> tuple[float | None, float, object
         cpu_seconds.append(time.process_time() - start)
         return out
 
-    trainer.train_step = timed_train_step
+    module.train_step = timed_train_step
     trainer.fit()
-    cpu_rate = trainer.tokens_per_step / trainer.world / statistics.median(cpu_seconds[warmup:])
+    cpu_rate = module.tokens_per_step / trainer.world / statistics.median(cpu_seconds[warmup:])
     if trainer.rank != 0:
-        return None, cpu_rate, trainer.engine
+        return None, cpu_rate, module.engine
     lines = (pathlib.Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()
     rates = [m["tokens_per_s"] for m in map(json.loads, lines) if "tokens_per_s" in m]
-    return statistics.median(rates[warmup:]), cpu_rate, trainer.engine
+    return statistics.median(rates[warmup:]), cpu_rate, module.engine
 
 
 def worker(row: Row, args: argparse.Namespace) -> None:

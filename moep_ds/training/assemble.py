@@ -21,7 +21,7 @@ from moep_ds.checkpointing import sharded
 from moep_ds.data.dataset import open_split
 from moep_ds.data.prepare import check_meta, check_tokenizer_fits, prepare
 from moep_ds.data.sampler import BatchLoader
-from moep_ds.distributed import engine as ds_engine
+from moep_ds.distributed.engine import Engine, initialize
 from moep_ds.distributed.ds_validation import check_with_deepspeed
 from moep_ds.distributed.expert_parallel import check_parallel_layout, expert_parallel_plan, setup_expert_parallel
 from moep_ds.distributed.process_group import init_distributed, setup_logging, world_size_to_be
@@ -142,14 +142,14 @@ def load_resumed_model(cfg: Config, ds: dict[str, Any], resume: str | None, run_
 
 
 def build_engine(cfg: Config, ds: dict[str, Any], model, plan, device: torch.device, max_steps: int,
-                 start_step: int) -> ds_engine.Engine:
+                 start_step: int) -> Engine:
     apply_block_options(model, activation_checkpointing=cfg.train.activation_checkpointing,
                         compile=cfg.train.compile)
     if cfg.train.activation_checkpointing and device.type == "cpu" and return_freed_buffers_to_os():
         # without this glibc keeps most of what checkpointing frees (training/host_memory.py)
         log.info("activation checkpointing on CPU: host buffers of >= %d KiB go back to the OS when freed",
                  RELEASE_THRESHOLD >> 10)
-    return ds_engine.initialize(
+    return initialize(
         model, param_groups(model, cfg.train.optimizer), lambda groups: build_optimizer(groups, cfg.train.optimizer),
         lambda optimizer: build_scheduler(optimizer, cfg.train.schedule, max_steps, start_step), ds, plan)
 

@@ -380,6 +380,7 @@ def zero2_run(ep: int, out_dir: str) -> None:
     from deepspeed.utils import safe_get_full_grad
 
     from moep_ds.distributed import optimizer_state as st
+    from moep_ds.distributed.engine import Engine
     from moep_ds.training.config import OptimizerConfig
     from moep_ds.distributed.expert_parallel import expert_parallel_plan, setup_expert_parallel
     from moep_ds.training.optim import param_groups
@@ -399,7 +400,7 @@ def zero2_run(ep: int, out_dir: str) -> None:
     ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
                  "zero_optimization": {"stage": 2, "contiguous_gradients": True}, "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
-    callback = ExpertLifecycleCallback.for_engine(engine, plan.group)
+    callback = ExpertLifecycleCallback.for_engine(Engine(engine, None, ds_config), plan.group)
     moe = moe_of(engine.module)
     rows = moe.expert_rows()
     params = rows.local + rows.replicated

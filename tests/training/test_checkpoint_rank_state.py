@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moep_ds.training import checkpoint as ckpt_io
-from moep_ds.training.checkpoint import replica_share
+from moep_ds.distributed.owned_state import replica_share
+from moep_ds.training.trainer_state import TrainerState
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
@@ -32,7 +33,7 @@ def test_rng_streams_continue_at_the_same_world_size_and_are_reseeded_per_rank_a
         nexts.append(draws())  # what this rank of the uninterrupted run draws next
     expected = nexts[0]
     assert nexts[0] != nexts[1]
-    state = {"world_size": 2, "step": 7, "seed": 5}
+    state = TrainerState(world_size=2, step=7, seed=5, global_samples=0, data={})
 
     monkeypatch.setattr(ckpt_io.dist, "get_world_size", lambda group=None: 2)
     for rank in (1, 0):  # each rank continues its own streams, not rank 0's

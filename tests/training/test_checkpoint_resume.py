@@ -341,13 +341,17 @@ def test_resume_warns_when_the_run_length_changed(tmp_path, caplog, monkeypatch)
     import logging
 
     from moep_ds.training.checkpoint import warn_length_change
+    from moep_ds.training.trainer_state import TrainerState
+
+    def state(**saved):
+        return TrainerState(global_samples=0, data={}, **saved)
 
     monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
 
     ckpt = tmp_path / "step_00000003"
     with caplog.at_level("WARNING", logger="moep_ds"):
-        assert not warn_length_change({"step": 3, "max_steps": 6}, 6, ckpt)
-        assert not warn_length_change({"step": 3}, 6, ckpt)  # saved before the length was kept
-        assert warn_length_change({"step": 3, "max_steps": 6}, 8, ckpt)
+        assert not warn_length_change(state(step=3, max_steps=6), 6, ckpt)
+        assert not warn_length_change(state(step=3), 6, ckpt)  # saved before the length was kept
+        assert warn_length_change(state(step=3, max_steps=6), 8, ckpt)
     assert caplog.messages == [f"the run is 8 steps long now, 6 when {ckpt} was saved: the lr schedule follows 8 "
                                "from step 3 on"]

@@ -264,12 +264,13 @@ def test_shipped_configs_resolve_to_the_fast_settings(name):
 def test_a_bad_ds_config_fails_before_the_ranks_meet(tmp_path, monkeypatch, text, message):
     """The Trainer reads and reconciles the file (at the launcher's WORLD_SIZE) before init_distributed, which waits
     for every rank; nothing is created."""
+    from moep_ds.training import assemble
     from moep_ds.training import trainer as trainer_mod
 
     def joined():
         raise AssertionError("init_distributed was called")
 
-    monkeypatch.setattr(trainer_mod, "init_distributed", joined)
+    monkeypatch.setattr(assemble, "init_distributed", joined)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     path = tmp_path / "ds.json"
@@ -278,5 +279,5 @@ def test_a_bad_ds_config_fails_before_the_ranks_meet(tmp_path, monkeypatch, text
                                       "layers": [{"type": "dense", "attention": {"num_heads": 2}}]},
                             "train": {"max_steps": 1, "micro_batch_size": 2, "output_dir": str(tmp_path / "run")}})
     with pytest.raises((DeepSpeedConfigError, DeepSpeedConfigFileError), match=message):
-        trainer_mod.Trainer(cfg, str(path), None)
+        trainer_mod.build_trainer(cfg, str(path), None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]

@@ -79,8 +79,9 @@ class QuietValidation(Callback):
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
-    (tmp_path / "my_callbacks.py").write_text(USER_CALLBACKS)
+    (tmp_path / "loop_callbacks.py").write_text(USER_CALLBACKS)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "loop_callbacks", raising=False)
     with one_rank_group():
         yield
 
@@ -94,11 +95,11 @@ def test_a_users_callback_named_in_the_recipe_runs_at_its_hooks_in_the_loops_ord
     checkpoint before its evaluation), on_stop at exit_at_step, on_load first when resumed."""
     log_path = tmp_path / "hooks.jsonl"
     train = {"max_steps": 4, "eval_every": 2, "exit_at_step": 3, "checkpoint": {"every_steps": 2},
-             "callbacks": [{"type": "my_callbacks:Recorder", "out": str(log_path)}]}
+             "callbacks": [{"type": "loop_callbacks:Recorder", "out": str(log_path)}]}
     checkpointer = MemoryCheckpointer()
     trainer = fake_trainer(tmp_path, train, checkpointer=checkpointer)
     assert [name for name, _ in trainer.order] == [
-        "router_thresholds", "lifecycle", "monitoring", "checkpointing", "validation", "stop", "my_callbacks:Recorder"]
+        "router_thresholds", "lifecycle", "monitoring", "checkpointing", "validation", "stop", "loop_callbacks:Recorder"]
     trainer.fit()
     step = [("before_step", 1), ("after_optimizer_step", 1), ("after_step", 1)]
     assert hooks_of(log_path) == step + [
@@ -119,7 +120,7 @@ def test_a_users_callback_named_in_the_recipe_runs_at_its_hooks_in_the_loops_ord
 def test_a_callbacks_state_survives_a_stop_and_a_resume(tmp_path, user_module):
     """The checkpoint keeps every named callback's state_dict; resuming gives it back before on_load."""
     checkpointer = MemoryCheckpointer()
-    train = {"max_steps": 5, "exit_at_step": 2, "callbacks": {"counter": {"type": "my_callbacks:StepCounter"}}}
+    train = {"max_steps": 5, "exit_at_step": 2, "callbacks": {"counter": {"type": "loop_callbacks:StepCounter"}}}
     first = fake_trainer(tmp_path, train, checkpointer=checkpointer)
     first.fit()
     assert first.callbacks["counter"].count == 2
@@ -140,13 +141,13 @@ def test_the_recipe_removes_and_replaces_built_in_callbacks_by_name(tmp_path, us
     assert removed.module.evaluations == 0
     assert not any("val_loss" in line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
 
-    import my_callbacks
+    import loop_callbacks
 
     replaced = fake_trainer(tmp_path / "b", {"max_steps": 2, "eval_every": 1,
-                                             "callbacks": {"validation": {"type": "my_callbacks:QuietValidation"}}})
+                                             "callbacks": {"validation": {"type": "loop_callbacks:QuietValidation"}}})
     replaced.fit()
     assert type(replaced.callbacks["validation"]).__name__ == "QuietValidation"
-    assert my_callbacks.QuietValidation.steps == [1, 2] and replaced.module.evaluations == 0
+    assert loop_callbacks.QuietValidation.steps == [1, 2] and replaced.module.evaluations == 0
     with pytest.raises(UserError, match=r"^train.callbacks.valdation: null removes a built-in callback, and "
                                         r"'valdation' is none \(built-in: router_thresholds, lifecycle, "):
         fake_trainer(tmp_path / "c", {"max_steps": 1, "callbacks": {"valdation": None}})

@@ -11,15 +11,17 @@ import sys
 import torch.distributed as dist
 
 from moep_ds.config import load_config
-from moep_ds.training.trainer import Trainer
+from moep_ds.distributed.optimizer_state import inner_optimizer
+from moep_ds.training.trainer import build_trainer
 
 
 def main() -> None:
     for job in json.load(open(sys.argv[1])):
         cfg = load_config(job["recipe"], job.get("overrides", []))
-        trainer = Trainer(cfg, job.get("ds_config"), job.get("resume"))
+        trainer = build_trainer(cfg, job.get("ds_config"), job.get("resume"))
         probe = {"start": trainer.step, "indices": [], "input_ids": [], "lrs": []}
-        loader, read = trainer.loader, trainer.loader.next_indices
+        loader = trainer.module.loader
+        read = loader.next_indices
 
         def next_indices():
             idx = read()
@@ -28,7 +30,7 @@ def main() -> None:
             return idx
 
         loader.next_indices = next_indices
-        torch_optimizer = getattr(trainer.engine.optimizer, "optimizer", trainer.engine.optimizer)
+        torch_optimizer = inner_optimizer(trainer.module.engine.optimizer)
         torch_optimizer.register_step_pre_hook(
             lambda opt, args, kwargs: probe["lrs"].append([g["lr"] for g in opt.param_groups]))
         trainer.fit()

@@ -14,7 +14,7 @@ import signal
 from moep_ds.checkpointing import layout, sharded
 from moep_ds.cli.pretrain import main as pretrain_main
 from moep_ds.errors import UserError
-from moep_ds.training.trainer import Trainer
+from moep_ds.training.train_module import TrainModule
 
 FAULT = os.environ["MOEP_TEST_FAULT"]
 STEP = int(os.environ["MOEP_TEST_FAULT_STEP"])
@@ -42,7 +42,7 @@ def writer(path, *args, **kwargs):
     return FullDiskWriter(path, single_file_per_rank=True) if here(path) else original_writer(path, *args, **kwargs)
 
 
-original_train_step = Trainer.train_step
+original_train_step = TrainModule.train_step
 
 
 def train_step_then_fail(self):
@@ -53,16 +53,16 @@ def train_step_then_fail(self):
     return out
 
 
-def failing_evaluate(self):
+def failing_evaluate(self, val, max_windows):
     raise RuntimeError("simulated: the evaluation forward failed")
 
 
 if FAULT == "eval":
-    Trainer.evaluate = failing_evaluate
+    TrainModule.evaluate = failing_evaluate
 elif FAULT == "kill":
     sharded.save = save_then_die
 elif FAULT == "raise":
-    Trainer.train_step = train_step_then_fail
+    TrainModule.train_step = train_step_then_fail
 else:
     sharded.writer = writer
 

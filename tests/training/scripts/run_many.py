@@ -12,13 +12,13 @@ import sys
 import torch.distributed as dist
 
 from moep_ds.config import load_config
-from moep_ds.training.trainer import Trainer
+from moep_ds.training.trainer import build_trainer
 
 
 def main() -> None:
     for job in json.load(open(sys.argv[1])):
         cfg = load_config(job["recipe"], job.get("overrides", []))
-        trainer = Trainer(cfg, job.get("ds_config"), job.get("resume"))
+        trainer = build_trainer(cfg, job.get("ds_config"), job.get("resume"))
         trainer.fit()
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,79 @@
+"""Checkpoints of the earlier trainer-state format still resume, exactly, through the one checkpointer; a callback's
+state survives a stop and `--resume auto`; a recipe that removes the validation callback by name trains without
+validating. tests/training/fixtures/checkpoint_v2 is step 2 of a 4-step run (tiny top-2 MoE, ZeRO-2, 1 process)
+written by the trainer before TrainerState version 3, with that run's own metrics of steps 3 and 4."""
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # tests/training: tiny.py
+
+from tiny import REPO, env, metrics  # noqa: E402
+
+FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "checkpoint_v2"
+
+COUNTER = '''
+import json
+import os
+
+from moep_ds.training.callbacks import Callback
+
+
+class StepCounter(Callback):
+    """Counts optimizer steps; the count is saved in each checkpoint and given back on resume."""
+
+    def __init__(self):
+        self.count, self.loaded = 0, None
+
+    def after_optimizer_step(self, event):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = self.loaded = state["count"]
+
+    def at_end(self, event):
+        with open(os.environ["COUNTER_OUT"], "a") as f:
+            f.write(json.dumps({"loaded": self.loaded, "count": self.count, "step": event.step}) + "\\n")
+'''
+
+
+@pytest.mark.slow
+def test_a_version_2_checkpoint_resumes_exactly_and_a_callbacks_count_survives_stop_and_resume(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE / "step_00000002", run / "checkpoints" / "step_00000002")
+    recipe = yaml.safe_load((FIXTURE / "recipe.yaml").read_text())
+    recipe["train"].update(output_dir=str(run), eval_every=1,
+                           callbacks={"counter": {"type": "step_counter:StepCounter"}, "validation": None})
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    (tmp_path / "step_counter.py").write_text(COUNTER)
+    e = {**env(), "PYTHONPATH": f"{tmp_path}:{env()['PYTHONPATH']}", "COUNTER_OUT": str(tmp_path / "counts.jsonl"),
+         "MOEP_CACHE_DIR": str(tmp_path / "cache"), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
+
+    def resume(*extra):
+        proc = subprocess.run([sys.executable, str(REPO / "pretrain.py"), "--config", str(tmp_path / "recipe.yaml"),
+                               "--ds_config", str(REPO / "ds_configs" / "quickstart.json"), "--resume", "auto",
+                               *extra], env=e, cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    resume("--set", "train.exit_at_step=3")  # resumes the version-2 checkpoint, stops after step 3
+    resume()  # resumes the version-3 checkpoint of step 3
+    rows = metrics(run)
+    expected = json.loads((FIXTURE / "uninterrupted.json").read_text())
+    for row in (r for r in rows if "loss" in r):
+        want = expected[str(row["step"])]
+        assert {k: row[k] for k in want} == want, row["step"]  # bit-identical to the uninterrupted run
+    assert [r["step"] for r in rows if "loss" in r] == [3, 4]
+    assert not [r for r in rows if "val_loss" in r]  # eval_every 1, validation removed by name
+    counts = [json.loads(line) for line in (tmp_path / "counts.jsonl").read_text().splitlines()]
+    assert counts == [{"loaded": None, "count": 1, "step": 3}, {"loaded": 1, "count": 2, "step": 4}]
+    state = json.loads((run / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    assert state["version"] == 3 and state["callbacks"] == {"counter": {"count": 2}}
