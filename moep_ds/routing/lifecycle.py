@@ -25,7 +25,7 @@ Homes: the math is the plain functions below; `ExpertLifecycle` holds one layer'
 event log: module buffers and extra state, so in every state_dict) and makes the decisions; a routed layer
 offers itself to the manager through the `LifecycleManaged` interface; applying a replacement to the model
 and the optimizer (fp32 masters and Adam moments under ZeRO, experts on other ranks) is the trainer callback
-`moep_ds.training.lifecycle.ExpertLifecycleCallback`.
+`moep_ds.training.lifecycle.LifecycleRunner`.
 """
 from __future__ import annotations
 

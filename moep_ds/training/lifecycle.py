@@ -1,4 +1,5 @@
-"""The expert lifecycle manager's trainer callback: fold each step's statistics, apply replacements.
+"""The expert lifecycle managers run after each optimizer step (`LifecycleRunner`, used by the built-in `lifecycle`
+callback): fold each step's statistics, apply replacements.
 
 # E experts of a layer, L experts held by this rank (E under no expert parallelism)
 
@@ -34,7 +35,7 @@ from moep_ds.routing.lifecycle import ExpertRows, LifecycleManaged, clone_with_n
 from moep_ds.distributed import optimizer_state as st
 
 
-class ExpertLifecycleCallback:
+class LifecycleRunner:
     """Runs every lifecycle manager of `model` after each optimizer step (`after_optimizer_step`).
 
     optimizer: a DeepSpeed optimizer (ZeRO 0-2 or 3, bf16/fp16 wrappers) or a torch optimizer, whose Adam state
@@ -51,7 +52,7 @@ class ExpertLifecycleCallback:
         self.ep_group = ep_group
 
     @classmethod
-    def for_engine(cls, engine: Any, ep_group: Any = None) -> ExpertLifecycleCallback:
+    def for_engine(cls, engine: Any, ep_group: Any = None) -> LifecycleRunner:
         """For the model and optimizer of `engine` (a distributed.engine.Engine)."""
         return cls(engine.module, engine.optimizer, dp_group=engine.data_parallel_group, ep_group=ep_group)
 
@@ -140,4 +141,4 @@ class ExpertLifecycleCallback:
         return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape]
 
 
-__all__ = ["ExpertLifecycleCallback"]
+__all__ = ["LifecycleRunner"]

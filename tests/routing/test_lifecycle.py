@@ -30,7 +30,7 @@ from moep_ds.routing.lifecycle import (
     value_scores,
 )
 from moep_ds.schema import ConfigError
-from moep_ds.training.lifecycle import ExpertLifecycleCallback
+from moep_ds.training.lifecycle import LifecycleRunner
 
 # B batch, T tokens, E experts, S routed (token, expert) pairs
 
@@ -78,7 +78,7 @@ def starve(model, expert: int) -> None:
 
 
 def lifecycle_step(model, optimizer=None) -> list[dict]:
-    return ExpertLifecycleCallback(model, optimizer).after_optimizer_step()
+    return LifecycleRunner(model, optimizer).after_optimizer_step()
 
 
 def rows_of(moe) -> list:
@@ -400,7 +400,7 @@ def zero2_run(ep: int, out_dir: str) -> None:
     ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
                  "zero_optimization": {"stage": 2, "contiguous_gradients": True}, "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
-    callback = ExpertLifecycleCallback.for_engine(Engine(engine, None, ds_config), plan.group)
+    callback = LifecycleRunner.for_engine(Engine(engine, None, ds_config), plan.group)
     moe = moe_of(engine.module)
     rows = moe.expert_rows()
     params = rows.local + rows.replicated

@@ -15,7 +15,7 @@ from moep_ds.checkpointing.sharded import CheckpointError
 from moep_ds.data.dataset import open_split
 from moep_ds.training.callbacks.base import CALLBACKS, Callback, EndEvent, EvalEvent, StepEvent
 from moep_ds.training.hooks import sync_router_thresholds
-from moep_ds.training.lifecycle import ExpertLifecycleCallback
+from moep_ds.training.lifecycle import LifecycleRunner
 from moep_ds.training.monitor import Monitor
 from moep_ds.training.run_dir import STOP_FILE
 from moep_ds.training.startup import scored_windows
@@ -35,14 +35,14 @@ class RouterThresholdSync(Callback):
 
 
 @CALLBACKS.register("lifecycle")
-class ExpertLifecycle(Callback):
+class LifecycleManagers(Callback):
     """The expert lifecycle managers (training/lifecycle.py); their replacements become step events."""
 
     priority = 500
 
     def setup(self) -> None:
         module = self.trainer.module
-        self.manager = ExpertLifecycleCallback.for_engine(module.engine, module.plan.group)
+        self.manager = LifecycleRunner.for_engine(module.engine, module.plan.group)
 
     def after_optimizer_step(self, event: StepEvent) -> None:
         event.events.extend(self.manager.after_optimizer_step(event.step))
