@@ -17,44 +17,15 @@ from tiny import REPO, env, metrics  # noqa: E402
 
 FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "checkpoint_v2"
 
-COUNTER = '''
-import json
-import os
-
-from moep_ds.training.callbacks import Callback
-
-
-class StepCounter(Callback):
-    """Counts optimizer steps; the count is saved in each checkpoint and given back on resume."""
-
-    def __init__(self):
-        self.count, self.loaded = 0, None
-
-    def after_optimizer_step(self, event):
-        self.count += 1
-
-    def state_dict(self):
-        return {"count": self.count}
-
-    def load_state_dict(self, state):
-        self.count = self.loaded = state["count"]
-
-    def at_end(self, event):
-        with open(os.environ["COUNTER_OUT"], "a") as f:
-            f.write(json.dumps({"loaded": self.loaded, "count": self.count, "step": event.step}) + "\\n")
-'''
-
-
 @pytest.mark.slow
 def test_a_version_2_checkpoint_resumes_exactly_and_a_callbacks_count_survives_stop_and_resume(tmp_path):
     run = tmp_path / "run"
     shutil.copytree(FIXTURE / "step_00000002", run / "checkpoints" / "step_00000002")
     recipe = yaml.safe_load((FIXTURE / "recipe.yaml").read_text())
     recipe["train"].update(output_dir=str(run), eval_every=1,
-                           callbacks={"counter": {"type": "step_counter:StepCounter"}, "validation": None})
+                           callbacks={"counter": {"type": "user_callbacks:StepCounter"}, "validation": None})
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    (tmp_path / "step_counter.py").write_text(COUNTER)
-    e = {**env(), "PYTHONPATH": f"{tmp_path}:{env()['PYTHONPATH']}", "COUNTER_OUT": str(tmp_path / "counts.jsonl"),
+    e = {**env(), "PYTHONPATH": f"{FIXTURE.parent}:{env()['PYTHONPATH']}", "COUNTER_OUT": str(tmp_path / "counts.jsonl"),
          "MOEP_CACHE_DIR": str(tmp_path / "cache"), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
 

@@ -14,74 +14,10 @@ from fake_parts import fake_trainer, MemoryCheckpointer, one_rank_group  # noqa:
 from moep_ds.errors import UserError  # noqa: E402
 from moep_ds.training.callbacks import Callback  # noqa: E402
 
-USER_CALLBACKS = '''
-import dataclasses
-import json
-
-from moep_ds.training.callbacks import Callback
-
-
-@dataclasses.dataclass(kw_only=True)
-class RecorderConfig:
-    type: str
-    out: str
-
-
-class Recorder(Callback):
-    Config = RecorderConfig
-
-    def __init__(self, cfg):
-        self.out = open(cfg.out, "a")
-
-    def record(self, hook, event):
-        self.out.write(json.dumps({"hook": hook, "step": event.step,
-                                   **({"metrics": event.metrics} if hook == "on_evaluation" else {}),
-                                   **({"stop": event.stop} if hook == "after_step" else {})}) + "\\n")
-        self.out.flush()
-
-    def before_step(self, event): self.record("before_step", event)
-    def after_optimizer_step(self, event): self.record("after_optimizer_step", event)
-    def after_step(self, event): self.record("after_step", event)
-    def on_save(self, event): self.record("on_save", event)
-    def on_evaluation(self, event): self.record("on_evaluation", event)
-    def on_load(self, event): self.record("on_load", event)
-    def on_stop(self, event): self.record("on_stop", event)
-    def at_end(self, event): self.record("at_end", event)
-
-
-class StepCounter(Callback):
-    """Counts the steps it saw (in after_optimizer_step: before the step's checkpoint); keeps the count across a
-    resume."""
-
-    def __init__(self):
-        self.count = 0
-        self.loaded = None
-
-    def after_optimizer_step(self, event):
-        self.count += 1
-
-    def state_dict(self):
-        return {"count": self.count}
-
-    def load_state_dict(self, state):
-        self.count = self.loaded = state["count"]
-
-
-class QuietValidation(Callback):
-    """Replaces the built-in validation: records the steps it was asked at, scores nothing."""
-
-    steps = []
-
-    def after_step(self, event):
-        QuietValidation.steps.append(event.step)
-'''
-
-
 @pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    (tmp_path / "loop_callbacks.py").write_text(USER_CALLBACKS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "loop_callbacks", raising=False)
+def user_module(monkeypatch):
+    """tests/training/fixtures/user_callbacks.py importable as a user's module; a one-rank process group."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent / "fixtures"))
     with one_rank_group():
         yield
 
@@ -95,11 +31,11 @@ def test_a_users_callback_named_in_the_recipe_runs_at_its_hooks_in_the_loops_ord
     checkpoint before its evaluation), on_stop at exit_at_step, on_load first when resumed."""
     log_path = tmp_path / "hooks.jsonl"
     train = {"max_steps": 4, "eval_every": 2, "exit_at_step": 3, "checkpoint": {"every_steps": 2},
-             "callbacks": [{"type": "loop_callbacks:Recorder", "out": str(log_path)}]}
+             "callbacks": [{"type": "user_callbacks:Recorder", "out": str(log_path)}]}
     checkpointer = MemoryCheckpointer()
     trainer = fake_trainer(tmp_path, train, checkpointer=checkpointer)
     assert [name for name, _ in trainer.order] == [
-        "router_thresholds", "lifecycle", "monitoring", "checkpointing", "validation", "stop", "loop_callbacks:Recorder"]
+        "router_thresholds", "lifecycle", "monitoring", "checkpointing", "validation", "stop", "user_callbacks:Recorder"]
     trainer.fit()
     step = [("before_step", 1), ("after_optimizer_step", 1), ("after_step", 1)]
     assert hooks_of(log_path) == step + [
@@ -120,7 +56,7 @@ def test_a_users_callback_named_in_the_recipe_runs_at_its_hooks_in_the_loops_ord
 def test_a_callbacks_state_survives_a_stop_and_a_resume(tmp_path, user_module):
     """The checkpoint keeps every named callback's state_dict; resuming gives it back before on_load."""
     checkpointer = MemoryCheckpointer()
-    train = {"max_steps": 5, "exit_at_step": 2, "callbacks": {"counter": {"type": "loop_callbacks:StepCounter"}}}
+    train = {"max_steps": 5, "exit_at_step": 2, "callbacks": {"counter": {"type": "user_callbacks:StepCounter"}}}
     first = fake_trainer(tmp_path, train, checkpointer=checkpointer)
     first.fit()
     assert first.callbacks["counter"].count == 2
@@ -141,13 +77,15 @@ def test_the_recipe_removes_and_replaces_built_in_callbacks_by_name(tmp_path, us
     assert removed.module.evaluations == 0
     assert not any("val_loss" in line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
 
-    import loop_callbacks
+    import user_callbacks
+
+    user_callbacks.QuietValidation.steps.clear()
 
     replaced = fake_trainer(tmp_path / "b", {"max_steps": 2, "eval_every": 1,
-                                             "callbacks": {"validation": {"type": "loop_callbacks:QuietValidation"}}})
+                                             "callbacks": {"validation": {"type": "user_callbacks:QuietValidation"}}})
     replaced.fit()
     assert type(replaced.callbacks["validation"]).__name__ == "QuietValidation"
-    assert loop_callbacks.QuietValidation.steps == [1, 2] and replaced.module.evaluations == 0
+    assert user_callbacks.QuietValidation.steps == [1, 2] and replaced.module.evaluations == 0
     with pytest.raises(UserError, match=r"^train.callbacks.valdation: null removes a built-in callback, and "
                                         r"'valdation' is none \(built-in: router_thresholds, lifecycle, "):
         fake_trainer(tmp_path / "c", {"max_steps": 1, "callbacks": {"valdation": None}})

@@ -1,51 +1,14 @@
 """The trainer's callbacks (training/callbacks/): recipe entries parsed strictly (a user's own callback class named
 as module:Class; running at its hooks: tests/training/test_trainer_loop.py), the typed trainer state reading the
 checkpoints written before it (versions 1 and 2)."""
+import pathlib
+
 import pytest
 
 from moep_ds.schema import ConfigError
 from moep_ds.training.callbacks import CALLBACKS, Callback, parse_callback
 from moep_ds.checkpointing.sharded import CheckpointError
 from moep_ds.training.trainer_state import VERSION, TrainerState
-
-RECORDER = '''
-import dataclasses
-import json
-
-from moep_ds.training.callbacks import Callback
-
-
-@dataclasses.dataclass(kw_only=True)
-class RecorderConfig:
-    type: str
-    out: str
-
-
-class Recorder(Callback):
-    Config = RecorderConfig
-
-    def __init__(self, cfg):
-        self.out = open(cfg.out, "a")
-
-    def record(self, hook, event):
-        self.out.write(json.dumps({"hook": hook, "step": event.step, "rank": self.trainer.rank,
-                                   **({"metrics": event.metrics} if hook == "on_evaluation" else {}),
-                                   **({"stop": event.stop} if hook == "after_step" else {})}) + "\\n")
-        self.out.flush()
-
-    def before_step(self, event): self.record("before_step", event)
-    def after_optimizer_step(self, event): self.record("after_optimizer_step", event)
-    def after_step(self, event): self.record("after_step", event)
-    def on_save(self, event): self.record("on_save", event)
-    def on_evaluation(self, event): self.record("on_evaluation", event)
-    def on_load(self, event): self.record("on_load", event)
-    def on_stop(self, event): self.record("on_stop", event)
-    def at_end(self, event): self.record("at_end", event)
-
-
-class NotACallback:
-    pass
-'''
 
 V1_STATE = {"step": 4, "max_steps": 10, "global_samples": 64, "skipped_steps": 0,
             "data": {"epoch": 0, "global_batch": 4}, "global_batch_size": 16, "lr_scheduler": {"last_epoch": 4},
@@ -69,9 +32,8 @@ def test_trainer_state_reads_versions_1_and_2_and_writes_version_3_without_losin
         TrainerState.from_state_dict({"step": 1, "global_samples": 8}, "ckpt")
 
 
-def test_recipe_entries_are_parsed_strictly_and_user_classes_imported(tmp_path, monkeypatch):
-    (tmp_path / "my_callbacks.py").write_text(RECORDER)
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_recipe_entries_are_parsed_strictly_and_user_classes_imported(monkeypatch):
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "fixtures"))  # user_callbacks.py
     cfg = parse_callback({"type": "downstream_eval", "tasks": ["grammar_pairs"], "every": 10, "limit": 4}, "x[0]")
     assert (cfg.tasks, cfg.every, cfg.limit) == (["grammar_pairs"], 10, 4)
     with pytest.raises(ConfigError, match=r"^train.callbacks\[0\].evry: unknown key; did you mean 'every'\?"):
@@ -80,13 +42,13 @@ def test_recipe_entries_are_parsed_strictly_and_user_classes_imported(tmp_path, 
         parse_callback({"type": "downstream_eval", "every": 0}, "t[1]")
     with pytest.raises(ConfigError, match=r"^t\[0\].type: unknown callback 'nope'; known: .*downstream_eval"):
         parse_callback({"type": "nope"}, "t[0]")
-    for name in ("my_callbacks:Recorder", "my_callbacks.Recorder"):
+    for name in ("user_callbacks:Recorder", "user_callbacks.Recorder"):
         assert parse_callback({"type": name, "out": "f"}, "t[0]").out == "f"
         assert issubclass(CALLBACKS.get(name), Callback)
     with pytest.raises(ConfigError, match=r"^t\[0\].out: required key is missing$"):
-        parse_callback({"type": "my_callbacks:Recorder"}, "t[0]")
-    with pytest.raises(ConfigError, match=r"^t\[0\].type: 'my_callbacks:NotACallback' is not a subclass of "):
-        parse_callback({"type": "my_callbacks:NotACallback"}, "t[0]")
+        parse_callback({"type": "user_callbacks:Recorder"}, "t[0]")
+    with pytest.raises(ConfigError, match=r"^t\[0\].type: 'user_callbacks:NotACallback' is not a subclass of "):
+        parse_callback({"type": "user_callbacks:NotACallback"}, "t[0]")
     with pytest.raises(ConfigError, match=r"^t\[0\].type: cannot import 'no_such_module:X'"):
         parse_callback({"type": "no_such_module:X"}, "t[0]")
 
