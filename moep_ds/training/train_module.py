@@ -23,6 +23,7 @@ from moep_ds.training.balancing import install_count_reducers
 from moep_ds.training.blocks import apply_block_options
 from moep_ds.training.branch import resolve_start_step
 from moep_ds.training.ds_config import precision, zero_stage
+from moep_ds.training.resume_data import tokens_read
 from moep_ds.distributed.expert_parallel import expert_parallel_plan, routed_module_classes, setup_expert_parallel
 from moep_ds.training.grad_norm import ExactClipping
 from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers_to_os
@@ -161,7 +162,7 @@ class TrainModule:
     def metrics(self, losses: dict[str, float], seconds: float) -> dict[str, float]:
         tokens_per_s = self.tokens_per_step / max(seconds, 1e-9)
         out = {**losses, "lr": self.engine.get_lr()[0], "tokens_per_s": tokens_per_s,
-               "tokens": float(self.step * self.tokens_per_step)}
+               "tokens": float(self.tokens_read())}
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is None and self.clipping is not None:
             grad_norm = self.clipping.last_norm
@@ -175,6 +176,10 @@ class TrainModule:
         if peak:
             out["mfu"] = self.report.flops_per_token * tokens_per_s / (peak * self.world)
         return out
+
+    def tokens_read(self) -> int:
+        """Tokens read so far (training/resume_data.py)."""
+        return tokens_read(self.engine.global_samples, self.cfg.data.seq_len, self.state)
 
     def open_validation(self):
         """The validation windows, when the recipe evaluates, and how many an evaluation scores (`val_windows`):

@@ -31,7 +31,8 @@ from moep_ds.training.callbacks import (
 from moep_ds.training.ds_config import check_with_deepspeed, read_ds_config, reconcile
 from moep_ds.training.init_from import initialise_from_source
 from moep_ds.training.monitor import drop_rows_after
-from moep_ds.training.resume_batch import reconcile_resumed, saved_global_batch
+from moep_ds.training.resume_batch import reconcile_resumed, resume_state, saved_global_batch
+from moep_ds.training.resume_data import check_same_data
 from moep_ds.training.run_dir import claim_run_dir
 from moep_ds.training.startup import (  # noqa: F401 - re-exported for callers of before
     PEAK_TFLOPS_BF16, build_rank_model, check_output_dir, peak_flops, scored_windows, set_aside, total_steps,
@@ -103,6 +104,7 @@ class Trainer(TrainModule):
         setup_logging(self.rank)
         self.run_dir = pathlib.Path(cfg.train.output_dir)
         ds = reconcile_resumed(raw_ds, cfg.train, self.world, resume, self.run_dir, allow_batch_change)
+        check_same_data(resume_state(resume, self.run_dir), cfg.data.seq_len, cfg.train.seed, warn=self.rank == 0)
         ds.setdefault("tensorboard", {"enabled": True, "output_path": str(self.run_dir), "job_name": "tensorboard"})
         check_with_deepspeed(ds)
         self.ds = ds
@@ -123,6 +125,7 @@ class Trainer(TrainModule):
                                   shuffle=cfg.data.order == "shuffled")
         self.step = 0 if self.resume_from is not None else self.start_at(self.start_step)
         self.tokens_per_step = ds["train_batch_size"] * cfg.data.seq_len
+        self.state = None  # the resumed checkpoint's TrainerState
         if self.resume_from is not None:
             state = ckpt_io.load_engine_state(self.engine, self.model, self.resume_from, self.ep_plan)
             ckpt_io.check_same_tokenizer(state, self.meta, self.resume_from)
@@ -168,12 +171,13 @@ class Trainer(TrainModule):
             lr_scheduler={"last_epoch": scheduler.last_epoch} if scheduler is not None else None,
             loss_scaler=ckpt_io.loss_scaler_state(self.engine), world_size=self.world,
             expert_parallel_size=self.cfg.train.expert_parallel_size, seed=self.cfg.train.seed,
-            tokenizer_sha256=self.meta.get("tokenizer_sha256"))
+            tokenizer_sha256=self.meta.get("tokenizer_sha256"), seq_len=self.cfg.data.seq_len,
+            tokens=self.tokens_read())
 
     def save(self) -> None:
         path = self.checkpoints.save(
             self.engine, self.model, self.cfg, self.step, self.trainer_state().state_dict(), plan=self.ep_plan,
-            tokenizer_dir=self.prepared, meta={"tokens": self.step * self.tokens_per_step, **self.report.as_dict()},
+            tokenizer_dir=self.prepared, meta={"tokens": self.tokens_read(), **self.report.as_dict()},
         )
         self.last_save = time.time()
         self.fire("on_save", SaveEvent(self.step, path))

@@ -30,6 +30,8 @@ class TrainerState:
     expert_parallel_size: int | None = None
     seed: int | None = None
     tokenizer_sha256: str | None = None
+    seq_len: int | None = None  # data.seq_len (since 2026-12-04, as tokens)
+    tokens: int | None = None  # tokens read up to `step` (training/resume_data.py)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
