@@ -98,7 +98,7 @@ class TrainModule:
             groups = split_params_into_different_moe_groups_for_optimizer(groups)
         optimizer = build_optimizer(groups, cfg.train.optimizer)
         self.max_steps = total_steps(cfg, len(self.dataset), self.ds["train_batch_size"])
-        self.start_step = resolve_start_step(cfg, self.max_steps)  # 0 unless branching (training/branch.py)
+        self.start_step = resolve_start_step(cfg, self.max_steps, resuming=self.resume_from is not None)  # branch.py
         scheduler = build_scheduler(optimizer, cfg.train.schedule, self.max_steps, self.start_step)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=self.ds, dist_init_required=False)

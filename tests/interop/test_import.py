@@ -23,6 +23,7 @@ from moep_ds.config import config_from_dict
 from moep_ds.errors import UserError
 from moep_ds.cli.export import main as export_main
 from moep_ds.interop.importer import import_checkpoint
+from moep_ds.training.branch import start_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -164,6 +165,8 @@ def test_hub_revision_resolves_offline_from_the_cache(tmp_path):
     assert ckpt.name == layout.checkpoint_tag(13000)  # the revision's step
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["step"] == 13000 and meta["hf_revision"] == "step13000" and meta["hf_commit"].startswith("0123")
+    branch = config_from_dict({**recipe("gpt_neox", init_from=str(tmp_path / "run")), "train": {"max_steps": 20000}})
+    assert start_step(branch)[0] == 13000  # a run from the imported directory continues at its step
     with torch.no_grad():
         torch.testing.assert_close(load_model_dir(tmp_path / "run")[0](tokens()).logits,
                                    reference(tokens()).logits, **TOLERANCE)
