@@ -1,6 +1,7 @@
 """The run directory contract (training/run_dir.py) and resumes that keep the checkpoint's global batch
 (training/resume_batch.py), in-process and end to end with real processes."""
 import json
+import logging
 import pathlib
 import subprocess
 import sys
@@ -78,8 +79,30 @@ def test_resume_keeps_the_saved_global_batch_unless_fixed(tmp_path):
     assert saved_global_batch({"step": 3, "global_samples": 48}) == 16  # checkpoints saved before the key
 
 
-def test_resume_with_another_seq_len_or_seed_is_refused_naming_both_values(tmp_path, caplog):
+def test_a_refused_resume_names_the_micro_batch_that_blocks_the_saved_global_batch(tmp_path):
+    """Issue 40 item 6: a 1-process checkpoint (global batch 8 = micro-batch 8) resumed on 2 processes with the
+    quick start's ds_config, whose accumulation is already "auto": the recipe's micro-batch is what blocks it."""
+    fake_run(tmp_path, steps=(2,), state={"step": 2, "global_samples": 16, "global_batch_size": 8})
+    quickstart = json.loads((DS_CONFIGS / "quickstart.json").read_text())
+    with pytest.raises(SharedUserError) as err:
+        reconcile_resumed(quickstart, TrainConfig(micro_batch_size=8), 2, "auto", tmp_path)
+    assert str(err.value).endswith(
+        "was trained with global batch 8, this run's train_micro_batch_size_per_gpu (8) x gradient_accumulation_steps "
+        "(1) x 2 processes = 16: train.micro_batch_size (8) must divide 4 (8 / 2 processes) to keep 8 (e.g. --set "
+        "train.micro_batch_size=4), or pass --allow_batch_change to continue with 16 from the sample reached")
+    kept = reconcile_resumed(quickstart, TrainConfig(micro_batch_size=4), 2, "auto", tmp_path)
+    assert (kept["train_batch_size"], kept["gradient_accumulation_steps"]) == (8, 1)  # the advice works
+    in_json = {**quickstart, "train_micro_batch_size_per_gpu": 3}
+    with pytest.raises(SharedUserError, match=r"ds_config train_micro_batch_size_per_gpu \(3\) must divide 4 .*"
+                                              r"\(e.g. train_micro_batch_size_per_gpu 2 in the ds_config\)"):
+        reconcile_resumed(in_json, TrainConfig(), 2, "auto", tmp_path)
+    with pytest.raises(SharedUserError, match=r"resume on a number of processes that divides 8 to keep it"):
+        reconcile_resumed(quickstart, TrainConfig(micro_batch_size=1), 3, "auto", tmp_path)
+
+
+def test_resume_with_another_seq_len_or_seed_is_refused_naming_both_values(tmp_path, caplog, monkeypatch):
     """Issue 40 item 1: the data position is counted in windows of seq_len tokens of an order drawn from the seed."""
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
     fake_run(tmp_path, steps=(20,), state={"step": 20, "global_samples": 160, "seq_len": 64, "seed": 1234})
     found = resume_state("auto", tmp_path)
     ckpt = str(found[0])
