@@ -177,6 +177,8 @@ def test_hub_revision_resolves_offline_from_the_cache(tmp_path):
     line = missing.stderr.strip().splitlines()[-1]
     assert line.startswith("error: SRC ('hf:EleutherAI/pythia-tiny@step14000'): revision 'step14000'"), missing.stderr
     assert "not in the Hugging Face cache" in line
+    assert "local_files_only" not in line  # huggingface_hub's advice to Python callers (issue 40 item 12)
+    assert "`huggingface-cli download EleutherAI/pythia-tiny --revision step14000`" in line
 
 
 # ---- bad input: one line each ----------------------------------------------------------------------------------
@@ -189,6 +191,44 @@ def import_error(tmp_path: Path, case: str, raw: dict, src: Path | None = None) 
         import_checkpoint(str(src), config_from_dict(raw), tmp_path / "run")
     assert not (tmp_path / "run").exists()
     return str(err.value)
+
+
+def test_a_truncated_safetensors_file_is_one_line(tmp_path):
+    """Issue 40 item 8: safetensors' SafetensorError ("incomplete metadata") was a traceback."""
+    src = save(hf_model("gpt2"), tmp_path / "hf", "safetensors")
+    weights = src / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 100)
+    text = import_error(tmp_path, "gpt2", recipe("gpt2"), src)
+    assert text.startswith(f"{str(weights)!r} cannot be read as safetensors (") and "\n" not in text
+    assert text.endswith("): the file is truncated or damaged; download it again")
+    weights.write_bytes(b"\xff" * 64)  # not a safetensors header at all
+    assert "cannot be read as safetensors" in import_error(tmp_path, "gpt2", recipe("gpt2"), src)
+
+
+def test_a_hugging_face_folder_without_config_json_names_it(tmp_path):
+    """Issue 40 item 12: it was called a consolidated moep_ds checkpoint, for moep-convert (which then failed)."""
+    src = save(hf_model("gpt2"), tmp_path / "hf", "safetensors")
+    (src / "config.json").unlink()
+    assert import_error(tmp_path, "gpt2", recipe("gpt2"), src) == (
+        f"SRC ({str(src)!r}): {str(src)!r} holds model.safetensors but no config.json: a Hugging Face model folder "
+        "needs the config.json published beside its weights (copy or download it there)")
+
+
+def test_hub_errors_offline_say_what_a_command_line_user_can_do(tmp_path, monkeypatch):
+    """Issue 40 item 12: huggingface_hub's "pass 'local_files_only=False'" is advice for its Python API."""
+    from huggingface_hub import constants
+
+    from moep_ds.interop.hub import resolve
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(UserError) as err:
+        resolve("hf:EleutherAI/pythia-tiny@step1", "SRC")
+    assert str(err.value) == (
+        f"SRC ('hf:EleutherAI/pythia-tiny@step1'): revision 'step1' of EleutherAI/pythia-tiny is not in the Hugging "
+        f"Face cache ({tmp_path / 'empty'}) and HF_HUB_OFFLINE=1 forbids downloading it: run `huggingface-cli "
+        "download EleutherAI/pythia-tiny --revision step1` where the hub can be reached (into this cache), or unset "
+        "HF_HUB_OFFLINE")
 
 
 def test_checkpoint_of_another_architecture_is_refused(tmp_path):
