@@ -41,6 +41,7 @@ from moep_ds.checkpointing import layout, model_state, sharded
 from moep_ds.checkpointing.model_dir import convert_hint, is_consolidated, read_meta, write_recipe_files
 from moep_ds.checkpointing.model_state import canonical_name, is_expert_param
 from moep_ds.distributed import deepspeed_adapter
+from moep_ds.fsutil import disk_full, free_bytes
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, OPTIM_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
 from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.moe.shard import full_shape
@@ -234,20 +235,11 @@ def save_error_reason(err: BaseException, where: pathlib.Path) -> str:
     if not full and any("unexpected pos" in str(e) or "No space left" in str(e) for e in causes):
         full = free_bytes(where) < DISK_FULL_BYTES
     if full:
-        return f"disk full (No space left on device) writing {str(where)!r}, {free_bytes(where) >> 20} MiB free there"
+        return disk_full(where, free_bytes(where))
     return sharded.first_line(next((e for e in causes if isinstance(e, OSError)), err))
 
 
 DISK_FULL_BYTES = 64 << 20  # a short write with less than this left on the file system is taken for a full disk
-
-
-def free_bytes(path: pathlib.Path) -> int:
-    for p in (path, *path.parents):
-        try:
-            return shutil.disk_usage(p).free
-        except OSError:
-            continue
-    return 0
 
 
 def exception_chain(err: BaseException):
