@@ -157,7 +157,7 @@ def test_hub_revision_resolves_offline_from_the_cache(tmp_path):
     reference = hf_model("gpt_neox")
     save(reference, tmp_path / "hf", "safetensors")
     cache = hub_cache(tmp_path, tmp_path / "hf", "EleutherAI/pythia-tiny", "step13000")
-    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe("gpt_neox")))
+    (tmp_path / "recipe.yaml").write_text(json.dumps({**recipe("gpt_neox"), "train": {"global_batch_size": 8}}))
     done = moep_import(["hf:EleutherAI/pythia-tiny@step13000", "--out", str(tmp_path / "run"),
                         "--config", str(tmp_path / "recipe.yaml")], cache)
     assert done.returncode == 0, done.stderr
@@ -165,6 +165,7 @@ def test_hub_revision_resolves_offline_from_the_cache(tmp_path):
     assert ckpt.name == layout.checkpoint_tag(13000)  # the revision's step
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["step"] == 13000 and meta["hf_revision"] == "step13000" and meta["hf_commit"].startswith("0123")
+    assert meta["tokens"] == 13000 * 8 * 16  # step x global batch x seq_len: its place on a token axis
     branch = config_from_dict({**recipe("gpt_neox", init_from=str(tmp_path / "run")), "train": {"max_steps": 20000}})
     assert start_step(branch)[0] == 13000  # a run from the imported directory continues at its step
     with torch.no_grad():
@@ -191,6 +192,22 @@ def import_error(tmp_path: Path, case: str, raw: dict, src: Path | None = None) 
         import_checkpoint(str(src), config_from_dict(raw), tmp_path / "run")
     assert not (tmp_path / "run").exists()
     return str(err.value)
+
+
+def test_an_import_at_step_n_records_the_tokens_of_step_n(caplog, monkeypatch):
+    """Issue 40 item 10: the imported parent's evaluation had no token count (eval/compare.py: "-", no equal-token
+    Pythia row). Pythia-1B's step 13000: 13000 x 1024 x 2048 tokens, as a run of its recipe counts them."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
+    from moep_ds.config import load_config
+    from moep_ds.interop.importer import imported_tokens
+
+    pythia = load_config(REPO / "configs" / "pythia_1b_dense.yaml")
+    assert imported_tokens(13000, pythia) == 27_262_976_000
+    assert imported_tokens(0, pythia) == 0
+    assert imported_tokens(13000, config_from_dict(recipe("gpt_neox"))) is None  # no global batch in the recipe
+    assert "records no token count for step 13000" in caplog.text
 
 
 def test_a_truncated_safetensors_file_is_one_line(tmp_path):
