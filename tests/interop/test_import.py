@@ -124,8 +124,23 @@ def test_pythias_release_layout_imports_into_the_pythia_flavour(tmp_path, caplog
     torch.save(state, src / "pytorch_model.bin")
     import_checkpoint(str(src), config_from_dict(recipe("gpt_neox")), tmp_path / "run")
     assert "model.layers[*].ffn.type: 'gelu_tanh' in the recipe, 'gelu' in" in caplog.text
+    # issue 40 item 11: the warning says what differs, by how much, and how to get transformers' numbers
+    assert "each activation differs by up to 4.7e-4, the logits by about 1e-3" in caplog.text
+    assert "--set model.layers[0].ffn.type=gelu" in caplog.text
     with torch.no_grad():  # the reference computes with gelu_new, as ours: the same weights give the same logits
-        torch.testing.assert_close(imported_logits(tmp_path / "run"), reference(tokens()).logits, **TOLERANCE)
+        ours = imported_logits(tmp_path / "run")
+        torch.testing.assert_close(ours, reference(tokens()).logits, **TOLERANCE)
+        # transformers reading the released config.json computes the exact GELU: another 1e-3-order number ...
+        released = transformers.AutoModelForCausalLM.from_pretrained(src).float().eval()(tokens()).logits
+        assert 1e-5 < float((ours - released).abs().max()) < 1e-2
+    # ... which the exact-GELU reading of the same weights gives (no warning then)
+    caplog.clear()
+    exact = config_from_dict(recipe("gpt_neox", layers=[{**recipe("gpt_neox")["model"]["layers"][0],
+                                                         "ffn": {"type": "gelu", "bias": True}}]))
+    import_checkpoint(str(src), exact, tmp_path / "exact")
+    assert "gelu" not in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(imported_logits(tmp_path / "exact"), released, **TOLERANCE)
 
 
 # ---- hf:REPO@REVISION from a cache laid out as huggingface_hub lays it -----------------------------------------
