@@ -14,7 +14,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from moep_ds.errors import UserError
+from moep_ds.errors import UserError, hub_error_reason
 
 HUB = "hf:"
 STEP_REVISION = re.compile(r"step(\d+)")
@@ -89,17 +89,11 @@ def resolve_hub(spec: str, what: str) -> Source:
         if constants.HF_HUB_OFFLINE:  # huggingface_hub's advice (local_files_only=False) is for its Python API
             raise UserError(f"{what} ({spec!r}): revision {revision!r} of {repo_id} is not in the Hugging Face cache "
                             f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 forbids downloading it: run "
-                            f"`huggingface-cli download {repo_id} --revision {revision}` where the hub can be "
+                            f"`hf download {repo_id} --revision {revision}` where the hub can be "
                             "reached (into this cache), or unset HF_HUB_OFFLINE") from None
         raise UserError(f"{what} ({spec!r}): revision {revision!r} of {repo_id} is not on the hub or in the cache "
-                        f"({constants.HF_HUB_CACHE}): {hub_reason(err)}") from None
+                        f"({constants.HF_HUB_CACHE}): {hub_error_reason(err)}") from None
     return Source(spec, folder, repo_id, revision, folder.name)
-
-
-def hub_reason(err: BaseException) -> str:
-    """huggingface_hub's first line without its sentences for Python callers (`local_files_only=...`)."""
-    sentences = [x for x in re.split(r"(?<=\.) ", first_line(err)) if "local_files_only" not in x]
-    return " ".join(sentences) or type(err).__name__
 
 
 def first_line(err: BaseException) -> str:

@@ -194,7 +194,7 @@ def test_hub_revision_resolves_offline_from_the_cache(tmp_path):
     assert line.startswith("error: SRC ('hf:EleutherAI/pythia-tiny@step14000'): revision 'step14000'"), missing.stderr
     assert "not in the Hugging Face cache" in line
     assert "local_files_only" not in line  # huggingface_hub's advice to Python callers (issue 40 item 12)
-    assert "`huggingface-cli download EleutherAI/pythia-tiny --revision step14000`" in line
+    assert "`hf download EleutherAI/pythia-tiny --revision step14000`" in line
 
 
 # ---- bad input: one line each ----------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def test_hub_errors_offline_say_what_a_command_line_user_can_do(tmp_path, monkey
         resolve("hf:EleutherAI/pythia-tiny@step1", "SRC")
     assert str(err.value) == (
         f"SRC ('hf:EleutherAI/pythia-tiny@step1'): revision 'step1' of EleutherAI/pythia-tiny is not in the Hugging "
-        f"Face cache ({tmp_path / 'empty'}) and HF_HUB_OFFLINE=1 forbids downloading it: run `huggingface-cli "
+        f"Face cache ({tmp_path / 'empty'}) and HF_HUB_OFFLINE=1 forbids downloading it: run `hf "
         "download EleutherAI/pythia-tiny --revision step1` where the hub can be reached (into this cache), or unset "
         "HF_HUB_OFFLINE")
 
