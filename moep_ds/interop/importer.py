@@ -3,7 +3,8 @@
     RUN_DIR/checkpoints/step_<N>/     the run-directory format training writes (checkpointing/), model only:
                                       DCP model tensors (true shapes), extra_state.json, config.yaml (the recipe,
                                       init_from and upcycle cleared: the weights are in it), meta.json (step N,
-                                      its tokens, and where the weights came from), the source's tokenizer files, COMPLETE
+                                      its tokens, and where the weights came from), the source's tokenizer
+                                      files, COMPLETE
 
 N is the revision's step (`@stepN`, Pythia's checkpoints), else 0. moep-eval, moep-export and moep-generate read
 the run directory as they read a trained one; training starts from it with `model.init_from: RUN_DIR` (it has no

@@ -77,8 +77,9 @@ def test_start_up_errors_every_rank_meets_are_printed_once(tmp_path):
                PYTHONPATH=str(REPO), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     script = pathlib.Path(__file__).parent / "scripts" / "agreed_errors.py"
     missing = tmp_path / "no_such_model"
-    procs = [subprocess.Popen([sys.executable, str(script), str(missing)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(missing)], cwd=REPO, text=True,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
     errs = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
     lines = [[line for line in err.splitlines() if "error:" in line or line.startswith("case ")] for err in errs]

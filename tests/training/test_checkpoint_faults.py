@@ -188,8 +188,8 @@ def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_
     ]
     full = tmp_path / "full" / "run"  # a full disk at start and at resume (issue 40 item 3: DeepSpeed's TensorBoard
     for args in ([], ["--resume", str(ckpt)]):  # writer's traceback, three of them with 2 processes)
-        cases.append((["--set", f"train.output_dir={full}", *args], re.compile(re.escape(
-            f"train.output_dir ('{full}'): disk full (No space left on device) writing '{full}', ") + r"\d+ MiB free there")))
+        line = f"train.output_dir ('{full}'): disk full (No space left on device) writing '{full}', "
+        cases.append((["--set", f"train.output_dir={full}", *args], re.compile(re.escape(line) + r"\d+ MiB free there")))
     existing = tmp_path / "existing"
     existing.mkdir()
     runs = [["--config", str(recipe), "--ds_config", DS, *args] for args, _ in cases]

@@ -66,7 +66,7 @@ def test_trainer_state_reads_version_1_and_writes_version_2_without_losing_keys(
     assert (state.step, state.global_samples, state.global_batch_size, state.world_size) == (4, 64, 16, 2)
     assert state.data == {"epoch": 0, "global_batch": 4} and state.extra == {"optimizer_step": 4}
     out = state.state_dict()
-    assert out == {"version": VERSION, **V1_STATE}
+    assert out == {"version": VERSION, **V1_STATE, "seq_len": None, "tokens": None}  # unknown then: absent in v1
     assert TrainerState.from_state_dict(out) == state
     oldest = {"step": 3, "global_samples": 48, "data": {"epoch": 0, "global_batch": 3}}  # before max_steps existed
     assert TrainerState.from_state_dict(oldest).max_steps is None
