@@ -3,6 +3,7 @@ helpers those lines share when they describe values read from files."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 
@@ -27,6 +28,15 @@ def json_error_reason(err: Exception, *, line: bool = True) -> str:
     if isinstance(err, json.JSONDecodeError):
         return f"{err.msg}: line {err.lineno} column {err.colno}" if line else f"{err.msg}: column {err.colno}"
     return f"not UTF-8 at byte {err.start + 1}" if isinstance(err, UnicodeDecodeError) else str(err)
+
+
+def hub_error_reason(err: BaseException) -> str:
+    """huggingface_hub's first line without its advice to Python callers (`local_files_only=False`), which a
+    command-line user cannot act on."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    sentences = [x for x in re.split(r"(?<=\.) ", first) if "local_files_only" not in x]
+    return " ".join(sentences) or type(err).__name__
 
 
 class ReportedElsewhere(UserError):

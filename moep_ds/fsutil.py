@@ -7,6 +7,7 @@ some writers create private files; an output should read like any other file of 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -157,15 +158,43 @@ def check_dir_target(option: str, path: Path) -> None:
 
 
 def check_writable(directory: str | os.PathLike, field: str) -> Path:
-    """Create `directory` if needed and make sure files can be written there; one-line UserError otherwise."""
+    """Create `directory` if needed and make sure files can be written there: PROBE_BYTES written and synced (a full
+    disk still creates an empty file); one-line UserError otherwise."""
     path = Path(directory)
+    probe = path / f".write-test-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", delete=True)
-        probe.close()
+        try:
+            with open(probe, "wb") as f:
+                f.write(bytes(PROBE_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
     except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(f"{field} ({str(path)!r}): {disk_full(path)}") from None
         raise UserError(f"{field} ({str(path)!r}) is not writable: {err.strerror or err}") from None
     return path
+
+
+PROBE_BYTES = 1 << 20
+
+
+def disk_full(where: Path, free: int | None = None) -> str:
+    """What a write that found no space says: the path and the space left on its file system (`free` bytes)."""
+    free = free_bytes(where) if free is None else free
+    return f"disk full (No space left on device) writing {str(where)!r}, {free >> 20} MiB free there"
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system of `path` or its nearest existing parent (0 if none can be asked)."""
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return 0
 
 
 def first_missing(directory: str | os.PathLike) -> Path | None:

@@ -137,6 +137,10 @@ def convert(src: str | Path, out: str | Path) -> Path:
     if out.exists() and not layout.is_empty_dir(out):
         raise UserError(f"--out {str(out)!r} exists and is not empty: name a new directory")
     layout.check_dir_target("--out", out)
+    reason = layout.run_overlap(out.resolve(), src.resolve(), "converted")
+    if reason is not None:  # as moep-export: a run directory's checkpoints are the trainer's
+        raise UserError(f"--out ({str(out)!r}) {reason}: moep-convert never writes into a run directory or "
+                        f"checkpoint; name a new directory outside them (then --resume DST starts a run from it)")
     cfg, key_prefix = source_recipe(src)
     with torch.device("meta"):
         meta_model = build_model(cfg.model, initialise=False)

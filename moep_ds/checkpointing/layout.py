@@ -59,3 +59,30 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 def newest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def run_overlap(out: Path, source: Path, done: str = "exported") -> str | None:
+    """Why the resolved path `out` would write into the checkpoint `source` (being `done`: exported, converted)
+    or a run directory, which the trainer owns (training/run_dir.py); None if not."""
+    if out == source:
+        return f"is the checkpoint being {done}"
+    if source in out.parents:
+        return f"is inside the checkpoint being {done} ({source})"
+    if out in source.parents:
+        return f"contains the checkpoint being {done} ({source})"
+    for p in (out, *out.parents):
+        if is_complete(p):
+            return "is a checkpoint" if p == out else f"is inside checkpoint {p}"
+        if is_run_dir(p) and p == out:
+            return "is a run directory"
+        if is_run_dir(p) and out.is_relative_to(checkpoint_root(p)):
+            return f"is inside the checkpoints of run directory {p}"
+        if is_run_dir(p):  # the run's own folder: its files are the trainer's (run_dir.py), not an export's
+            return f"is inside run directory {p}"
+    return None
+
+
+def is_run_dir(path: Path) -> bool:
+    """A folder whose checkpoints/ holds step_<N> checkpoints (complete or not), not just any checkpoints/."""
+    root = checkpoint_root(path)
+    return root.is_dir() and any(step_of(d) >= 0 for d in root.iterdir())

@@ -33,8 +33,8 @@ from moep_ds.data.builtin import default_cache_dir
 from moep_ds.data.config import MEGATRON, DataConfig
 from moep_ds.data.errors import DataError
 from moep_ds.data.sources import Part, load_documents, megatron_prefix, resolve_sources, scan_sources
-from moep_ds.data.tokenizer import (TOKENIZER_FILE, TextTokenizer, copy_tokenizer, load_tokenizer, save_tokenizer,
-                                    tokenizer_file, tokenizer_sha256, train_tokenizer)
+from moep_ds.data.tokenizer import (TOKENIZER_FILE, HubTokenizerMissing, TextTokenizer, copy_tokenizer, load_tokenizer,
+                                    save_tokenizer, tokenizer_file, tokenizer_sha256, train_tokenizer)
 from moep_ds.fsutil import atomic_dir
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,13 @@ def check_tokenizer_fits(cfg: DataConfig, model_vocab_size: int) -> None:
 
 
 def check_reusable_tokenizer(cfg: DataConfig) -> TextTokenizer:
-    tok = load_tokenizer(cfg.tokenizer.path)
+    try:
+        tok = load_tokenizer(cfg.tokenizer.path)
+    except HubTokenizerMissing as err:
+        if cfg.megatron_prefix is not None:  # its token ids are that tokenizer's: no other one will do
+            raise DataError(f"{err} (a {MEGATRON} source needs the tokenizer it was tokenised with)") from None
+        raise DataError(f"{err}, or train one: --set data.tokenizer.path=null "
+                        f"data.tokenizer.vocab_size=<model.vocab_size>") from None
     if tok.vocab_size != cfg.tokenizer.vocab_size:
         raise DataError(f"tokenizer {cfg.tokenizer.path} has vocab_size {tok.vocab_size}, "
                         f"data.tokenizer.vocab_size is {cfg.tokenizer.vocab_size}")

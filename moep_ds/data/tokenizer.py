@@ -27,6 +27,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.errors import DataError
+from moep_ds.errors import hub_error_reason
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +245,10 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
     return p if p.is_file() else p / TOKENIZER_FILE
 
 
+class HubTokenizerMissing(DataError):
+    """A hub tokenizer that is neither cached nor downloadable (the data's config adds what else may be done)."""
+
+
 def hub_tokenizer_file(repo_id: str) -> Path:
     """tokenizer.json of a hub repository (downloaded once, then read from the Hugging Face cache), with the
     transformers side files beside it when the repository has them."""
@@ -252,11 +257,10 @@ def hub_tokenizer_file(repo_id: str) -> Path:
     try:
         file = Path(hf_hub_download(repo_id, TOKENIZER_FILE))
     except (OSError, ValueError) as err:  # offline, not cached, no such repository or file
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DataError(f"tokenizer {HUB}{repo_id}: no {TOKENIZER_FILE} in the Hugging Face cache "
-                        f"({constants.HF_HUB_CACHE}) and none downloadable ({reason}); download it once online, or set "
-                        f"data.tokenizer.path to a local tokenizer.json, or train one: --set data.tokenizer.path=null "
-                        f"data.tokenizer.vocab_size=<model.vocab_size>") from err
+        raise HubTokenizerMissing(
+            f"tokenizer {HUB}{repo_id}: no {TOKENIZER_FILE} in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"none downloadable ({hub_error_reason(err)}); download it once where the hub can be reached (`hf download "
+            f"{repo_id} {TOKENIZER_FILE}`), or set data.tokenizer.path to a local tokenizer.json") from err
     for name in TOKENIZER_FILES[1:]:
         try:
             hf_hub_download(repo_id, name)

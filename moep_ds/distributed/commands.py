@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from moep_ds.distributed.launcher import launcher_rank
@@ -72,6 +73,8 @@ def exit_joined(code: int) -> int:
 
         leave_process_group()
         return code
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # the launcher stopping the ranks as this one exits: no "received
+        signal.signal(sig, signal.SIG_IGN)  # signal 15: checkpointing ..." from a rank that checkpoints nothing now
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

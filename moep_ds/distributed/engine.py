@@ -69,6 +69,11 @@ class Engine:
         return float(scaler.cur_scale) if self._fp16 and scaler is not None else None
 
     @property
+    def global_samples(self) -> int:
+        """Samples trained on since the run's start (all ranks), as the engine counts them."""
+        return int(self._engine.global_samples)
+
+    @property
     def skipped_steps(self) -> int:
         """Steps the fp16 loss scaler skipped (an overflow): the optimizer did not step."""
         return int(self._engine.skipped_steps)
@@ -89,7 +94,7 @@ class Engine:
         scheduler = self._engine.lr_scheduler
         scaler = st.loss_scaler(self._engine.optimizer)
         return {
-            "global_samples": int(self._engine.global_samples), "skipped_steps": self.skipped_steps,
+            "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
             "lr_scheduler": {"last_epoch": scheduler.last_epoch} if scheduler is not None else None,
             "loss_scaler": None if scaler is None else {
                 k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))},

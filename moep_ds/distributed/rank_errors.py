@@ -7,8 +7,11 @@ A rank that is gone without a word (killed, its node lost) fails the survivors' 
 turns that collective's error into one line naming the lost rank (cli.run_guarded prints it on each survivor)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import socket
+import sys
 import time
 from typing import Any, Callable
 
@@ -73,13 +76,16 @@ def lost_rank_error(err: BaseException, wait_s: float | None = None) -> UserErro
     cause = collective_cause(message)
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"moep/alive/{rank}", "1")
-        deadline = time.monotonic() + wait_s
-        while True:
-            missing = [r for r in range(world) if not store.check([f"moep/alive/{r}"])]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        if store_gone(store):
+            raise ConnectionError("the rendezvous store does not accept connections")
+        with quiet_stderr():  # a store whose process dies meanwhile: its client's C++ warning and stack frames
+            store.set(f"moep/alive/{rank}", "1")
+            deadline = time.monotonic() + wait_s
+            while True:
+                missing = [r for r in range(world) if not store.check([f"moep/alive/{r}"])]
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
     except Exception:  # the store's process is gone
         return UserError(f"lost rank 0 of {world}: a collective failed ({cause}) and the rendezvous store it held "
                          "no longer answers; resubmit to resume from the newest complete checkpoint")
@@ -89,6 +95,37 @@ def lost_rank_error(err: BaseException, wait_s: float | None = None) -> UserErro
     return UserError(f"lost rank{'s' if len(missing) > 1 else ''} {names} of {world}: a collective failed ({cause}) "
                      f"and rank{'s' if len(missing) > 1 else ''} {names} did not answer within {wait_s:g} s; "
                      "resubmit to resume from the newest complete checkpoint")
+
+
+def store_gone(store) -> bool:
+    """Whether the server of a TCP rendezvous store no longer accepts connections (its process is gone), probed with
+    a socket of our own: the store's client, asked first, would print a C++ warning with some 20 stack frames."""
+    inner = getattr(store, "_underlying_non_prefix_store", store)
+    if not isinstance(inner, dist.TCPStore):
+        return False
+    try:
+        with socket.create_connection((inner.host, inner.port), timeout=STORE_PROBE_S):
+            return False
+    except OSError:
+        return True
+
+
+STORE_PROBE_S = 5.0
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """File descriptor 2 points to /dev/null inside (what C++ code prints there too): for the last seconds of a
+    process that is about to exit with its one line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def collective_cause(message: str) -> str:

@@ -119,35 +119,9 @@ def check_creatable(out: Path) -> None:
 def check_outside_runs(out: Path, source: Path) -> None:
     """An export replaces --out as a whole (--force): it must not be or hold the checkpoint it reads, nor lie in
     a run directory, which the trainer owns."""
-    reason = run_overlap(out.resolve(), source.resolve())
+    reason = layout.run_overlap(out.resolve(), source.resolve())
     if reason is not None:
         raise UserError(f"--out ({str(out)!r}) {reason}: an export never writes into a run directory or checkpoint")
-
-
-def run_overlap(out: Path, source: Path) -> str | None:
-    """Why the resolved path `out` would write into the checkpoint `source` or a run directory; None if not."""
-    if out == source:
-        return "is the checkpoint being exported"
-    if source in out.parents:
-        return f"is inside the checkpoint being exported ({source})"
-    if out in source.parents:
-        return f"contains the checkpoint being exported ({source})"
-    for p in (out, *out.parents):
-        if layout.is_complete(p):
-            return "is a checkpoint" if p == out else f"is inside checkpoint {p}"
-        if is_run_dir(p) and p == out:
-            return "is a run directory"
-        if is_run_dir(p) and out.is_relative_to(layout.checkpoint_root(p)):
-            return f"is inside the checkpoints of run directory {p}"
-        if is_run_dir(p):  # the run's own folder: its files are the trainer's (run_dir.py), not an export's
-            return f"is inside run directory {p}"
-    return None
-
-
-def is_run_dir(path: Path) -> bool:
-    """A folder whose checkpoints/ holds step_<N> checkpoints (complete or not), not just any checkpoints/."""
-    root = layout.checkpoint_root(path)
-    return root.is_dir() and any(layout.step_of(d) >= 0 for d in root.iterdir())
 
 
 def checked_tokenizer(source: Path) -> Path | None:

@@ -10,11 +10,12 @@ tensors of the one weight being read are in memory.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -73,18 +74,14 @@ class TensorFiles:
     @staticmethod
     def keys_of(file: Path) -> list[str]:
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(file), framework="pt") as f:
+            with safetensors_file(file) as f:
                 return list(f.keys())
         return list(load_bin(file))
 
     def shape(self, key: str) -> tuple[int, ...]:
         file = self.files[key]
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(file), framework="pt") as f:
+            with safetensors_file(file) as f:
                 return tuple(f.get_slice(key).get_shape())
         return tuple(load_bin(file)[key].shape)
 
@@ -94,11 +91,26 @@ class TensorFiles:
         if not file.is_file():
             raise UserError(f"{str(file)!r} (named by the weights index for {key!r}) is missing")
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(file), framework="pt") as f:
+            with safetensors_file(file) as f:
                 return f.get_tensor(key).float()
         return load_bin(file)[key].float()
+
+
+@contextlib.contextmanager
+def safetensors_file(file: Path) -> Iterator[Any]:
+    """safe_open(file), whose errors (safetensors' SafetensorError "incomplete metadata" for a truncated file, a bad
+    header, an unreadable file) become one line naming the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - SafetensorError is not exported under a stable name
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{str(file)!r} cannot be read as safetensors ({reason}): the file is truncated or damaged; "
+                        "download it again") from None
 
 
 @functools.lru_cache(maxsize=4)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from moep_ds.errors import UserError
+from moep_ds.errors import UserError, hub_error_reason
 from moep_ds.models.source_spec import HUB, revision_step, split_hub_spec
 
 WEIGHT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
@@ -66,9 +66,13 @@ def resolve_hub(spec: str, what: str) -> Source:
     except HFValidationError as err:
         raise UserError(f"{what} ({spec!r}): {first_line(err)}") from None
     except (OSError, ValueError) as err:  # not cached offline, no such repository or revision
-        where = "in the Hugging Face cache" if constants.HF_HUB_OFFLINE else "on the hub or in the cache"
-        raise UserError(f"{what} ({spec!r}): revision {revision!r} of {repo_id} is not {where} "
-                        f"({constants.HF_HUB_CACHE}): {first_line(err)}") from None
+        if constants.HF_HUB_OFFLINE:  # huggingface_hub's advice (local_files_only=False) is for its Python API
+            raise UserError(f"{what} ({spec!r}): revision {revision!r} of {repo_id} is not in the Hugging Face cache "
+                            f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 forbids downloading it: run "
+                            f"`hf download {repo_id} --revision {revision}` where the hub can be "
+                            "reached (into this cache), or unset HF_HUB_OFFLINE") from None
+        raise UserError(f"{what} ({spec!r}): revision {revision!r} of {repo_id} is not on the hub or in the cache "
+                        f"({constants.HF_HUB_CACHE}): {hub_error_reason(err)}") from None
     return Source(spec, folder, repo_id, revision, folder.name)
 
 

@@ -2,8 +2,9 @@
 
     RUN_DIR/checkpoints/step_<N>/     the run-directory format training writes (checkpointing/), model only:
                                       DCP model tensors (true shapes), extra_state.json, config.yaml (the recipe,
-                                      init_from and upcycle cleared: the weights are in it), meta.json (step N
-                                      and where the weights came from), the source's tokenizer files, COMPLETE
+                                      init_from and upcycle cleared: the weights are in it), meta.json (step N,
+                                      its tokens, and where the weights came from), the source's tokenizer
+                                      files, COMPLETE
 
 N is the revision's step (`@stepN`, Pythia's checkpoints), else 0. moep-eval, moep-export and moep-generate read
 the run directory as they read a trained one; training starts from it with `model.init_from: RUN_DIR` (it has no
@@ -57,12 +58,27 @@ def import_checkpoint(src: str, cfg: Any, out: str | Path) -> Path:
     step = source.step or 0
     stored = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None, upcycle=None))
     tokenizer_dir = source_tokenizer(source.folder)
-    meta = {"step": step, **source.describe(), "upcycled": cfg.model.upcycle is not None}
+    meta = {"step": step, "tokens": imported_tokens(step, cfg), **source.describe(),
+            "upcycled": cfg.model.upcycle is not None}
     tag = layout.checkpoint_tag(step)
     with layout.output_dir(out) as tmp:
         write_model_checkpoint(model, stored, layout.checkpoint_root(tmp) / tag, tokenizer_dir, meta)
     log.info("imported %s into %s (step %d)", src, out, step)
     return layout.checkpoint_root(out) / tag
+
+
+def imported_tokens(step: int, cfg: Any) -> int | None:
+    """The tokens a checkpoint of step N was trained on, as a run of the recipe counts them: N x the recipe's
+    train.global_batch_size x data.seq_len (Pythia's step 13000: 13000 x 1024 x 2048), so that its evaluation
+    stands at its place on the published curves (eval/compare.py). None where the recipe leaves the global batch
+    to the ds_config: the import cannot know it."""
+    if step == 0:
+        return 0
+    if cfg.train.global_batch_size is None:
+        log.warning("the import records no token count for step %d: the recipe sets no train.global_batch_size "
+                    "(evaluations of it then stand at no place on a token axis)", step)
+        return None
+    return step * cfg.train.global_batch_size * cfg.data.seq_len
 
 
 def write_model_checkpoint(model: torch.nn.Module, cfg: Any, path: Path, tokenizer_dir: Path | None,

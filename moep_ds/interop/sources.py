@@ -47,11 +47,17 @@ def source_weights(spec: str, model_cfg: Any, tokenizer_cfg: Any = None, what: s
     upcycle = getattr(model_cfg, "upcycle", None)
     target = dense_model_config(model_cfg) if upcycle is not None else model_cfg
     label = f"{what} ({spec!r})"
-    if is_hf_folder(source.folder):
-        weights = hf_weights(source.folder, target, label)
-        tokenizer_dir = source.folder
-    else:
-        weights, tokenizer_dir = moep_weights(source.folder, target, label)
+    check_config_present(source.folder, label)
+    try:
+        if is_hf_folder(source.folder):
+            weights = hf_weights(source.folder, target, label)
+            tokenizer_dir = source.folder
+        else:
+            weights, tokenizer_dir = moep_weights(source.folder, target, label)
+    except UserError as err:
+        if upcycle is None:
+            raise
+        raise UserError(expert_field_names(str(err), model_cfg)) from None  # the recipe's fields, not the dense's
     if tokenizer_cfg is not None:
         check_tokenizer(tokenizer_dir, tokenizer_cfg, label)
     shapes = model_shapes(model_cfg)
@@ -62,6 +68,27 @@ def source_weights(spec: str, model_cfg: Any, tokenizer_cfg: Any = None, what: s
         keep = router_names(shapes, model_cfg)
     check_shapes(weights, shapes, keep, label)
     return weights, keep, source
+
+
+def check_config_present(folder: Path, label: str) -> None:
+    """A folder with a Hugging Face model's weights but neither its config.json nor a moep_ds recipe is named as
+    such (it would otherwise look like a consolidated moep_ds checkpoint, which moep-convert cannot read either)."""
+    from moep_ds.interop.hf_weights import BIN, BIN_INDEX, SAFETENSORS, SAFETENSORS_INDEX
+
+    weights = [name for name in (SAFETENSORS, SAFETENSORS_INDEX, BIN, BIN_INDEX) if (folder / name).is_file()]
+    if weights and not (folder / "config.json").is_file() and not (folder / "config.yaml").is_file():
+        raise UserError(f"{label}: {str(folder)!r} holds {weights[0]} but no config.json: a Hugging Face model folder "
+                        "needs the config.json published beside its weights (copy or download it there)")
+
+
+def expert_field_names(text: str, model_cfg: Any) -> str:
+    """`text` (an error about the dense model an upcycled recipe is read as) with the FFN fields of its ffn_moe
+    blocks named as the recipe names them: model.layers[i].moe.expert, not the dense block's ffn."""
+    text = text.replace("model.layers[*].ffn.", "model.layers[*].moe.expert.")
+    for i, layer in enumerate(model_cfg.expanded_layers()):
+        if layer.type == "ffn_moe":
+            text = text.replace(f"model.layers[{i}].ffn.", f"model.layers[{i}].moe.expert.")
+    return text
 
 
 def moep_weights(folder: Path, target: Any, label: str) -> tuple[dict[str, Weight], Path]:

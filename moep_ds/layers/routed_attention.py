@@ -195,8 +195,12 @@ def chunks_with_history(x_N: torch.Tensor, C: int, front: int, back: int, fill_f
 
 
 def pad_rows(x_N: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """x with n rows of `fill` appended (no copy when n is 0)."""
-    return torch.cat([x_N, x_N.new_full((n, *x_N.shape[1:]), fill)]) if n else x_N
+    """x with n rows of `fill` appended (eagerly no copy when n is 0). Under torch.compile with a dynamic token count
+    n is symbolic and always concatenated: a test of n == 0 would guard on N modulo the chunk, one more compiled
+    graph per residue (a recompile at a later validation, up to dynamo's recompile limit)."""
+    if not torch.compiler.is_compiling() and n == 0:
+        return x_N
+    return F.pad(x_N, (0, 0) * (x_N.dim() - 1) + (0, n), value=fill)
 
 
 def routed_causal_attention(

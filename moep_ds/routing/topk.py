@@ -13,8 +13,11 @@ experts.
     each token takes the K largest c; weights g = s of the chosen (unbiased), optionally renormalised over the K
                (g / sum g), times scaling_factor (DeepSeek-V3's routed_scaling_factor)
     load balancing (Switch eq. 4):  alpha * E * sum_i f_i P_i,
-        f_i = share of the T*K assignments that chose expert i (normalised by K so that a uniform router gives
-              exactly alpha for any K), P_i = mean_t p[t, i] with p = s / sum_E s (= s for softmax)
+        f_i = share of the T*K assignments of an unbiased top-K of s over all experts that go to expert i
+              (normalised by K so that a uniform router gives exactly alpha for any K): without the selection
+              bias and the group limit, as DeepSeek-V3 eq. 18 and Megatron-Core's
+              compute_routing_scores_for_aux_loss; the same as the choice when neither is set),
+        P_i = mean_t p[t, i] with p = s / sum_E s (= s for softmax)
         scope micro_batch: f and P over the micro-batch; sequence: per sequence, averaged over the B sequences
         (DeepSeek-V3's complementary sequence-wise loss, eq. 17-20); global: f from the counts summed over the
         data-parallel ranks (Qwen's global-batch balancing), P local
@@ -34,7 +37,7 @@ from moep_ds.registry import ROUTERS
 from moep_ds.routing.balancing import ExpertBias
 from moep_ds.routing.lifecycle import ExpertLifecycle, LifecycleConfig
 from moep_ds.routing.plan import RoutingPlan, exact_ratio, expert_counts, round_ratio, routing_stats
-from moep_ds.routing.router import Router
+from moep_ds.routing.router import Router, routing_dtype
 from moep_ds.schema import Between, NonNegativeFloat, PositiveFloat, PositiveInt, fail
 
 # sums a vector over the data-parallel ranks (installed by the trainer for load_balancing_scope: global)
@@ -178,6 +181,12 @@ def sequence_load_balancing_loss(probs_TE: torch.Tensor, experts_TK: torch.Tenso
     return E * (f_BE * P_BE).sum(-1).mean()
 
 
+def jitter(x_TD: torch.Tensor, eps: float) -> torch.Tensor:
+    """x times noise drawn uniformly from [1 - eps, 1 + eps] per element, in the router's fp32 (Switch Transformer's
+    router jitter, as transformers' SwitchTransformersTop1Router applies it)."""
+    return x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
+
+
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """mean_t logsumexp(l_t)^2 (unweighted): keeps router logits small so the softmax stays well-conditioned."""
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
@@ -236,8 +245,7 @@ class TopKRouter(Router):
         num_sequences = x_BTD.shape[0] if x_BTD.dim() == 3 else 1
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         if self.training and self.cfg.jitter > 0:
-            eps = self.cfg.jitter
-            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
+            x_TD = jitter(x_TD.to(routing_dtype(x_TD)), self.cfg.jitter)
         logits_TE = self.logits(x_TD)
         if self.lifecycle is None:
             return self.plan_from_logits(logits_TE, num_sequences)
@@ -263,8 +271,9 @@ class TopKRouter(Router):
         aux_losses = {}
         if cfg.load_balancing_weight > 0:
             probs_TE = score_distribution(scores_TE, cfg.score)
+            unbiased = bias_E is None and cfg.kept_groups() == cfg.num_groups
             aux_losses["load_balancing_loss"] = cfg.load_balancing_weight * self.balance_loss(
-                probs_TE, experts_TK, num_sequences)
+                probs_TE, experts_TK if unbiased else select_experts(scores_TE, cfg.k), num_sequences)
         if cfg.z_loss_weight > 0:
             aux_losses["router_z_loss"] = cfg.z_loss_weight * router_z_loss(logits_TE)
         stats = routing_stats(logits_TE, token_idx_S, counts_E)
@@ -273,7 +282,7 @@ class TopKRouter(Router):
         return RoutingPlan(token_idx_S, weight_S, counts_E, T, aux_losses=aux_losses, stats=stats)
 
     def balance_loss(self, probs_TE: torch.Tensor, experts_TK: torch.Tensor, num_sequences: int) -> torch.Tensor:
-        """The unweighted load-balancing loss in the configured scope."""
+        """The unweighted load-balancing loss in the configured scope; experts_TK: the unbiased top-K counted in f."""
         scope = self.cfg.load_balancing_scope
         if scope == "sequence":
             return sequence_load_balancing_loss(probs_TE, experts_TK, num_sequences)
@@ -292,6 +301,7 @@ __all__ = [
     "TopKRouter",
     "assign_tokens",
     "group_limited_mask",
+    "jitter",
     "load_balancing_loss",
     "router_scores",
     "router_z_loss",

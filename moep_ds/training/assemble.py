@@ -37,7 +37,8 @@ from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers
 from moep_ds.training.init_from import initialise_from_source
 from moep_ds.training.monitor import drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
-from moep_ds.training.resume_batch import reconcile_resumed, saved_global_batch
+from moep_ds.training.resume_batch import reconcile_resumed, resume_state, saved_global_batch
+from moep_ds.training.resume_data import check_same_data
 from moep_ds.training.run_dir import claim_run_dir
 from moep_ds.training.startup import build_rank_model, check_output_dir, peak_flops, set_aside, total_steps
 from moep_ds.training.train_module import TrainModule
@@ -165,6 +166,7 @@ def assemble(cfg: Config, ds_config_path: str | dict | None, resume: str | None,
     setup_logging(rank)
     run_dir = pathlib.Path(cfg.train.output_dir)
     ds = reconcile_resumed(raw_ds, cfg.train, world, resume, run_dir, allow_batch_change)
+    check_same_data(resume_state(resume, run_dir), cfg.data.seq_len, cfg.train.seed, warn=rank == 0)
     ds.setdefault("tensorboard", {"enabled": True, "output_path": str(run_dir), "job_name": "tensorboard"})
     check_with_deepspeed(ds)
     check_parallel_layout(cfg, ds, world)
@@ -176,7 +178,7 @@ def assemble(cfg: Config, ds_config_path: str | dict | None, resume: str | None,
     dataset = open_split(prepared, "train", cfg.data.seq_len)
     model, plan, resume_from, state = load_resumed_model(cfg, ds, resume, run_dir, rank)
     max_steps = total_steps(cfg, len(dataset), ds["train_batch_size"])
-    start_step = resolve_start_step(cfg, max_steps)  # 0 unless branching (training/branch.py)
+    start_step = resolve_start_step(cfg, max_steps, resuming=resume_from is not None)  # 0 unless branching
     engine = build_engine(cfg, ds, model, plan, device, max_steps, start_step)
     report = meta_param_report(cfg.model, cfg.data.seq_len)  # of the whole model
     log.info("model: %s | %s | ZeRO-%d | %d ranks | expert parallel %d | %d steps", report.as_dict(), precision(ds),
@@ -186,7 +188,7 @@ def assemble(cfg: Config, ds_config_path: str | dict | None, resume: str | None,
                          seed=cfg.train.seed, shuffle=cfg.data.order == "shuffled")
     module = TrainModule(engine=engine, model=model, plan=plan, loader=loader, ds=ds, report=report,
                          tokens_per_step=ds["train_batch_size"] * cfg.data.seq_len, device=device,
-                         peak_flops=peak_flops(cfg, device))
+                         seq_len=cfg.data.seq_len, peak_flops=peak_flops(cfg, device))
     parts = RunParts(cfg=cfg, ds=ds, rank=rank, world=world, device=device, run_dir=run_dir, prepared=prepared,
                      meta=meta, module=module, checkpointer=ckpt_io.Checkpointer(run_dir, cfg, prepared),
                      max_steps=max_steps, start_step=start_step)

@@ -43,6 +43,7 @@ from moep_ds.checkpointing.model_dir import convert_hint, is_consolidated, read_
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
 from moep_ds.distributed import optimizer_state as st
 from moep_ds.distributed.owned_state import commit_partitions, owned_pieces
+from moep_ds.fsutil import disk_full, free_bytes
 from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.training.rng import rng_state
 from moep_ds.training.trainer_state import TrainerState
@@ -167,20 +168,11 @@ def save_error_reason(err: BaseException, where: pathlib.Path) -> str:
     if not full and any("unexpected pos" in str(e) or "No space left" in str(e) for e in causes):
         full = free_bytes(where) < DISK_FULL_BYTES
     if full:
-        return f"disk full (No space left on device) writing {str(where)!r}, {free_bytes(where) >> 20} MiB free there"
+        return disk_full(where, free_bytes(where))
     return sharded.first_line(next((e for e in causes if isinstance(e, OSError)), err))
 
 
 DISK_FULL_BYTES = 64 << 20  # a short write with less than this left on the file system is taken for a full disk
-
-
-def free_bytes(path: pathlib.Path) -> int:
-    for p in (path, *path.parents):
-        try:
-            return shutil.disk_usage(p).free
-        except OSError:
-            continue
-    return 0
 
 
 def exception_chain(err: BaseException):
@@ -338,7 +330,7 @@ class Checkpointer:
         position and its callbacks' states."""
         module = trainer.module
         state = TrainerState(**trainer.state_dict(), **module.state_dict(), callbacks=trainer.callback_states())
-        meta = {"tokens": trainer.step * module.tokens_per_step, **module.report.as_dict()}
+        meta = {"tokens": module.tokens_read(), **module.report.as_dict()}
         return self.writer.save(module.engine, module.model, self.cfg, trainer.step, state.state_dict(),
                                 plan=module.plan, tokenizer_dir=self.tokenizer_dir, meta=meta)
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from moep_ds.checkpointing import model_state
 from moep_ds.checkpointing.sharded import OPTIM_PREFIX
+from moep_ds.distributed.rank_errors import agreed
 from moep_ds.interop.sources import source_weights
 from moep_ds.interop.weights import fill_pieces
 from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
@@ -29,7 +30,8 @@ def initialise_from_source(engine, model, cfg: Any, plan: ExpertParallelPlan = S
     src = cfg.model.init_from
     if src is None:
         return
-    weights, keep, source = source_weights(src, cfg.model, cfg.data.tokenizer)
+    # every rank reads the same source: its error once, from the first rank that has it (rank_errors.py)
+    weights, keep, source = agreed(source_weights, src, cfg.model, cfg.data.tokenizer)
     label = f"model.init_from ({src!r})"
     fill_pieces(model_state.module_pieces(model, plan), weights, keep, label)
     st.init_optimizer_state(engine.optimizer)  # zero moments, step 0: what a fresh optimizer's first step makes

@@ -75,9 +75,29 @@ def reconcile_resumed(raw_ds: dict[str, Any], train: TrainConfig, world_size: in
     if not allow_batch_change:
         raise SharedUserError(
             f"checkpoint {str(ckpt)!r} was trained with global batch {saved}, this run's {given} = "
-            f"{fresh['train_batch_size']}: leave the global batch unset (ds_config gradient_accumulation_steps "
-            f'"auto", no train_batch_size) to keep {saved}, or pass --allow_batch_change to continue with '
-            f"{fresh['train_batch_size']} from the sample reached")
+            f"{fresh['train_batch_size']}: {keep_advice(raw_ds, train, world_size, saved)}, or pass "
+            f"--allow_batch_change to continue with {fresh['train_batch_size']} from the sample reached")
     log.warning("--allow_batch_change: resuming %s (global batch %d) with global batch %d, from the sample it reached",
                 ckpt, saved, fresh["train_batch_size"])
     return fresh
+
+
+def keep_advice(raw_ds: dict[str, Any], train: TrainConfig, world_size: int, saved: int) -> str:
+    """What to change to keep the saved global batch: the setting that fixes another one, or, where the global
+    batch is left to adapt, the micro-batch that does not divide its share of each process."""
+    unset = (None, "auto")
+    if (train.global_batch_size is not None or raw_ds.get("train_batch_size") not in unset
+            or raw_ds.get("gradient_accumulation_steps") not in unset):
+        return (f'leave the global batch unset (ds_config gradient_accumulation_steps "auto", no train_batch_size) '
+                f"to keep {saved}")
+    if saved % world_size:
+        return f"resume on a number of processes that divides {saved} to keep it"
+    share = saved // world_size
+    if train.micro_batch_size is not None:
+        field, micro, how = "train.micro_batch_size", train.micro_batch_size, "--set train.micro_batch_size={}"
+    else:
+        field, micro = "ds_config train_micro_batch_size_per_gpu", raw_ds["train_micro_batch_size_per_gpu"]
+        how = "train_micro_batch_size_per_gpu {} in the ds_config"
+    fits = max(d for d in range(1, min(micro, share) + 1) if share % d == 0)
+    return (f"{field} ({micro}) must divide {share} ({saved} / {world_size} processes) to keep {saved} "
+            f"(e.g. {how.format(fits)})")

@@ -18,6 +18,7 @@ from moep_ds.data.sampler import BatchLoader, eval_batches
 from moep_ds.distributed.engine import Engine
 from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.training.balancing import LossFreeBalancing
+from moep_ds.training.resume_data import tokens_read
 
 
 @dataclasses.dataclass(eq=False)
@@ -27,7 +28,8 @@ class TrainModule:
     engine: the model under DeepSpeed; model: the same module (this rank's experts, its ZeRO-3 partition);
     plan: the expert-parallel plan the model was built with; loader: this rank's micro-batches;
     ds: the reconciled DeepSpeed config; report: the whole model's parameter and FLOP counts;
-    tokens_per_step: tokens of one global batch; peak_flops: per device, for the MFU (None: not known)."""
+    tokens_per_step: tokens of one global batch; seq_len: tokens per sample (data.seq_len);
+    peak_flops: per device, for the MFU (None: not known)."""
 
     engine: Engine
     model: torch.nn.Module
@@ -37,11 +39,13 @@ class TrainModule:
     report: Any
     tokens_per_step: int
     device: torch.device
+    seq_len: int
     peak_flops: float | None = None
     balancing: LossFreeBalancing = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.balancing = LossFreeBalancing(self.model)
+        self.resumed: dict[str, Any] | None = None  # the state this module was resumed from
         self.accum = self.ds["gradient_accumulation_steps"]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
@@ -85,8 +89,7 @@ class TrainModule:
     def metrics(self, step: int, losses: dict[str, float], seconds: float) -> dict[str, float]:
         """What a log step records besides the losses: lr, throughput, tokens, gradient norm, loss scale, MFU."""
         tokens_per_s = self.tokens_per_step / max(seconds, 1e-9)
-        out = {**losses, "lr": self.engine.lr(), "tokens_per_s": tokens_per_s,
-               "tokens": float(step * self.tokens_per_step)}
+        out = {**losses, "lr": self.engine.lr(), "tokens_per_s": tokens_per_s, "tokens": float(self.tokens_read())}
         grad_norm = self.engine.grad_norm()
         if grad_norm is not None:
             out["grad_norm"] = grad_norm
@@ -115,6 +118,10 @@ class TrainModule:
         dist.all_reduce(total)
         return float(total) / (windows * self.world)  # every rank scores as many windows
 
+    def tokens_read(self) -> int:
+        """Tokens read so far: counted from the samples read, not the step (training/resume_data.py)."""
+        return tokens_read(self.engine.global_samples, self.seq_len, self.resumed)
+
     def start_at(self, step: int) -> None:
         """A fresh run's position at `step` (train.start_step): the data and the engine's counters; the lr
         schedule starts there already (optim.build_scheduler)."""
@@ -125,9 +132,10 @@ class TrainModule:
         """The step's state besides the weights and moments (those are pieces: training/checkpoint.py): engine
         counters, schedule, loss scaler, Adam's step, the data position and the global batch it counts in."""
         return {**self.engine.state_dict(), "data": self.loader.state_dict(),
-                "global_batch_size": self.ds["train_batch_size"]}
+                "global_batch_size": self.ds["train_batch_size"], "seq_len": self.seq_len, "tokens": self.tokens_read()}
 
     def load_state_dict(self, state: dict[str, Any], step: int, saved_global_batch: int | None) -> None:
         """`state_dict`'s keys, at optimizer step `step`; the data position counted in `saved_global_batch`."""
         self.engine.load_state_dict(state, step)
         self.loader.load_state_dict(state["data"], global_batch_size=saved_global_batch)
+        self.resumed = state

@@ -2,8 +2,9 @@
 read here only.
 
 Version 1 is the dict the trainer wrote before this class existed (no `version` key; `max_steps` and
-`global_batch_size` absent in the oldest ones); version 2 adds `version`; version 3 adds `callbacks` (each named
-callback's `state_dict`) and keeps Adam's step as `optimizer_step` (versions 1-2 wrote it beside the rest). All
+`global_batch_size` absent in the oldest ones); version 2 adds `version` (and, since 2026-12-04, `seq_len` and
+`tokens`: training/resume_data.py); version 3 adds `callbacks` (each named callback's `state_dict`) and keeps
+Adam's step as `optimizer_step` (versions 1-2 wrote it beside the rest). All
 three read; a newer version is refused before anything is restored. Unknown keys are kept in `extra` so that a
 state read and written again loses nothing.
 """
@@ -32,6 +33,8 @@ class TrainerState:
     expert_parallel_size: int | None = None
     seed: int | None = None
     tokenizer_sha256: str | None = None
+    seq_len: int | None = None  # data.seq_len (since 2026-12-04, as tokens)
+    tokens: int | None = None  # tokens read up to `step` (training/resume_data.py)
     callbacks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 

@@ -145,3 +145,24 @@ def test_a_sharded_checkpoint_is_not_converted_again(tmp_path, capsys):
     assert convert.main([str(tmp_path / "dst"), "--out", str(tmp_path / "again")]) == 2
     assert capsys.readouterr().err.endswith(f"error: SRC {str(tmp_path / 'dst')!r} is a sharded checkpoint already: "
                                             "nothing to convert\n")
+
+
+def test_dst_in_a_run_directory_is_refused_as_moep_export_refuses_it(tmp_path, capsys):
+    """Issue 40 item 7: `--out runs/X/checkpoints/step_00000099` would put a checkpoint into another run's folder."""
+    from moep_ds.checkpointing import layout
+
+    model, cfg = source_model()
+    src = write_consolidated(model, cfg, tmp_path / "src")
+    run = tmp_path / "runs" / "X"
+    (layout.checkpoint_root(run) / layout.checkpoint_tag(98)).mkdir(parents=True)
+    for dst, reason in [
+        (layout.checkpoint_root(run) / layout.checkpoint_tag(99), f"is inside the checkpoints of run directory {run}"),
+        (run / "converted", f"is inside run directory {run}"),
+        (src / "sharded", f"is inside the checkpoint being converted ({src})"),
+    ]:
+        assert convert.main([str(src), "--out", str(dst)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --out ({str(dst)!r}) {reason}: moep-convert never writes into a run directory or checkpoint; "
+            "name a new directory outside them (then --resume DST starts a run from it)\n")
+        assert not dst.exists()
+    assert sorted(p.name for p in layout.checkpoint_root(run).iterdir()) == ["step_00000098"]

@@ -221,6 +221,39 @@ def test_hub_tokenizer_offline_says_how_to_proceed(monkeypatch):
         load_tokenizer("hf:no-such-org/no-such-model")
 
 
+def test_hub_tokenizer_missing_offline_advice_fits_the_source(tmp_path, monkeypatch):
+    """Issue 40 item 13: the advice to train a tokenizer (`--set data.tokenizer.path=null ...`) then failed on a
+    megatron: source, whose token ids are its own tokenizer's. It is given for text sources only, where the command
+    it names gives a valid recipe; for a megatron: source the message says why no other tokenizer will do."""
+    from huggingface_hub import constants
+
+    from moep_ds.config import load_config
+    from moep_ds.data.prepare import check_tokenizer_fits
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    hub = {"path": "hf:no-such-org/no-such-model", "vocab_size": 300}
+    megatron = megatron_config(tmp_path, tokenizer=hub)
+    with pytest.raises(DataError) as err:
+        check_tokenizer_fits(megatron, 320)
+    text = str(err.value)
+    assert "`hf download no-such-org/no-such-model tokenizer.json`" in text and "local_files_only" not in text
+    assert "path=null" not in text and text.endswith("(a megatron: source needs the tokenizer it was tokenised with)")
+    with pytest.raises(ConfigError, match=r"data.tokenizer.path \(None\) must name the tokenizer"):  # the old advice
+        parse(DataConfig, {"source": megatron.source, "seq_len": 8, "tokenizer": {"path": None}}, "data")
+    text_source = parse(DataConfig, {"source": "builtin", "seq_len": 8, "tokenizer": hub}, "data")
+    with pytest.raises(DataError) as err:
+        check_tokenizer_fits(text_source, 320)
+    advice = str(err.value).split("or train one: --set ")[1].split()
+    assert advice == ["data.tokenizer.path=null", "data.tokenizer.vocab_size=<model.vocab_size>"]
+    raw = {"model": {"vocab_size": 320, "d_model": 32, "max_seq_len": 8,
+                     "layers": [{"type": "dense", "attention": {"num_heads": 2}}]},
+           "data": {"source": "builtin", "seq_len": 8, "tokenizer": hub}}
+    (tmp_path / "r.yaml").write_text(json.dumps(raw))
+    cfg = load_config(tmp_path / "r.yaml", [a.replace("<model.vocab_size>", "320") for a in advice])
+    assert cfg.data.tokenizer.path is None and cfg.data.tokenizer.vocab_size == 320  # the advice works
+
+
 def test_hub_tokenizer_is_read_from_the_hugging_face_cache(tmp_path, monkeypatch):
     """hf:REPO_ID resolves through huggingface_hub (offline: its cache layout), side files included."""
     from huggingface_hub import constants

@@ -58,3 +58,34 @@ def test_a_data_error_on_rank_0_is_one_line(tmp_path, fault):
     # torchrun prints its own summary (ChildFailedError): no traceback comes from the trainers themselves
     assert "moep_ds" not in "".join(part.split("\n\n")[0] for part in output.split("Traceback")[1:]), output[-4000:]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_start_up_errors_every_rank_meets_are_printed_once(tmp_path):
+    """Issue 40 item 5: an unknown downstream_eval task and a missing model.init_from were printed by every rank
+    (`[rank 1] error: ...` and `error: ...`); under a launcher the rank that failed first ended the launch while
+    the other was still starting, which the launcher's SIGTERM made print "received signal 15: checkpointing". Both
+    ranks now agree (rank_errors.agreed): rank 0 prints the line, rank 1 exits quietly."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    script = pathlib.Path(__file__).parent / "scripts" / "agreed_errors.py"
+    missing = tmp_path / "no_such_model"
+    procs = [subprocess.Popen([sys.executable, str(script), str(missing)], cwd=REPO, text=True,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    lines = [[line for line in err.splitlines() if "error:" in line or line.startswith("case ")] for err in errs]
+    assert lines[0][0].startswith("error: ") and "no_such_task" in lines[0][0], errs[0]
+    assert lines[0][1:] == ["case unknown_downstream_task exit 2",
+                            f"error: model.init_from ({str(missing)!r}) is not a folder (a Hugging Face model folder "
+                            "or moep_ds checkpoint) nor hf:REPO[@REVISION]",
+                            "case missing_init_from exit 2"], errs[0]
+    assert lines[1] == ["case unknown_downstream_task exit 2", "case missing_init_from exit 2"], errs[1]

@@ -23,6 +23,7 @@ from moep_ds.config import config_from_dict
 from moep_ds.errors import UserError
 from moep_ds.cli.export import main as export_main
 from moep_ds.interop.importer import import_checkpoint
+from moep_ds.training.branch import start_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,8 +124,23 @@ def test_pythias_release_layout_imports_into_the_pythia_flavour(tmp_path, caplog
     torch.save(state, src / "pytorch_model.bin")
     import_checkpoint(str(src), config_from_dict(recipe("gpt_neox")), tmp_path / "run")
     assert "model.layers[*].ffn.type: 'gelu_tanh' in the recipe, 'gelu' in" in caplog.text
+    # issue 40 item 11: the warning says what differs, by how much, and how to get transformers' numbers
+    assert "each activation differs by up to 4.7e-4, the logits by about 1e-3" in caplog.text
+    assert "--set model.layers[0].ffn.type=gelu" in caplog.text
     with torch.no_grad():  # the reference computes with gelu_new, as ours: the same weights give the same logits
-        torch.testing.assert_close(imported_logits(tmp_path / "run"), reference(tokens()).logits, **TOLERANCE)
+        ours = imported_logits(tmp_path / "run")
+        torch.testing.assert_close(ours, reference(tokens()).logits, **TOLERANCE)
+        # transformers reading the released config.json computes the exact GELU: another 1e-3-order number ...
+        released = transformers.AutoModelForCausalLM.from_pretrained(src).float().eval()(tokens()).logits
+        assert 1e-5 < float((ours - released).abs().max()) < 1e-2
+    # ... which the exact-GELU reading of the same weights gives (no warning then)
+    caplog.clear()
+    exact = config_from_dict(recipe("gpt_neox", layers=[{**recipe("gpt_neox")["model"]["layers"][0],
+                                                         "ffn": {"type": "gelu", "bias": True}}]))
+    import_checkpoint(str(src), exact, tmp_path / "exact")
+    assert "gelu" not in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(imported_logits(tmp_path / "exact"), released, **TOLERANCE)
 
 
 # ---- hf:REPO@REVISION from a cache laid out as huggingface_hub lays it -----------------------------------------
@@ -156,7 +172,7 @@ def test_hub_revision_resolves_offline_from_the_cache(tmp_path):
     reference = hf_model("gpt_neox")
     save(reference, tmp_path / "hf", "safetensors")
     cache = hub_cache(tmp_path, tmp_path / "hf", "EleutherAI/pythia-tiny", "step13000")
-    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe("gpt_neox")))
+    (tmp_path / "recipe.yaml").write_text(json.dumps({**recipe("gpt_neox"), "train": {"global_batch_size": 8}}))
     done = moep_import(["hf:EleutherAI/pythia-tiny@step13000", "--out", str(tmp_path / "run"),
                         "--config", str(tmp_path / "recipe.yaml")], cache)
     assert done.returncode == 0, done.stderr
@@ -164,6 +180,9 @@ def test_hub_revision_resolves_offline_from_the_cache(tmp_path):
     assert ckpt.name == layout.checkpoint_tag(13000)  # the revision's step
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["step"] == 13000 and meta["hf_revision"] == "step13000" and meta["hf_commit"].startswith("0123")
+    assert meta["tokens"] == 13000 * 8 * 16  # step x global batch x seq_len: its place on a token axis
+    branch = config_from_dict({**recipe("gpt_neox", init_from=str(tmp_path / "run")), "train": {"max_steps": 20000}})
+    assert start_step(branch)[0] == 13000  # a run from the imported directory continues at its step
     with torch.no_grad():
         torch.testing.assert_close(load_model_dir(tmp_path / "run")[0](tokens()).logits,
                                    reference(tokens()).logits, **TOLERANCE)
@@ -174,6 +193,8 @@ def test_hub_revision_resolves_offline_from_the_cache(tmp_path):
     line = missing.stderr.strip().splitlines()[-1]
     assert line.startswith("error: SRC ('hf:EleutherAI/pythia-tiny@step14000'): revision 'step14000'"), missing.stderr
     assert "not in the Hugging Face cache" in line
+    assert "local_files_only" not in line  # huggingface_hub's advice to Python callers (issue 40 item 12)
+    assert "`hf download EleutherAI/pythia-tiny --revision step14000`" in line
 
 
 # ---- bad input: one line each ----------------------------------------------------------------------------------
@@ -186,6 +207,60 @@ def import_error(tmp_path: Path, case: str, raw: dict, src: Path | None = None) 
         import_checkpoint(str(src), config_from_dict(raw), tmp_path / "run")
     assert not (tmp_path / "run").exists()
     return str(err.value)
+
+
+def test_an_import_at_step_n_records_the_tokens_of_step_n(caplog, monkeypatch):
+    """Issue 40 item 10: the imported parent's evaluation had no token count (eval/compare.py: "-", no equal-token
+    Pythia row). Pythia-1B's step 13000: 13000 x 1024 x 2048 tokens, as a run of its recipe counts them."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
+    from moep_ds.config import load_config
+    from moep_ds.interop.importer import imported_tokens
+
+    pythia = load_config(REPO / "configs" / "pythia_1b_dense.yaml")
+    assert imported_tokens(13000, pythia) == 27_262_976_000
+    assert imported_tokens(0, pythia) == 0
+    assert imported_tokens(13000, config_from_dict(recipe("gpt_neox"))) is None  # no global batch in the recipe
+    assert "records no token count for step 13000" in caplog.text
+
+
+def test_a_truncated_safetensors_file_is_one_line(tmp_path):
+    """Issue 40 item 8: safetensors' SafetensorError ("incomplete metadata") was a traceback."""
+    src = save(hf_model("gpt2"), tmp_path / "hf", "safetensors")
+    weights = src / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 100)
+    text = import_error(tmp_path, "gpt2", recipe("gpt2"), src)
+    assert text.startswith(f"{str(weights)!r} cannot be read as safetensors (") and "\n" not in text
+    assert text.endswith("): the file is truncated or damaged; download it again")
+    weights.write_bytes(b"\xff" * 64)  # not a safetensors header at all
+    assert "cannot be read as safetensors" in import_error(tmp_path, "gpt2", recipe("gpt2"), src)
+
+
+def test_a_hugging_face_folder_without_config_json_names_it(tmp_path):
+    """Issue 40 item 12: it was called a consolidated moep_ds checkpoint, for moep-convert (which then failed)."""
+    src = save(hf_model("gpt2"), tmp_path / "hf", "safetensors")
+    (src / "config.json").unlink()
+    assert import_error(tmp_path, "gpt2", recipe("gpt2"), src) == (
+        f"SRC ({str(src)!r}): {str(src)!r} holds model.safetensors but no config.json: a Hugging Face model folder "
+        "needs the config.json published beside its weights (copy or download it there)")
+
+
+def test_hub_errors_offline_say_what_a_command_line_user_can_do(tmp_path, monkeypatch):
+    """Issue 40 item 12: huggingface_hub's "pass 'local_files_only=False'" is advice for its Python API."""
+    from huggingface_hub import constants
+
+    from moep_ds.interop.hub import resolve
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(UserError) as err:
+        resolve("hf:EleutherAI/pythia-tiny@step1", "SRC")
+    assert str(err.value) == (
+        f"SRC ('hf:EleutherAI/pythia-tiny@step1'): revision 'step1' of EleutherAI/pythia-tiny is not in the Hugging "
+        f"Face cache ({tmp_path / 'empty'}) and HF_HUB_OFFLINE=1 forbids downloading it: run `hf "
+        "download EleutherAI/pythia-tiny --revision step1` where the hub can be reached (into this cache), or unset "
+        "HF_HUB_OFFLINE")
 
 
 def test_checkpoint_of_another_architecture_is_refused(tmp_path):

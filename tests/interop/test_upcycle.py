@@ -122,8 +122,13 @@ def test_a_dense_checkpoint_of_another_backbone_is_refused(tmp_path):
         import_checkpoint(str(tmp_path / "dense"), config_from_dict(raw), tmp_path / "moe")
     assert str(err.value).splitlines() == [
         f"SRC ({str(tmp_path / 'dense')!r}) does not match the recipe's model:",
-        "  model.layers[0].ffn.hidden_size: 256 in SRC, 128 in the recipe",
-        "  model.layers[1].ffn.hidden_size: 256 in SRC, 128 in the recipe"]
+        "  model.layers[0].moe.expert.hidden_size: 256 in SRC, 128 in the recipe",  # the recipe's field (issue 40)
+        "  model.layers[1].moe.expert.hidden_size: 256 in SRC, 128 in the recipe"]
+    raw = moe_recipe("gpt_neox", src)  # from the Hugging Face folder itself
+    raw["model"]["layers"][0]["moe"]["expert"]["type"] = "swiglu"
+    with pytest.raises(UserError) as err:
+        import_checkpoint(str(src), config_from_dict(raw), tmp_path / "moe")
+    assert "  model.layers[*].moe.expert.type: 'swiglu' in the recipe, 'gelu_tanh' in config.json" in str(err.value)
     raw = moe_recipe("gpt_neox", tmp_path / "dense")
     raw["model"]["layers"].append({"type": "msit", "attention": {"num_heads": 4},
                                    "experts": {"d_thin": 16, "num_heads": 2, "windows": [4, 2, 1, 1]}})

@@ -74,7 +74,7 @@ class FakeModule:
 
     def state_dict(self):
         return {"global_samples": self.trained, "data": {"epoch": 0, "global_batch": self.trained},
-                "global_batch_size": 1}
+                "global_batch_size": 1, "seq_len": 8, "tokens": 8 * self.trained}
 
     def load_state_dict(self, state, step, saved_global_batch):
         self.trained = state["global_samples"]

@@ -81,6 +81,10 @@ def test_a_run_started_at_step_n_reads_batch_n_first_at_pythias_lr_of_iteration_
     assert applied(first) == pytest.approx([pythia_lr(START), pythia_lr(START + 1)], abs=1e-12, rel=0)
     rows = [m for m in metrics(tmp / "run") if "loss" in m]
     assert [m["step"] for m in rows] == [START + 1, START + 2, START + 3]  # the resumed run's step after them
+    # the lr logged in the row of step k is the one step k + 1 runs at (GPT-NeoX's convention, README Monitoring):
+    # step 13001 applied GPT-NeoX's lr of iteration 13000 (above) and logs that of iteration 13001
+    assert [m["lr"] for m in rows[:2]] == pytest.approx([pythia_lr(START + 1), pythia_lr(START + 2)], abs=1e-12,
+                                                        rel=0)
     # the true token count, Pythia's steps included
     assert [m["tokens"] for m in rows] == [s * GLOBAL_BATCH * SEQ_LEN for s in (START + 1, START + 2, START + 3)]
     states = {json.loads(p.read_text())["step"]: json.loads(p.read_text())["data"]

@@ -155,7 +155,7 @@ def test_resume_auto_refuses_to_start_over_when_every_checkpoint_is_damaged(two_
     assert tree(out) == before
 
 
-def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_path):
+def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_path, monkeypatch):
     """Bad input found before the first step: one line, exit 2, and the output directory (with the folders above it
     that the run made) is gone again, also after the engine wrote its TensorBoard files (the tokenizer case); an
     output directory that existed before is kept."""
@@ -186,12 +186,17 @@ def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_
                               "data.tokenizer of this run has ") + r"[0-9a-f]{12}\.\.\.; resume with the data the "
                     r"checkpoint was trained on")),
     ]
+    full = tmp_path / "full" / "run"  # a full disk at start and at resume (issue 40 item 3: DeepSpeed's TensorBoard
+    for args in ([], ["--resume", str(ckpt)]):  # writer's traceback, three of them with 2 processes)
+        line = f"train.output_dir ('{full}'): disk full (No space left on device) writing '{full}', "
+        cases.append((["--set", f"train.output_dir={full}", *args], re.compile(re.escape(line) + r"\d+ MiB free there")))
     existing = tmp_path / "existing"
     existing.mkdir()
     runs = [["--config", str(recipe), "--ds_config", DS, *args] for args, _ in cases]
     runs.append(["--config", str(recipe), "--ds_config", DS, "--resume", "latest",
                  "--set", f"train.output_dir={existing}"])
     (tmp_path / "runs.json").write_text(json.dumps(runs))
+    monkeypatch.setenv("MOEP_TEST_FULL_DISK", str(tmp_path / "full"))  # read by pretrain_many.py
     proc = launch(1, SCRIPTS / "pretrain_many.py", str(tmp_path / "runs.json"), check=False)
     codes = re.findall(r"^exit code (\d+)$", proc.stdout, re.M)
     assert proc.returncode == 0 and codes == ["2"] * len(runs), proc.stderr[-3000:]
@@ -202,5 +207,5 @@ def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_
         text = error.removeprefix("error: ")
         assert message.fullmatch(text) if isinstance(message, re.Pattern) else text == message, (message, error)
     assert errors[-1] == "error: --resume 'latest' is not a complete checkpoint directory"
-    assert not (tmp_path / "new").exists()
+    assert not (tmp_path / "new").exists() and not (tmp_path / "full").exists()
     assert existing.is_dir() and list(existing.iterdir()) == []

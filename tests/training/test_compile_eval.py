@@ -40,3 +40,36 @@ def test_a_failing_evaluation_keeps_the_checkpoint_of_its_step(tmp_path, monkeyp
                   str(DS_CONFIGS / "zero2_fp32.json"), check=False)
     assert proc.returncode != 0 and "simulated: the evaluation forward failed" in proc.stderr
     assert [c.name for c in layout.complete_checkpoints(out)] == ["step_00000002"]
+
+
+@pytest.mark.slow
+def test_validations_after_the_first_do_not_recompile():
+    """Issue 40 item 16: under train.compile (each block compiled, as the trainer does) a validation's routed token
+    counts differ from batch to batch (eval_mode threshold); once the first validation has compiled the dynamic
+    graphs, later ones reuse them. Before, a pad test on the count (N mod the chunk) compiled one more graph per
+    residue at later validations, until dynamo's recompile limit (8) at the quick start's second validation."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from moep_ds import build_model, load_config
+    from moep_ds.training.blocks import apply_block_options
+
+    cfg = load_config(REPO / "configs/quickstart.yaml", overrides=[
+        "model.layers[0].repeat=1", "model.d_model=32", "model.vocab_size=64", "model.layers[0].attention.num_heads=2",
+        "model.layers[0].experts.d_thin=32", "model.layers[0].experts.num_heads=2"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    router = model.blocks[0].router
+    router.threshold.fill_(0.25)  # as the thresholds' EMA leaves them in training: counts vary by batch
+    apply_block_options(model, activation_checkpointing=False, compile=True)
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(0)
+    graphs, counts = [], set()
+    with torch.no_grad():
+        for _ in range(3):  # validations of 2 micro-batches of the quick start's shape
+            for _ in range(2):
+                out = model(torch.randint(0, 64, (8, 64), generator=generator))
+                counts.add(tuple(int(c) for c in out.stats["layers.0.tokens_per_expert"]))
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert len(counts) == 6  # every batch routes other token counts to the experts
+    assert graphs[1] == graphs[2] == graphs[0], graphs

@@ -1,6 +1,7 @@
 """The run directory contract (training/run_dir.py) and resumes that keep the checkpoint's global batch
 (training/resume_batch.py), in-process and end to end with real processes."""
 import json
+import logging
 import pathlib
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import yaml
 from moep_ds.checkpointing import layout
 from moep_ds.errors import SharedUserError
 from moep_ds.training.config import TrainConfig
-from moep_ds.training.resume_batch import reconcile_resumed, saved_global_batch
+from moep_ds.training.resume_batch import reconcile_resumed, resume_state, saved_global_batch
+from moep_ds.training.resume_data import check_same_data, tokens_read
 from moep_ds.training.run_dir import claim_run_dir, decide
 
 from tiny import DS_CONFIGS, REPO, env, launch, losses, metrics, write_recipe
@@ -75,6 +77,64 @@ def test_resume_keeps_the_saved_global_batch_unless_fixed(tmp_path):
     with pytest.raises(SharedUserError, match=r"train.global_batch_size \(32\) = 32"):
         reconcile_resumed(auto, TrainConfig(micro_batch_size=8, global_batch_size=32), 1, "auto", tmp_path)
     assert saved_global_batch({"step": 3, "global_samples": 48}) == 16  # checkpoints saved before the key
+
+
+def test_a_refused_resume_names_the_micro_batch_that_blocks_the_saved_global_batch(tmp_path):
+    """Issue 40 item 6: a 1-process checkpoint (global batch 8 = micro-batch 8) resumed on 2 processes with the
+    quick start's ds_config, whose accumulation is already "auto": the recipe's micro-batch is what blocks it."""
+    fake_run(tmp_path, steps=(2,), state={"step": 2, "global_samples": 16, "global_batch_size": 8})
+    quickstart = json.loads((DS_CONFIGS / "quickstart.json").read_text())
+    with pytest.raises(SharedUserError) as err:
+        reconcile_resumed(quickstart, TrainConfig(micro_batch_size=8), 2, "auto", tmp_path)
+    assert str(err.value).endswith(
+        "was trained with global batch 8, this run's train_micro_batch_size_per_gpu (8) x gradient_accumulation_steps "
+        "(1) x 2 processes = 16: train.micro_batch_size (8) must divide 4 (8 / 2 processes) to keep 8 (e.g. --set "
+        "train.micro_batch_size=4), or pass --allow_batch_change to continue with 16 from the sample reached")
+    kept = reconcile_resumed(quickstart, TrainConfig(micro_batch_size=4), 2, "auto", tmp_path)
+    assert (kept["train_batch_size"], kept["gradient_accumulation_steps"]) == (8, 1)  # the advice works
+    in_json = {**quickstart, "train_micro_batch_size_per_gpu": 3}
+    with pytest.raises(SharedUserError, match=r"ds_config train_micro_batch_size_per_gpu \(3\) must divide 4 .*"
+                                              r"\(e.g. train_micro_batch_size_per_gpu 2 in the ds_config\)"):
+        reconcile_resumed(in_json, TrainConfig(), 2, "auto", tmp_path)
+    with pytest.raises(SharedUserError, match=r"resume on a number of processes that divides 8 to keep it"):
+        reconcile_resumed(quickstart, TrainConfig(micro_batch_size=1), 3, "auto", tmp_path)
+
+
+def test_resume_with_another_seq_len_or_seed_is_refused_naming_both_values(tmp_path, caplog, monkeypatch):
+    """Issue 40 item 1: the data position is counted in windows of seq_len tokens of an order drawn from the seed."""
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
+    fake_run(tmp_path, steps=(20,), state={"step": 20, "global_samples": 160, "seq_len": 64, "seed": 1234})
+    found = resume_state("auto", tmp_path)
+    ckpt = str(found[0])
+    check_same_data(found, 64, 1234)  # the same data: accepted
+    check_same_data(None, 32, 7)  # a fresh run: nothing to compare
+    with pytest.raises(SharedUserError) as err:
+        check_same_data(found, 32, 1234)
+    assert str(err.value) == (
+        f"data.seq_len (32) differs from the 64 checkpoint {ckpt!r} was trained with: its data position, counted in "
+        f"windows of 64 tokens, would replay or skip text; resume with --set data.seq_len=64, or start a new run "
+        f"(another train.output_dir) from its weights with model.init_from={ckpt!r}")
+    with pytest.raises(SharedUserError, match=r"^train.seed \(7\) differs from the 1234 checkpoint .*"
+                                              r"--set train.seed=1234, or start a new run"):
+        check_same_data(found, 64, 7)
+    old = (found[0], {"step": 20, "global_samples": 160})  # saved before seq_len (and seed) were recorded
+    with caplog.at_level("WARNING", logger="moep_ds"):
+        check_same_data(old, 32, 7)
+    assert "does not record data.seq_len" in caplog.text
+
+
+def test_tokens_are_counted_from_the_samples_read_not_the_current_global_batch():
+    """Issue 40 item 2: 20 steps of 8 samples of 64 tokens, then (--allow_batch_change, 2 processes) steps of 16."""
+    from moep_ds.training.trainer_state import TrainerState
+
+    assert tokens_read(160, 64) == 10_240
+    resumed = TrainerState(step=20, global_samples=160, data={}, seq_len=64, tokens=10_240)
+    assert tokens_read(160 + 16, 64, resumed.state_dict()) == 11_264  # step 21 (21 x 16 x 64 = 21,504 was logged)
+    assert tokens_read(480, 64, resumed.state_dict()) == 30_720  # step 40: 480 samples x 64
+    older = TrainerState(step=20, global_samples=160, data={})  # no count saved: its samples at seq_len
+    assert tokens_read(176, 64, older.state_dict()) == 11_264
+    # the count travels in the trainer state
+    assert TrainerState.from_state_dict(resumed.state_dict()).tokens == 10_240
 
 
 QUICKSTART = ["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/quickstart.json"]
@@ -143,3 +203,6 @@ def test_two_process_checkpoint_resumed_on_one_keeps_global_batch_and_sample(tmp
     # samples 0-31 in the 2 steps of 16, then 32-47 in the 2 steps of 8: nothing replayed, nothing skipped
     assert (state["global_batch_size"], state["global_samples"]) == (8, 48)
     assert state["data"] == {"epoch": 0, "global_batch": 6}
+    # tokens read: 32 samples x 32 tokens, then 8 per step (not step x 8 x 32: 768 at step 3)
+    assert [m["tokens"] for m in metrics(changed) if "loss" in m] == [1280, 1536]
+    assert (state["seq_len"], state["tokens"]) == (32, 1536)

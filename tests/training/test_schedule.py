@@ -168,6 +168,39 @@ def test_start_step_rule(caplog):
     assert "start step 13000 (the revision of model.init_from ('hf:EleutherAI/pythia-1b@step13000'))" in caplog.text
 
 
+def test_a_run_from_an_imported_run_directory_starts_at_the_imported_step(tmp_path, caplog):
+    """Issue 40 items 9 and 12: `moep-import hf:...@step13000 --out R` records step 13000; model.init_from=R starts
+    there (and says so), as model.init_from=hf:...@step13000 does; a checkpoint of a trained run is a new start (0).
+    A resumed branch does not announce a fresh start."""
+    import json
+    import logging
+
+    from moep_ds.checkpointing import layout
+
+    def written(run, step, **meta):
+        ckpt = layout.checkpoint_root(run) / layout.checkpoint_tag(step)
+        ckpt.mkdir(parents=True)
+        (ckpt / layout.COMPLETE).touch()
+        (ckpt / "meta.json").write_text(json.dumps({"step": step, **meta}))
+        return ckpt
+
+    ckpt = written(tmp_path / "imported", 13000, imported_from="hf:EleutherAI/pythia-1b@step13000")
+    why = f"the step moep-import recorded in {str(ckpt / 'meta.json')!r}, of hf:EleutherAI/pythia-1b@step13000"
+    assert start_step(cfg_with(str(tmp_path / "imported"))) == (13000, why)
+    assert start_step(cfg_with(str(ckpt))) == (13000, why)  # the checkpoint folder itself
+    assert start_step(cfg_with(str(tmp_path / "imported"), start_step=500))[0] == 500  # the recipe's own
+    written(tmp_path / "trained", 99)  # a training checkpoint: its weights start a new run
+    assert start_step(cfg_with(str(tmp_path / "trained"))) == (0, "a run from scratch")
+    assert start_step(cfg_with(str(tmp_path / "missing"))) == (0, "a run from scratch")  # init_from names it later
+    logging.getLogger("moep_ds").propagate = True  # a trainer in this process may have turned it off
+    with caplog.at_level(logging.INFO, logger="moep_ds"):
+        assert resolve_start_step(cfg_with(str(tmp_path / "imported")), 143_000) == 13000
+        assert f"start step 13000 ({why})" in caplog.text
+        caplog.clear()
+        assert resolve_start_step(cfg_with(str(tmp_path / "imported")), 143_000, resuming=True) == 13000
+    assert "start step" not in caplog.text
+
+
 @pytest.mark.parametrize("train, message", [
     ({"start_step": 143_000}, "train.start_step (143000, from train.start_step) must be below the run's last step "
                               "(train.max_steps 143000)"),

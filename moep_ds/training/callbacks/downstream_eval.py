@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moep_ds.distributed.rank_errors import agreed
 from moep_ds.schema import PositiveInt, fail
 from moep_ds.training.callbacks.base import CALLBACKS, Callback, EvalEvent, StepEvent
 
@@ -84,7 +85,9 @@ class DownstreamEval(Callback):
         return self.tasks
 
     def before_step(self, event: StepEvent) -> None:
-        self.task_manager()  # at the first step: an unknown task or missing data fails now, not at step `every`
+        if self.tasks is None:  # the first step: an unknown task or missing data fails now, not at step `every`,
+            agreed(self.task_manager)  # on every rank together, printed once (a rank gone first: the launcher's
+            # SIGTERM reached the others in their start-up)
 
     def after_step(self, event: StepEvent) -> None:
         if event.step % self.cfg.every == 0:

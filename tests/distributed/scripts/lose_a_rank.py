@@ -1,5 +1,6 @@
 """Two ranks (plain processes, env:// rendezvous; no launcher that would kill the survivor): a few all_reduces,
-then rank 1 kills itself with SIGKILL while rank 0 goes on all-reducing, through run_guarded as pretrain.py is."""
+then rank $VICTIM (default 1) kills itself with SIGKILL while the other goes on all-reducing, through run_guarded as
+pretrain.py is. Rank 0 holds the rendezvous store (as under deepspeed and srun)."""
 import os
 import signal
 import sys
@@ -16,7 +17,7 @@ def body():
     x = torch.ones(4096)
     for _ in range(3):
         dist.all_reduce(x)
-    if dist.get_rank() == 1:
+    if dist.get_rank() == int(os.environ.get("VICTIM", "1")):
         os.kill(os.getpid(), signal.SIGKILL)
     for _ in range(600):
         dist.all_reduce(x)

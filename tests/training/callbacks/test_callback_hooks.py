@@ -22,7 +22,8 @@ def test_trainer_state_reads_versions_1_and_2_and_writes_version_3_without_losin
     assert state.data == {"epoch": 0, "global_batch": 4} and state.optimizer_step == 4 and state.callbacks == {}
     assert TrainerState.from_state_dict({**V1_STATE, "version": 2, "future_key": 1}).extra == {"future_key": 1}
     out = state.state_dict()
-    assert VERSION == 3 and out == {"version": 3, **V1_STATE, "callbacks": {}}
+    # seq_len and tokens: unknown then, absent in version 1
+    assert VERSION == 3 and out == {"version": 3, **V1_STATE, "seq_len": None, "tokens": None, "callbacks": {}}
     assert TrainerState.from_state_dict(out) == state
     oldest = {"step": 3, "global_samples": 48, "data": {"epoch": 0, "global_batch": 3}}  # before max_steps existed
     assert TrainerState.from_state_dict(oldest).max_steps is None
