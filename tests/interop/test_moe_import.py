@@ -94,3 +94,111 @@ def test_importing_the_export_is_bit_identical(imported):
     assert first.keys() == second.keys()
     for name in first:
         assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize("imported", ["deepseek_v3"], indirect=True)
+def test_a_large_export_is_sharded_as_save_pretrained_shards(imported, tmp_path):
+    """Above --max_shard_size: model-0000i-of-0000n.safetensors and the index; transformers loads it, and its import
+    is bit-identical."""
+    out = tmp_path / "sharded"
+    assert export_main([str(imported.folder / "run1"), "--out", str(out), "--hf", "--native",
+                        "--max_shard_size", "40KB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (out / "model.safetensors").exists()
+    tensors = safetensors_of(out)
+    for f in files:  # at most the limit of tensor bytes per shard (or one larger tensor alone)
+        held = [tensors[k].numel() * 4 for k, g in index["weight_map"].items() if g == f]
+        assert sum(held) <= 40_000 or len(held) == 1, f
+    assert set(index["weight_map"]) == set(tensors) == set(safetensors_of(imported.folder / "hf"))
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in tensors.values())
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(again.float().eval()(tokens()).logits, imported.reference(tokens()).logits,
+                                   **TOLERANCE)
+    assert import_main([str(out), "--out", str(tmp_path / "run")]) == 0
+    first, second = stored(imported.folder / "run1"), stored(tmp_path / "run")
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.mark.parametrize("imported", ["deepseek_v3"], indirect=True)
+def test_an_expert_parallel_rank_reads_only_its_own_experts(imported, tmp_path, monkeypatch):
+    """Rank 1 of 2 fills its model (experts 4-7 of 8) from a sharded source: of the expert tensors it reads only
+    those of its experts, and it gets the values rank-agnostic import gets."""
+    from moep_ds.checkpointing import model_state
+    from moep_ds.interop.hf_weights import TensorFiles
+    from moep_ds.interop.sources import source_weights
+    from moep_ds.interop.weights import fill_pieces
+    from moep_ds.models.causal_lm import build_model
+    from moep_ds.models.plan import plan_for
+
+    assert export_main([str(imported.folder / "run1"), "--out", str(tmp_path / "hf"), "--hf", "--native",
+                        "--max_shard_size", "40KB"]) == 0
+    _, cfg = load_recipe(imported.folder / "run1")
+    read: list[str] = []
+    original = TensorFiles.read
+    monkeypatch.setattr(TensorFiles, "read", lambda self, key: read.append(key) or original(self, key))
+    plan = plan_for(cfg.model, size=2, rank=1)
+    model = build_model(cfg.model, plan=plan, initialise=False)
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            p.allreduce = False  # DeepSpeed's mark of an expert parameter, as the engine sets it
+    weights, keep, _ = source_weights(str(tmp_path / "hf"), cfg.model)
+    fill_pieces(model_state.module_pieces(model, plan), weights, keep)
+    experts_read = {int(key.split(".experts.")[1].split(".")[0]) for key in read if ".experts." in key}
+    assert experts_read == {4, 5, 6, 7}
+    assert sum(".experts." in key for key in read) == 2 * 4 * 3  # 2 MoE layers, 4 experts, gate / up / down
+    full = stored(imported.folder / "run1")
+    for name, p in model.named_parameters():
+        expected = full[name][4:] if "experts." in name else full[name]
+        assert torch.equal(p.detach(), expected), name
+
+
+@pytest.fixture
+def damaged(imported, tmp_path) -> Path:
+    """A copy of the source folder to damage."""
+    import shutil
+
+    return Path(shutil.copytree(imported.folder / "hf", tmp_path / "damaged"))
+
+
+def refused(src: Path, tmp_path: Path, capsys) -> str:
+    """moep-import's one error line; nothing written."""
+    assert import_main([str(src), "--out", str(tmp_path / "run")]) == 2
+    assert not (tmp_path / "run").exists()
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("imported", ["olmoe"], indirect=True)
+def test_bad_sources_fail_in_one_line(damaged, tmp_path, capsys):
+    edit_config(damaged, model_type="jamba")
+    assert refused(damaged, tmp_path, capsys) == (
+        f"error: SRC ({str(damaged)!r}): config.json has model_type 'jamba'; moep-import reads deepseek_v3, gemma, "
+        "gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe")
+    edit_config(damaged, model_type="olmoe", clip_qkv=8.0)  # OLMoE clamps q, k and v: a function we do not compute
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: clip_qkv = 8.0 (olmoe) has no moep_ds counterpart (supported: None)")
+    edit_config(damaged, clip_qkv=None)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    assert refused(damaged, tmp_path, capsys).startswith(
+        f"error: {str(weights)!r} is not a readable safetensors file: ")
+
+
+@pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)
+def test_a_shard_the_index_names_is_missing(imported, tmp_path, capsys):
+    assert export_main([str(imported.folder / "run1"), "--out", str(tmp_path / "hf"), "--hf", "--native",
+                        "--max_shard_size", "40KB"]) == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (tmp_path / "hf" / shard).unlink()
+    key = min(k for k, f in index["weight_map"].items() if f == shard)
+    assert refused(tmp_path / "hf", tmp_path, capsys) == (
+        f"error: {str(tmp_path / 'hf' / 'model.safetensors.index.json')!r} names shard {shard!r} (holding {key!r}), "
+        f"which is missing from {str(tmp_path / 'hf')!r}")
