@@ -130,8 +130,7 @@ class MoEArchitecture:
     attention: Callable[[Raw], Raw]
     router: Callable[[Raw, int], Raw]
     shared: Callable[[Raw], Raw | None]
-    num_experts_key: str  # the name this architecture's config.json gives the routed experts (export)
-    expert_hidden_key: str
+    expert_hidden_key: str  # the routed experts' hidden size in config.json
     to_hf: Callable[[Any], Raw]  # a model -> this architecture's own config.json keys
     base_prefix: str = "model."
     head_keys: tuple[str, ...] = ("lm_head.weight",)
@@ -396,27 +395,27 @@ MOE_ARCHITECTURES = {
         lambda hf: [True] * hf["num_hidden_layers"],
         lambda hf: causal_attention(hf, "mixtral", window=hf.get("sliding_window")),
         lambda hf, n: {**softmax_router(hf, n, True, 0.001), "jitter": float(hf.get("router_jitter_noise") or 0.0)},
-        lambda hf: None, "num_local_experts", "intermediate_size", mixtral_hf),
+        lambda hf: None, "intermediate_size", mixtral_hf),
     "qwen2_moe": MoEArchitecture(
         "qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "shared_expert",
         {"use_sliding_window": False}, qwen_sparse,
         lambda hf: {**causal_attention(hf, "qwen2_moe"), "bias": False, "qkv_bias": bool(hf.get("qkv_bias", True))},
         lambda hf, n: softmax_router(hf, n, bool(hf.get("norm_topk_prob", False)), 0.001),
         lambda hf: {"hidden_size": hf["shared_expert_intermediate_size"], "gate": "sigmoid"},
-        "num_experts", "moe_intermediate_size", lambda m: qwen_hf(m, shared=True)),
+        "moe_intermediate_size", lambda m: qwen_hf(m, shared=True)),
     "qwen3_moe": MoEArchitecture(
         "qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), None,
         {"use_sliding_window": False}, qwen_sparse,
         lambda hf: causal_attention(hf, "qwen3_moe", qk_norm={"scope": "head", "eps": hf.get("rms_norm_eps", 1e-6)}),
         lambda hf, n: softmax_router(hf, n, bool(hf.get("norm_topk_prob", False)), 0.001),
-        lambda hf: None, "num_experts", "moe_intermediate_size", lambda m: qwen_hf(m, shared=False)),
+        lambda hf: None, "moe_intermediate_size", lambda m: qwen_hf(m, shared=False)),
     "olmoe": MoEArchitecture(
         "olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), None, {"clip_qkv": None},
         lambda hf: [True] * hf["num_hidden_layers"],
         lambda hf: causal_attention(hf, "olmoe", qk_norm={"scope": "projection",
                                                           "eps": hf.get("rms_norm_eps", 1e-5)}),
         lambda hf, n: softmax_router(hf, n, bool(hf.get("norm_topk_prob", False)), 0.01),
-        lambda hf: None, "num_experts", "intermediate_size", olmoe_hf),
+        lambda hf: None, "intermediate_size", olmoe_hf),
     "deepseek_v3": MoEArchitecture(
         "deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "shared_experts",
         {"attention_bias": False, "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
@@ -424,7 +423,7 @@ MOE_ARCHITECTURES = {
         lambda hf: mla_attention(hf, "deepseek_v3"), deepseek_router,
         lambda hf: ({"hidden_size": hf["moe_intermediate_size"] * hf["n_shared_experts"], "gate": "none"}
                     if hf.get("n_shared_experts") else None),
-        "n_routed_experts", "moe_intermediate_size", deepseek_hf),
+        "moe_intermediate_size", deepseek_hf),
 }
 
 
