@@ -459,8 +459,10 @@ def dense_recipe(arch: Architecture, hf: dict[str, Any]) -> dict[str, Any]:
     rope = {"base": e["rope_base"], "fraction": e["rope_fraction"]} if e["rotary"] else None
     attention = {"num_heads": e["num_heads"], "num_kv_heads": e["num_kv_heads"], "head_dim": e["head_dim"],
                  "bias": e["attention_bias"], "window": e["window"], "rope": rope}
-    norm = {"type": e["norm_type"], "eps": e["norm_eps"], "bias": e.get("norm_bias", False)}
-    final_norm = {"type": e["final_norm_type"], "eps": e["final_norm_eps"], "bias": e.get("final_norm_bias", False)}
+    # a LayerNorm's bias as config.json says; an RMSNorm has none (the field keeps its default)
+    norm = {"type": e["norm_type"], "eps": e["norm_eps"], **({"bias": e["norm_bias"]} if "norm_bias" in e else {})}
+    final_norm = {"type": e["final_norm_type"], "eps": e["final_norm_eps"],
+                  **({"bias": e["final_norm_bias"]} if "final_norm_bias" in e else {})}
     layer = {"type": "dense", "repeat": e["num_layers"], "attention": attention, "norm": norm,
              "ffn": {"type": e["ffn_type"], "hidden_size": e["ffn_hidden"], "bias": e["ffn_bias"]},
              "parallel_residual": e["parallel_residual"]}
