@@ -20,6 +20,12 @@ measure two ways), as the peak resident memory a step adds to a rank over its le
                              one at a time while they run)
   evaluate, expert parallel  the same vs `moep-eval --expert_parallel`: each rank builds and reads 1/N of the
                              experts (all-to-all dispatch), the rest whole
+  import, expert parallel    a Hugging Face MoE (--import_config / --import_set, default mixtral_tiny at d 512 with
+                             experts of 1792: 98.9M parameters, 89% of them in experts; exported natively as
+                             MixtralForCausalLM in shards with an index) read into the model on every rank, as
+                             `model.init_from` reads it: the whole model on each rank vs each rank's own model at
+                             expert_parallel_size = ranks (its experts' tensors only); also the bytes a rank holds
+                             once imported, and its peak over them
 
 Prints one markdown table with the model's fp32 size for scale; `--json` writes the rows.
 """
@@ -154,6 +160,65 @@ def eval_worker(args) -> None:
     report_worst_and_exit(peak.added, args.out)
 
 
+def import_worker(args) -> None:
+    """Fill this rank's model from the Hugging Face source, on each rank of a torchrun launch; rank 0 writes the
+    largest peak and the largest bytes held."""
+    import torch
+    import torch.distributed as dist
+
+    from moep_ds.checkpointing import model_state
+    from moep_ds.distributed.expert_parallel import expert_parallel_plan, setup_expert_parallel
+    from moep_ds.distributed.process_group import init_distributed
+    from moep_ds.interop.sources import source_weights
+    from moep_ds.interop.weights import fill_pieces
+    from moep_ds.models.causal_lm import build_model
+    from moep_ds.training.host_memory import return_freed_buffers_to_os
+
+    import deepspeed.runtime.zero.partition_parameters  # noqa: F401 - imported before measuring, for every way
+    import safetensors.torch  # noqa: F401 - the readers' code, loaded before measuring what they hold
+    import moep_ds.interop.hf_weights  # noqa: F401
+    import moep_ds.interop.moe_layout  # noqa: F401
+
+    return_freed_buffers_to_os()
+    init_distributed()
+    cfg = load_cfg(args)
+    plan = expert_parallel_plan(cfg.model, dist.get_world_size() if args.way == "ep" else 1)
+    dist.barrier()
+    with PeakRSS() as peak:
+        model = build_model(cfg.model, plan=plan, initialise=False)
+        setup_expert_parallel(model, plan)  # marks the expert parameters, as the engine sees them
+        weights, keep, _ = source_weights(args.source, cfg.model)
+        fill_pieces(model_state.module_pieces(model, plan), weights, keep)
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    out = torch.tensor([peak.added, held], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        pathlib.Path(args.out).write_text(json.dumps({"added": float(out[0]), "held": float(out[1])}))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def hf_source(args, tmp: pathlib.Path) -> pathlib.Path:
+    """The import config's model, seeded, exported natively (sharded: --max_shard_size 16MB)."""
+    ckpt = tmp / "import_ckpt"
+    run([sys.executable, __file__, "--worker", "checkpoint", "--out", str(ckpt), *import_args(args)])
+    run([sys.executable, "-m", "moep_ds.cli.export", str(ckpt), "--out", str(tmp / "import_hf"), "--hf", "--native",
+         "--max_shard_size", "16MB"])
+    return tmp / "import_hf"
+
+
+def import_args(args) -> list[str]:
+    return ["--config", str(args.import_config), "--set", *args.import_set]
+
+
+def measure_import(args, way: str, tmp: pathlib.Path, source: pathlib.Path) -> dict[str, float]:
+    out = tmp / f"import_{way}.json"
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}", __file__,
+         "--worker", "import", "--way", way, "--out", str(out), "--source", str(source), *import_args(args)])
+    return json.loads(out.read_text())
+
+
 def run(cmd: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -194,15 +259,17 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--config", type=pathlib.Path, default=REPO / "configs/nova_moe.yaml")
     p.add_argument("--set", nargs="*", default=[])
+    p.add_argument("--import_config", type=pathlib.Path, default=REPO / "configs/mixtral_tiny.yaml")
+    p.add_argument("--import_set", nargs="*", default=["model.d_model=512", "model.layers[0].moe.expert.hidden_size=1792"])
     p.add_argument("--json", type=pathlib.Path)
-    p.add_argument("--worker", choices=["build", "checkpoint", "export", "eval"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["build", "checkpoint", "export", "eval", "import"], help=argparse.SUPPRESS)
     p.add_argument("--way", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--source", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         workers = {"build": build_worker, "checkpoint": checkpoint_worker, "export": export_worker,
-                   "eval": eval_worker}
+                   "eval": eval_worker, "import": import_worker}
         return workers[args.worker](args)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
@@ -219,14 +286,23 @@ def main() -> None:
         whole = measure_eval(args, "whole", tmp, source)
         rows += [(f"evaluate, ZeRO-3, {args.ranks} ranks", whole, measure_eval(args, "partitioned", tmp, source)),
                  (f"evaluate, expert parallel {args.ranks}", whole, measure_eval(args, "ep", tmp, source))]
+        hf = hf_source(args, tmp)
+        imported = {way: measure_import(args, way, tmp, hf) for way in ("whole", "ep")}
+        rows.append((f"import, expert parallel {args.ranks}", imported["whole"]["added"], imported["ep"]["added"]))
     print(f"# rank_memory: {args.config.name} {' '.join(args.set)}: {params:,} parameters, "
           f"{params * 4 / MiB:,.0f} MiB in fp32")
     print("| step | whole model MiB | sharded / streamed MiB | sharded / whole |")
     print("|---|---:|---:|---:|")
     for name, before, now in rows:
         print(f"| {name} | {before / MiB:,.0f} | {now / MiB:,.0f} | {now / before:.2f} |")
+    held = imported["ep"]["held"]
+    print(f"import ({args.import_config.name} {' '.join(args.import_set)}): a rank holds {held / MiB:,.1f} MiB once "
+          f"imported at expert parallel {args.ranks}; its peak during the import is {imported['ep']['added'] / held:.2f} "
+          f"x that (the whole model: {imported['whole']['held'] / MiB:,.1f} MiB)")
     if args.json:
-        args.json.write_text(json.dumps([{"step": n, "whole": b, "sharded": s} for n, b, s in rows], indent=1))
+        out = [{"step": n, "whole": b, "sharded": s} for n, b, s in rows]
+        out[-1]["held"] = held
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -70,4 +70,4 @@ class DenseBlock(Block):
         return BlockOutput(x_BTD + attn + ffn.x, ffn.aux_losses, ffn.stats)
 
     def new_cache(self) -> KVCache:
-        return KVCache()
+        return self.attention.attn.new_cache()  # MLA keeps its latent (layers/mla.py)

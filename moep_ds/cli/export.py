@@ -21,8 +21,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory to write (not in a run directory)")
     p.add_argument("--hf", action="store_true", help="write a Hugging Face (trust_remote_code) directory")
     p.add_argument("--native", action="store_true",
-                   help="with --hf: the architecture's own format (GPT-2, Llama, Gemma, GPT-NeoX; dense models only), "
-                        "loaded without trust_remote_code and read back by moep-import")
+                   help="with --hf: the architecture's own format (GPT-2, Llama, Gemma, GPT-NeoX, Mixtral, Qwen2-MoE, "
+                        "Qwen3-MoE, OLMoE, DeepSeek-V3), loaded without trust_remote_code and read back by moep-import")
+    p.add_argument("--max_shard_size", default="5GB", metavar="SIZE",
+                   help="with --native: larger weights are split into shards of at most SIZE with an index, as "
+                        "save_pretrained writes them (default 5GB)")
     p.add_argument("--force", action="store_true",
                    help="replace --out as a whole if it exists (once the new export is complete)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -61,16 +64,16 @@ def export_native(source: Path, cfg: Any, out: Path, args: argparse.Namespace, t
     """--hf --native: interop/export_native.py, written as atomically as the other exports."""
     from moep_ds.checkpointing.model_dir import stored_weights
     from moep_ds.data.tokenizer import load_tokenizer
-    from moep_ds.interop.export_native import write_native_dir
-    from moep_ds.interop.hf_layout import spec_of
+    from moep_ds.interop.export_native import max_shard_bytes, native_format, write_native_dir
 
     if not args.hf:
         raise UserError("--native is a form of --hf: pass both")
-    spec_of(cfg.model)  # a model with no native format fails before anything is written
+    max_shard_bytes(args.max_shard_size)
+    native_format(cfg.model)  # a model with no native format fails before anything is written
     entries, _ = stored_weights(source, cfg)
     eot_id = load_tokenizer(tokenizer_dir).eot_id if tokenizer_dir is not None else None
     with layout.output_dir(out) as tmp:
-        write_native_dir(entries, cfg, tmp, tokenizer_dir, eot_id, meta)
+        write_native_dir(entries, cfg, tmp, tokenizer_dir, eot_id, meta, args.max_shard_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,14 @@
-"""`moep-import SRC --out RUN_DIR --config RECIPE [--set k=v ...]`: a Hugging Face checkpoint (a folder, or
+"""`moep-import SRC --out RUN_DIR [--config RECIPE] [--set k=v ...]`: a Hugging Face checkpoint (a folder, or
 hf:REPO[@REVISION] from huggingface_hub's cache) or a dense moep_ds checkpoint into a moep_ds run directory.
 
+    moep-import hf:allenai/OLMoE-1B-7B-0924 --out runs/olmoe
     moep-import hf:EleutherAI/pythia-1b@step13000 --out runs/pythia_1b_step13000 --config configs/pythia_1b_dense.yaml
     moep-import runs/pythia_1b_step13000 --out runs/pythia_1b_upcycled --config configs/pythia_1b_upcycled_moe.yaml
 
-With a recipe that sets model.upcycle (an FFN-MoE of the same backbone), the dense source is upcycled.
+Without --config the recipe is the one that reproduces the Hugging Face source (its config.json read as a recipe;
+written as the checkpoint's config.yaml); with it, every setting where the recipe's model differs from the source
+is one line. With a recipe that sets model.upcycle (an FFN-MoE of the same backbone), the dense source is
+upcycled.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ def parser() -> argparse.ArgumentParser:
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("source", metavar="SRC", help="Hugging Face folder, hf:REPO[@REVISION], or moep_ds checkpoint")
     p.add_argument("--out", required=True, help="the run directory to write (new or empty)")
-    p.add_argument("--config", required=True, help="the recipe whose model the weights are checked against")
+    p.add_argument("--config", help="the recipe whose model the weights are checked against (default: the one "
+                                     "that reproduces a Hugging Face SRC)")
     p.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="recipe overrides, e.g. model.upcycle.noise_std=0.01")
     return p
@@ -30,8 +35,9 @@ def _main(args: argparse.Namespace) -> int:
     from moep_ds.config import config_from_dict
     from moep_ds.recipe_yaml import read_yaml
     from moep_ds.interop.importer import import_checkpoint
+    from moep_ds.interop.sources import source_recipe
 
-    raw = read_yaml(args.config, "--config")
+    raw = read_yaml(args.config, "--config") if args.config else source_recipe(args.source)
     if isinstance(raw.get("model"), dict):  # SRC is the model's init_from here (a recipe with model.upcycle needs one)
         raw["model"] = {**raw["model"], "init_from": args.source}
     import_checkpoint(args.source, config_from_dict(raw, args.set), args.out)

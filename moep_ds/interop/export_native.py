@@ -1,33 +1,126 @@
-"""`moep-export RUN --out DIR --hf --native`: a dense model in its architecture's own Hugging Face format.
+"""`moep-export RUN --out DIR --hf --native`: a model in its architecture's own Hugging Face format.
 
-    DIR/config.json         GPT2LMHeadModel / LlamaForCausalLM / GemmaForCausalLM / GPTNeoXForCausalLM config
-    DIR/model.safetensors   the architecture's tensor names and layouts (hf_layout.py), written one at a time
+    DIR/config.json         the architecture's config: GPT2LMHeadModel, LlamaForCausalLM, GemmaForCausalLM,
+                            GPTNeoXForCausalLM (hf_layout.py), MixtralForCausalLM, Qwen2MoeForCausalLM,
+                            Qwen3MoeForCausalLM, OlmoeForCausalLM, DeepseekV3ForCausalLM (moe_layout.py)
+    DIR/model.safetensors   the architecture's tensor names and layouts, written one at a time; above
+                            --max_shard_size as save_pretrained shards: model-0000i-of-0000n.safetensors and
+                            model.safetensors.index.json ({"metadata": {"total_size", "total_parameters"},
+                            "weight_map": {key: file}})
     DIR/meta.json, tokenizer files
 
 transformers loads it without trust_remote_code (`AutoModelForCausalLM.from_pretrained(DIR)`), and moep-import
-reads it back bit for bit. Only a model of one dense block repeated has such a format; an MoE is refused.
+reads it back bit for bit. A model of dense blocks only is one of the dense architectures (one block repeated);
+an MoE is the MoE architecture whose config.json describes it exactly: the model is written as that
+architecture's config.json, read back as a recipe (moe_layout.py) and compared with itself. No architecture that
+passes: refused, naming the nearest one (fewest differing settings) and the first setting where it differs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from moep_ds.checkpointing.streaming import TensorEntry, write_safetensors
-from moep_ds.interop.hf_layout import architecture_of_spec, hf_config, spec_of
-from moep_ds.interop.hf_weights import native_entries
+from moep_ds.errors import UserError
+from moep_ds.interop.hf_layout import Rule, architecture_of_spec, hf_config, spec_of
+from moep_ds.interop.hf_weights import SAFETENSORS, SAFETENSORS_INDEX, model_of, native_entries
+
+DEFAULT_MAX_SHARD = "5GB"  # the hub's advice (save_pretrained itself defaults to 50GB)
+SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?B?)", re.IGNORECASE)
+UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
+         "TB": 10**12}
+INEXPRESSIBLE = 1000  # a difference no field of the architecture can take: far from every near miss
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeFormat:
+    hf_class: str
+    config: dict[str, Any]  # config.json, without the tokenizer's special ids
+    rules: list[Rule]  # its tensors from ours
+
+
+def native_format(model_cfg: Any) -> NativeFormat:
+    """The architecture and config.json the model is exported as; one line when none expresses it."""
+    layers = model_cfg.expanded_layers()
+    if all(getattr(layer, "type", None) == "dense" for layer in layers):
+        spec = spec_of(model_cfg)
+        arch = architecture_of_spec(spec)
+        return NativeFormat(arch.hf_class, hf_config(spec, arch), arch.rules(spec))
+    return moe_format(model_cfg)
+
+
+def moe_format(model_cfg: Any) -> NativeFormat:
+    from moep_ds.interop.compare import model_differences
+    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES, Inexpressible, interleaved
+
+    misses = []
+    for arch in MOE_ARCHITECTURES.values():
+        try:
+            config = {"architectures": [arch.hf_class], "model_type": arch.model_type, **arch.to_hf(model_cfg),
+                      "dtype": "float32"}
+            back = model_of(arch.recipe(config), f"{arch.hf_class}'s config.json")
+            lines = model_differences(back, model_cfg, (arch.hf_class, "the model"))
+        except (Inexpressible, UserError) as err:
+            misses.append((INEXPRESSIBLE, arch.hf_class, [str(err)]))
+            continue
+        if not lines:
+            return NativeFormat(arch.hf_class, config, arch.rules(model_cfg, interleaved(arch, config)))
+        misses.append((len(lines), arch.hf_class, lines))
+    count, name, lines = min(misses, key=lambda m: m[0])
+    extra = f" ({count} setting(s) differ)" if count < INEXPRESSIBLE else ""
+    raise UserError(f"no Hugging Face architecture expresses this model: the nearest, {name}, differs first at "
+                    f"{lines[0]}{extra}")
+
+
+def max_shard_bytes(text: str) -> int:
+    """'5GB', '100KB', '2000000' -> bytes (decimal units, as save_pretrained reads them)."""
+    match = SIZE.fullmatch(text.strip())
+    if match is None or match.group(2).upper() not in UNITS:
+        raise UserError(f"--max_shard_size ({text!r}) is not a size such as 5GB, 500MB or 100KB")
+    return max(1, int(float(match.group(1)) * UNITS[match.group(2).upper()]))
+
+
+def shards(entries: list[TensorEntry], limit: int) -> list[list[TensorEntry]]:
+    """Consecutive tensors grouped so that no group exceeds `limit` bytes (a tensor larger than that alone), as
+    huggingface_hub's split_torch_state_dict_into_shards groups them."""
+    out: list[list[TensorEntry]] = [[]]
+    size = 0
+    for e in entries:
+        if out[-1] and size + e.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(e)
+        size += e.nbytes
+    return out
+
+
+def write_native_weights(tmp: Path, entries: list[TensorEntry], limit: int) -> None:
+    groups = shards(entries, limit)
+    if len(groups) == 1:
+        write_safetensors(tmp / SAFETENSORS, entries, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, group in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors(tmp / name, group, metadata={"format": "pt"})
+        weight_map.update({e.name: name for e in group})
+    index = {"metadata": {"total_size": sum(e.nbytes for e in entries),
+                          "total_parameters": sum(e.nbytes // e.dtype.itemsize for e in entries)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
 def write_native_dir(entries: list[TensorEntry], cfg: Any, tmp: Path, tokenizer_dir: Path | None,
-                     eot_id: int | None, meta: dict[str, Any]) -> None:
+                     eot_id: int | None, meta: dict[str, Any], max_shard_size: str = DEFAULT_MAX_SHARD) -> None:
     """Into the (temporary) folder `tmp`: `entries` (our weights, canonical names) in the architecture's format."""
-    spec = spec_of(cfg.model)
-    arch = architecture_of_spec(spec)
+    fmt = native_format(cfg.model)
     by_name = {e.name: e for e in entries}
-    write_safetensors(tmp / "model.safetensors", native_entries(by_name, spec, arch), metadata={"format": "pt"})
+    write_native_weights(tmp, native_entries(by_name, fmt.rules), max_shard_bytes(max_shard_size))
     specials = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": None}
-    config = hf_config(spec, arch, specials)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (tmp / "config.json").write_text(json.dumps({**fmt.config, **specials}, indent=2) + "\n", encoding="utf-8")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if tokenizer_dir is not None:
         from moep_ds.data.tokenizer import copy_tokenizer
@@ -35,4 +128,4 @@ def write_native_dir(entries: list[TensorEntry], cfg: Any, tmp: Path, tokenizer_
         copy_tokenizer(tokenizer_dir, tmp)
 
 
-__all__ = ["write_native_dir"]
+__all__ = ["DEFAULT_MAX_SHARD", "NativeFormat", "max_shard_bytes", "native_format", "write_native_dir"]

@@ -71,6 +71,7 @@ def spec_of(model_cfg: Any) -> Spec:
         if {**to_dict(layer), "repeat": 1} != {**to_dict(first), "repeat": 1}:
             raise UserError(f"model.layers: block {i} differs from block 0; the Hugging Face architectures repeat "
                             "one block")
+    check_dense_attention(first.attention)
     d, att, rope = model_cfg.d_model, first.attention, first.attention.rope
     return Spec({
         "block_type": "dense", "vocab_size": model_cfg.vocab_size, "d_model": d, "num_layers": len(layers),
@@ -86,17 +87,33 @@ def spec_of(model_cfg: Any) -> Spec:
     })
 
 
+def check_dense_attention(att: Any) -> None:
+    """What the dense architectures' attention has: causal, no QK-norm, biases on all projections or none."""
+    where = "the dense Hugging Face architectures (GPT-2, Llama, Gemma, GPT-NeoX)"
+    if att.type != "causal":
+        raise UserError(f"model.layers[*].attention.type ({att.type!r}): {where} have causal attention")
+    if att.qk_norm is not None:
+        raise UserError(f"model.layers[*].attention.qk_norm is set: {where} have no QK-norm")
+    if att.qkv_bias is not None and att.qkv_bias != att.bias:
+        raise UserError(f"model.layers[*].attention.qkv_bias ({att.qkv_bias}) differs from attention.bias "
+                        f"({att.bias}): {where} have biases on every projection or on none")
+    if att.rope is not None and att.rope.yarn is not None:
+        raise UserError(f"model.layers[*].attention.rope.yarn is set: {where} are read with plain RoPE here")
+
+
 # ---- tensors ------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Our tensor `ours` from the HF tensors `theirs` (`to_ours`), and back (`to_theirs`, in the order of `theirs`)."""
+    """Our tensor `ours` from the HF tensors `theirs` (`to_ours`), and back (`to_theirs`, in the order of `theirs`).
+    `stacked`: row e of ours comes from theirs[e] alone (an expert stack), so rows are read from their tensors only."""
 
     ours: str
     theirs: tuple[str, ...]
     to_ours: Callable[[list[torch.Tensor]], torch.Tensor]
     to_theirs: Callable[[torch.Tensor], list[torch.Tensor]]
+    stacked: bool = False
 
 
 def same(ours: str, theirs: str) -> Rule:
@@ -401,15 +418,6 @@ ARCHITECTURES = {
 }
 
 
-def architecture_of_config(hf: dict[str, Any], source: str) -> Architecture:
-    """The architecture config.json names (model_type); one line for any other."""
-    kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
-        raise UserError(f"{source}: config.json has model_type {kind!r}; moep-import reads "
-                        f"{', '.join(sorted(ARCHITECTURES))}")
-    return ARCHITECTURES[kind]
-
-
 def architecture_of_spec(spec: Spec) -> Architecture:
     """The architecture a recipe's dense model is (for the native export)."""
     if spec["position_embedding"] == "learned":
@@ -454,6 +462,27 @@ def check_against_recipe(arch: Architecture, hf: dict[str, Any], spec: Spec, sou
         raise UserError(f"{source} ({arch.hf_class}) does not match the recipe's model:\n  " + "\n  ".join(lines))
 
 
+def dense_recipe(arch: Architecture, hf: dict[str, Any]) -> dict[str, Any]:
+    """The model section of the recipe that builds the model config.json describes (each field's canonical value:
+    what moep-import without --config writes)."""
+    e = {field: accepted[0] for field, (accepted, _) in arch.expected(hf).items()}
+    positions = e.get("max_seq_len", AtMost(2048))
+    rope = {"base": e["rope_base"], "fraction": e["rope_fraction"]} if e["rotary"] else None
+    attention = {"num_heads": e["num_heads"], "num_kv_heads": e["num_kv_heads"], "head_dim": e["head_dim"],
+                 "bias": e["attention_bias"], "window": e["window"], "rope": rope}
+    # a LayerNorm's bias as config.json says; an RMSNorm has none (the field keeps its default)
+    norm = {"type": e["norm_type"], "eps": e["norm_eps"], **({"bias": e["norm_bias"]} if "norm_bias" in e else {})}
+    final_norm = {"type": e["final_norm_type"], "eps": e["final_norm_eps"],
+                  **({"bias": e["final_norm_bias"]} if "final_norm_bias" in e else {})}
+    layer = {"type": "dense", "repeat": e["num_layers"], "attention": attention, "norm": norm,
+             "ffn": {"type": e["ffn_type"], "hidden_size": e["ffn_hidden"], "bias": e["ffn_bias"]},
+             "parallel_residual": e["parallel_residual"]}
+    return {"vocab_size": e["vocab_size"], "d_model": e["d_model"],
+            "max_seq_len": positions.limit if isinstance(positions, AtMost) else positions,
+            "tie_embeddings": e["tie_embeddings"], "position_embedding": e["position_embedding"],
+            "embedding_scale": e["embedding_scale"], "final_norm": final_norm, "layers": [layer]}
+
+
 def hf_config(spec: Spec, arch: Architecture, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json of the native export: the architecture's own keys, from the model's Spec."""
     return {"architectures": [arch.hf_class], "model_type": arch.model_type, "vocab_size": spec["vocab_size"],
@@ -461,5 +490,5 @@ def hf_config(spec: Spec, arch: Architecture, extra: dict[str, Any] | None = Non
             **(extra or {})}
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "Rule", "Spec", "architecture_of_config", "architecture_of_spec",
-           "check_against_recipe", "hf_config", "spec_of"]
+__all__ = ["ARCHITECTURES", "Architecture", "Rule", "Spec", "architecture_of_spec",
+           "check_against_recipe", "dense_recipe", "hf_config", "spec_of"]

@@ -1,4 +1,5 @@
 """A Hugging Face checkpoint folder as our weights: config.json checked against the recipe, tensors streamed.
+The dense architectures are mapped in hf_layout.py, the MoE ones in moe_layout.py.
 
     config.json                                  architecture (model_type) and sizes, read as JSON (no code runs)
     model.safetensors | model-0000x-of-0000n.safetensors + model.safetensors.index.json
@@ -6,7 +7,8 @@
 
 safetensors files are read through `safe_open` (memory-mapped, one tensor at a time); .bin files through
 `torch.load(weights_only=True, mmap=True)`, which maps the file and runs no code from it. Either way only the
-tensors of the one weight being read are in memory.
+tensors of the one weight being read are in memory, and of an expert stack only the experts asked for (a process
+under expert parallelism reads its own experts' tensors, from whichever shards hold them).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any, Iterator
 import torch
 
 from moep_ds.errors import UserError, json_error_reason
-from moep_ds.interop.hf_layout import Architecture, Rule, Spec, architecture_of_config, check_against_recipe, spec_of
+from moep_ds.interop.hf_layout import ARCHITECTURES, Rule, check_against_recipe, spec_of
 from moep_ds.interop.weights import Weight
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class TensorFiles:
     def __init__(self, folder: Path):
         self.folder = folder
         self.files = self.key_files(folder)
+        self.shapes: dict[Path, dict[str, tuple[int, ...]]] = {}  # per file, read from its header once
 
     @staticmethod
     def key_files(folder: Path) -> dict[str, Path]:
@@ -64,9 +67,14 @@ class TensorFiles:
             if (folder / index).is_file():
                 try:
                     weight_map = json.loads((folder / index).read_text(encoding="utf-8"))["weight_map"]
-                except (OSError, ValueError, KeyError, TypeError) as err:
+                    files = {k: folder / v for k, v in weight_map.items()}
+                except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
                     raise UserError(f"{str(folder / index)!r} is not a weights index: {err}") from None
-                return {k: folder / v for k, v in weight_map.items()}
+                missing = sorted({(f.name, k) for k, f in files.items() if not f.is_file()})
+                if missing:
+                    raise UserError(f"{str(folder / index)!r} names shard {missing[0][0]!r} (holding "
+                                    f"{missing[0][1]!r}), which is missing from {str(folder)!r}")
+                return files
             if (folder / single).is_file():
                 return {k: folder / single for k in TensorFiles.keys_of(folder / single)}
         raise UserError(f"{str(folder)!r} holds no weights ({SAFETENSORS}, {BIN} or their sharded index)")
@@ -80,16 +88,19 @@ class TensorFiles:
 
     def shape(self, key: str) -> tuple[int, ...]:
         file = self.files[key]
-        if file.suffix == ".safetensors":
-            with safetensors_file(file) as f:
-                return tuple(f.get_slice(key).get_shape())
-        return tuple(load_bin(file)[key].shape)
+        if file not in self.shapes:
+            if file.suffix == ".safetensors":
+                with safetensors_file(file) as f:
+                    self.shapes[file] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            else:
+                self.shapes[file] = {k: tuple(t.shape) for k, t in load_bin(file).items()}
+        if key not in self.shapes[file]:
+            raise UserError(f"{str(file)!r} lacks {key!r}, which the weights index places there")
+        return self.shapes[file][key]
 
     def read(self, key: str) -> torch.Tensor:
         """The tensor in fp32 (what the checkpoint stores: fp32, fp16 or bf16)."""
         file = self.files[key]
-        if not file.is_file():
-            raise UserError(f"{str(file)!r} (named by the weights index for {key!r}) is missing")
         if file.suffix == ".safetensors":
             with safetensors_file(file) as f:
                 return f.get_tensor(key).float()
@@ -98,19 +109,24 @@ class TensorFiles:
 
 @contextlib.contextmanager
 def safetensors_file(file: Path) -> Iterator[Any]:
-    """safe_open(file), whose errors (safetensors' SafetensorError "incomplete metadata" for a truncated file, a bad
-    header, an unreadable file) become one line naming the file."""
-    from safetensors import safe_open
+    """safe_open(file), memory-mapped; a missing file, and safetensors' errors (SafetensorError "incomplete metadata"
+    for a truncated file, a bad header, an unreadable file), are one line naming the file."""
+    from safetensors import SafetensorError, safe_open
 
+    if not file.is_file():
+        raise UserError(f"{str(file)!r} is missing")
     try:
-        with safe_open(str(file), framework="pt") as f:
-            yield f
-    except UserError:
-        raise
-    except Exception as err:  # noqa: BLE001 - SafetensorError is not exported under a stable name
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"{str(file)!r} cannot be read as safetensors ({reason}): the file is truncated or damaged; "
-                        "download it again") from None
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError, ValueError) as err:
+        raise UserError(f"{str(file)!r} cannot be read as safetensors ({first_line(err)}): the file is truncated or "
+                        "damaged; download it again") from None
+    with handle as f:
+        yield f
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 @functools.lru_cache(maxsize=4)
@@ -125,34 +141,51 @@ def load_bin(file: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def normalise_keys(files: TensorFiles, arch: Architecture) -> dict[str, str]:
+def normalise_keys(files: TensorFiles, base_prefix: str, head_keys: tuple[str, ...], ignored: Any) -> dict[str, str]:
     """{key as the map names it: key in the files}: a base model's checkpoint lacks the prefix (GPT-2's own
     release: `h.0.attn...`), GPT-NeoX's head is `embed_out` in Pythia's files and `lm_head` in newer ones."""
     out = {}
     for key in files.files:
-        if arch.ignored.fullmatch(key):
+        if ignored.fullmatch(key):
             continue
         name = key
-        if not key.startswith(arch.base_prefix) and key not in arch.head_keys:
-            name = arch.base_prefix + key
-        if key in arch.head_keys:
-            name = arch.head_keys[0]
+        if not key.startswith(base_prefix) and key not in head_keys:
+            name = base_prefix + key
+        if key in head_keys:
+            name = head_keys[0]
         out[name] = key
     return out
+
+
+def architecture_names() -> list[str]:
+    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES
+
+    return sorted([*ARCHITECTURES, *MOE_ARCHITECTURES])
 
 
 def hf_weights(folder: Path, model_cfg: Any, source: str) -> dict[str, Weight]:
     """The weights of a Hugging Face folder under our names, after checking config.json against the recipe's
     model (every mismatch one line) and the tensors against the architecture's map (none missing, none unknown)."""
+    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES, interleaved
+
     hf = read_config(folder)
-    arch = architecture_of_config(hf, source)
-    spec = spec_of(model_cfg)
-    check_against_recipe(arch, hf, spec, source)
+    kind = hf.get("model_type")
+    if kind in MOE_ARCHITECTURES:
+        arch = MOE_ARCHITECTURES[kind]
+        check_moe_against_recipe(arch, hf, model_cfg, source)
+        rules, ignored = arch.rules(model_cfg, interleaved(arch, hf)), arch.ignored(hf)
+    elif kind in ARCHITECTURES:
+        arch = ARCHITECTURES[kind]
+        spec = spec_of(model_cfg)
+        check_against_recipe(arch, hf, spec, source)
+        rules, ignored = arch.rules(spec), arch.ignored
+    else:
+        raise UserError(f"{source}: config.json has model_type {kind!r}; moep-import reads "
+                        f"{', '.join(architecture_names())}")
     files = TensorFiles(folder)
-    keys = normalise_keys(files, arch)
-    rules = arch.rules(spec)
+    keys = normalise_keys(files, arch.base_prefix, arch.head_keys, ignored)
     needed = {k for rule in rules for k in rule.theirs}
-    if spec["tie_embeddings"]:  # a tied checkpoint may store the head anyway (as the embedding's copy)
+    if model_cfg.tie_embeddings:  # a tied checkpoint may store the head anyway (as the embedding's copy)
         keys.pop(arch.head_keys[0], None)
     missing, unknown = sorted(needed - set(keys)), sorted(set(keys) - needed)
     if missing:
@@ -160,27 +193,63 @@ def hf_weights(folder: Path, model_cfg: Any, source: str) -> dict[str, Weight]:
     if unknown:
         raise UserError(f"{source} has {len(unknown)} tensor(s) that {arch.hf_class} of this recipe has no place "
                         f"for: {unknown[:5]}")
-    return {rule.ours: weight_of(rule, files, keys, spec) for rule in rules}
+    return {rule.ours: weight_of(rule, files, keys) for rule in rules}
 
 
-def weight_of(rule: Rule, files: TensorFiles, keys: dict[str, str], spec: Spec) -> Weight:
+def check_moe_against_recipe(arch: Any, hf: dict[str, Any], model_cfg: Any, source: str) -> None:
+    """The recipe's model against the one config.json describes (moe_layout.py): every difference one line; a
+    recipe may be shorter than the source's max_position_embeddings."""
+    from moep_ds.interop.compare import model_differences, report
+
+    expected = model_of(arch.recipe(hf), f"{source}'s config.json")
+    lines = model_differences(expected, model_cfg, ("config.json", "the recipe"), keep_length=False)
+    if model_cfg.max_seq_len > expected.max_seq_len:
+        lines.append(f"model.max_seq_len: {model_cfg.max_seq_len} in the recipe, longer than "
+                     f"{expected.max_seq_len} in config.json (max_position_embeddings)")
+    if lines:
+        raise UserError(f"{source} ({arch.hf_class}) does not match the recipe's model:\n  " + report(lines))
+
+
+def model_of(model_raw: dict[str, Any], what: str) -> Any:
+    """The ModelConfig of a recipe's model section (a config.json's, or an export's round trip)."""
+    from moep_ds.checkpointing.model_dir import StoredRecipe
+    from moep_ds.schema import ConfigError
+
+    try:
+        return StoredRecipe.parse({"model": model_raw}).model
+    except ConfigError as err:
+        raise UserError(f"{what} describes no model moep_ds builds: {err}") from None
+
+
+def weight_of(rule: Rule, files: TensorFiles, keys: dict[str, str]) -> Weight:
     shapes = [files.shape(keys[k]) for k in rule.theirs]
     shape = tuple(rule.to_ours([torch.empty(s, device="meta") for s in shapes]).shape)
-    return Weight(shape, lambda: rule.to_ours([files.read(keys[k]) for k in rule.theirs]))
+    read_rows = None
+    if rule.stacked:  # an expert stack: experts [first, end) from their own tensors only
+        read_rows = lambda first, end: rule.to_ours([files.read(keys[k]) for k in rule.theirs[first:end]])  # noqa: E731
+    return Weight(shape, lambda: rule.to_ours([files.read(keys[k]) for k in rule.theirs]), read_rows)
 
 
-def native_entries(entries: dict[str, Any], spec: Spec, arch: Architecture) -> list[Any]:
-    """Our weights (TensorEntry by canonical name) as the architecture's tensors, each computed when written."""
+def native_entries(entries: dict[str, Any], rules: list[Rule]) -> list[Any]:
+    """Our weights (TensorEntry by canonical name) as the architecture's tensors (`rules`), each computed when
+    written; the tensors of one rule (an expert stack's experts) from one read of ours."""
     from moep_ds.checkpointing.streaming import TensorEntry
 
+    last: dict[str, list[torch.Tensor]] = {}  # the one rule's tensors being written
+
+    def part(rule: Rule, j: int) -> torch.Tensor:
+        if rule.ours not in last:
+            last.clear()
+            last[rule.ours] = rule.to_theirs(entries[rule.ours].read().float())
+        return last[rule.ours][j]
+
     out = []
-    for rule in arch.rules(spec):
-        ours = entries[rule.ours]
-        parts = rule.to_theirs(torch.empty(ours.shape, device="meta"))
-        for j, (key, part) in enumerate(zip(rule.theirs, parts)):
-            out.append(TensorEntry(key, torch.float32, tuple(part.shape),
-                                   lambda ours=ours, rule=rule, j=j: rule.to_theirs(ours.read().float())[j]))
+    for rule in rules:
+        parts = rule.to_theirs(torch.empty(entries[rule.ours].shape, device="meta"))
+        for j, (key, meta) in enumerate(zip(rule.theirs, parts)):
+            out.append(TensorEntry(key, torch.float32, tuple(meta.shape), lambda rule=rule, j=j: part(rule, j)))
     return out
 
 
-__all__ = ["TensorFiles", "hf_weights", "is_hf_folder", "native_entries", "read_config"]
+__all__ = ["TensorFiles", "architecture_names", "hf_weights", "is_hf_folder", "model_of", "native_entries",
+           "read_config"]

@@ -63,7 +63,8 @@ def import_checkpoint(src: str, cfg: Any, out: str | Path) -> Path:
     tag = layout.checkpoint_tag(step)
     with layout.output_dir(out) as tmp:
         write_model_checkpoint(model, stored, layout.checkpoint_root(tmp) / tag, tokenizer_dir, meta)
-    log.info("imported %s into %s (step %d)", src, out, step)
+    log.info("imported %s into %s (step %d); its recipe: %s", src, out, step,
+             layout.checkpoint_root(out) / tag / "config.yaml")
     return layout.checkpoint_root(out) / tag
 
 

@@ -21,13 +21,6 @@ from moep_ds.interop.weights import Weight, check_shapes, checkpoint_weights
 
 log = logging.getLogger(__name__)
 
-INIT_KEYS = ("init", "init_std", "init_num_layers", "init_from", "upcycle")  # how to initialise, not the model
-# how a router trains (its losses, noise, capacity, expert lifecycle) and evaluates: a run may change them, the
-# weights mean the same
-TRAINING_KEYS = ("load_balancing_weight", "z_loss_weight", "jitter", "capacity_factor", "lifecycle",
-                 "threshold_ema_decay", "eval_mode")
-
-
 def model_shapes(model_cfg: Any) -> dict[str, tuple[int, ...]]:
     """Global shapes by canonical name of the model `model_cfg` builds (on the meta device: nothing allocated)."""
     from moep_ds.checkpointing import model_state
@@ -91,6 +84,34 @@ def expert_field_names(text: str, model_cfg: Any) -> str:
     return text
 
 
+def source_recipe(spec: str, what: str = "SRC") -> dict[str, Any]:
+    """The recipe (model section and tokenizer) that reproduces the Hugging Face model `spec`, from its
+    config.json alone: what moep-import writes without --config."""
+    from moep_ds.data.tokenizer import TOKENIZER_FILE
+    from moep_ds.interop.hf_layout import ARCHITECTURES, dense_recipe
+    from moep_ds.interop.hf_weights import architecture_names, is_hf_folder, read_config
+    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES
+
+    source = resolve(spec, what)
+    if not is_hf_folder(source.folder):
+        raise UserError(f"{what} ({spec!r}) is no Hugging Face model folder (config.json and weights): a moep_ds "
+                        "checkpoint is imported with --config (the recipe to check it against or upcycle it into)")
+    hf = read_config(source.folder)
+    kind = hf.get("model_type")
+    if kind in MOE_ARCHITECTURES:
+        model = MOE_ARCHITECTURES[kind].recipe(hf)
+    elif kind in ARCHITECTURES:
+        model = dense_recipe(ARCHITECTURES[kind], hf)
+    else:
+        raise UserError(f"{what} ({spec!r}): config.json has model_type {kind!r}; moep-import reads "
+                        f"{', '.join(architecture_names())}")
+    tokenizer: dict[str, Any] = {"vocab_size": model["vocab_size"]}
+    if (source.folder / TOKENIZER_FILE).is_file():  # the source's own tokenizer, for training on new text
+        vocab = vocabulary(source.folder / TOKENIZER_FILE, f"{what} ({spec!r})")
+        tokenizer = {"path": str(source.folder.resolve()), "vocab_size": len(vocab)}
+    return {"model": model, "data": {"tokenizer": tokenizer}}
+
+
 def moep_weights(folder: Path, target: Any, label: str) -> tuple[dict[str, Weight], Path]:
     """A moep_ds checkpoint (a run directory: its newest complete one) whose model equals `target`."""
     from moep_ds.checkpointing.model_dir import load_recipe
@@ -101,52 +122,12 @@ def moep_weights(folder: Path, target: Any, label: str) -> tuple[dict[str, Weigh
 
 
 def check_same_model(saved: Any, target: Any, label: str) -> None:
-    """Every setting of the saved model that differs from the recipe's, one line each (initialisation aside)."""
-    from moep_ds.schema import to_dict
+    """Every setting of the saved model that differs from the recipe's, one line each (interop/compare.py)."""
+    from moep_ds.interop.compare import model_differences, report
 
-    def described(model_cfg: Any) -> dict[str, Any]:
-        raw = {k: v for k, v in to_dict(model_cfg).items() if k not in INIT_KEYS and k not in ("layers", "flavour")}
-        layers = [resolved(layer, model_cfg.d_model) for layer in model_cfg.expanded_layers()]
-        return {**raw, "layers": layers}
-
-    lines = differences(described(saved), described(target), "model")
+    lines = model_differences(saved, target)
     if lines:
-        raise UserError(f"{label} does not match the recipe's model:\n  " + "\n  ".join(lines[:20]) +
-                        (f"\n  (and {len(lines) - 20} more)" if len(lines) > 20 else ""))
-
-
-def resolved(layer: Any, d_model: int) -> dict[str, Any]:
-    """A block's settings with the sizes its defaults stand for (an FFN's hidden_size null is 4d for a GELU MLP,
-    num_kv_heads null is num_heads, ...): two recipes that build the same block compare equal."""
-    from moep_ds.layers.ffn import ffn_hidden_size
-    from moep_ds.schema import to_dict
-
-    out = without(to_dict(layer), ("repeat",))
-    if isinstance(out.get("ffn"), dict):
-        out["ffn"]["hidden_size"] = ffn_hidden_size(layer.ffn, d_model)
-    attention = getattr(layer, "attention", None)
-    if isinstance(out.get("attention"), dict) and hasattr(attention, "kv_heads"):
-        out["attention"].update(num_kv_heads=attention.kv_heads, head_dim=attention.resolved_head_dim(d_model))
-    return out
-
-
-def without(tree: Any, keys: tuple[str, ...]) -> Any:
-    """`tree` (dicts and lists) without `keys` at the top and TRAINING_KEYS at any depth."""
-    if isinstance(tree, dict):
-        return {k: without(v, ()) for k, v in tree.items() if k not in keys and k not in TRAINING_KEYS}
-    return [without(v, ()) for v in tree] if isinstance(tree, list) else tree
-
-
-def differences(saved: Any, now: Any, path: str) -> list[str]:
-    """'path: X there, Y in the recipe' for every leaf that differs between two nested dict/list trees."""
-    if isinstance(saved, dict) and isinstance(now, dict):
-        return [d for key in sorted(set(saved) | set(now), key=str)
-                for d in differences(saved.get(key), now.get(key), f"{path}.{key}")]
-    if isinstance(saved, list) and isinstance(now, list):
-        if len(saved) != len(now):
-            return [f"{path}: {len(saved)} blocks in SRC, {len(now)} in the recipe"]
-        return [d for i, (a, b) in enumerate(zip(saved, now)) for d in differences(a, b, f"{path}[{i}]")]
-    return [] if saved == now else [f"{path}: {saved!r} in SRC, {now!r} in the recipe"]
+        raise UserError(f"{label} does not match the recipe's model:\n  " + report(lines))
 
 
 def check_tokenizer(folder: Path, tokenizer_cfg: Any, label: str) -> None:
@@ -189,4 +170,4 @@ def vocabulary(file: Path, label: str) -> dict[str, int]:
         raise UserError(f"{label}: {str(file)!r} is no readable tokenizer: {str(err).splitlines()[0]}") from None
 
 
-__all__ = ["check_same_model", "check_tokenizer", "model_shapes", "source_weights"]
+__all__ = ["check_same_model", "check_tokenizer", "model_shapes", "source_recipe", "source_weights"]

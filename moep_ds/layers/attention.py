@@ -1,20 +1,33 @@
-"""Causal self-attention through `scaled_dot_product_attention`: MHA/GQA, optional sliding window, KV cache.
+"""Causal self-attention through `scaled_dot_product_attention`: MHA/GQA, optional sliding window, KV cache,
+optional RMSNorm on queries and keys (QK-norm) and biases on q/k/v alone (Qwen2).
 
 # B batch, T query tokens, S key tokens, H query heads, G key/value heads, Dh head dim, D model dim
 
 A key at position s is visible from a query at position t iff s <= t and, with a window w, t - w < s.
+
+QK-norm (before RoPE): `scope: head` normalises each head's Dh dims with one [Dh] scale shared by the heads
+(Qwen3's q_norm / k_norm), `scope: projection` the whole H Dh (G Dh) projection with an [H Dh] ([G Dh]) scale
+(OLMoE's).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moep_ds.layers.rope import RopeConfig, apply_rope, rope_cos_sin, rotary_dims, table_dtype
+from moep_ds.layers.rope import RopeConfig, apply_rope, rope_tables, rotary_dims, table_dtype
+from moep_ds.layers.norm import NormConfig, RMSNorm
 from moep_ds.registry import ATTENTIONS
-from moep_ds.schema import PositiveInt, fail
+from moep_ds.schema import PositiveFloat, PositiveInt, fail
+
+
+@dataclasses.dataclass(kw_only=True)
+class QKNormConfig:
+    scope: Literal["head", "projection"] = "head"  # see the module docstring
+    eps: PositiveFloat = 1e-6
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -26,6 +39,8 @@ class AttentionConfig:
     window: PositiveInt | None = None  # sliding window in tokens, the query included; null: unbounded
     rope: RopeConfig | None = None  # null: no rotary embedding (e.g. GPT-2's learned positions)
     bias: bool = False
+    qkv_bias: bool | None = None  # biases on q, k, v; null: = bias (Qwen2: true, with bias false on the output)
+    qk_norm: QKNormConfig | None = None  # null: none
 
     def validate(self, path: str) -> None:
         kv = self.kv_heads
@@ -78,13 +93,15 @@ def causal_attention(
     q_pos_BT: torch.Tensor,
     k_pos_BS: torch.Tensor,
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(Dh) + mask) v with G key/value heads shared by H/G query heads each."""
+    """softmax(q k^T scale + mask) v with G key/value heads shared by H/G query heads each; scale null:
+    1 / sqrt(Dh). v may have a head dim of its own (MLA)."""
     plain_causal = window is None and q_BHTd.shape[2] == k_BGSd.shape[2]
     mask = None if plain_causal else attention_mask(q_pos_BT, k_pos_BS, window)
     # Every query sees at least itself, so no row of the mask is empty.
     return F.scaled_dot_product_attention(
-        q_BHTd, k_BGSd, v_BGSd, attn_mask=mask, is_causal=plain_causal,
+        q_BHTd, k_BGSd, v_BGSd, attn_mask=mask, is_causal=plain_causal, scale=scale,
         enable_gqa=q_BHTd.shape[1] != k_BGSd.shape[1],
     )
 
@@ -98,19 +115,25 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.resolved_head_dim(d_model)
         self.rot_dim = rotary_dims(self.head_dim, cfg.rope.fraction) if cfg.rope else 0
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.w_qkv = nn.Linear(d_model, qkv_out, bias=cfg.bias)
+        self.w_qkv = nn.Linear(d_model, qkv_out, bias=cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias)
         self.w_o = nn.Linear(self.num_heads * self.head_dim, d_model, bias=cfg.bias)
+        if cfg.qk_norm is not None:
+            whole = cfg.qk_norm.scope == "projection"
+            norm = NormConfig(type="rmsnorm", eps=cfg.qk_norm.eps)
+            self.q_norm = RMSNorm(norm, self.head_dim * (self.num_heads if whole else 1))
+            self.k_norm = RMSNorm(norm, self.head_dim * (self.num_kv_heads if whole else 1))
 
     def forward(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q, k, v = self.w_qkv(x_BTD).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1
         )
-        q_BHTd = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BGTd = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v_BGTd = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.normed_qk(q, k)
+        q_BHTd = q.reshape(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BGTd = k.reshape(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BGTd = v.reshape(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.rot_dim:
-            cos, sin = rope_cos_sin(positions_BT, self.rot_dim, self.cfg.rope.base, table_dtype(x_BTD))
+            cos, sin = rope_tables(positions_BT, self.rot_dim, self.cfg.rope, table_dtype(x_BTD))
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
             q_BHTd, k_BGTd = apply_rope(q_BHTd, cos, sin), apply_rope(k_BGTd, cos, sin)
         k_pos = positions_BT
@@ -118,6 +141,15 @@ class CausalSelfAttention(nn.Module):
             k_BGTd, v_BGTd, k_pos = cache.append(k_BGTd, v_BGTd, positions_BT)
         out = causal_attention(q_BHTd, k_BGTd, v_BGTd, positions_BT, k_pos, self.cfg.window)
         return self.w_o(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def normed_qk(self, q_BTX: torch.Tensor, k_BTY: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """QK-norm of the projections (module docstring); unchanged without it."""
+        if self.cfg.qk_norm is None:
+            return q_BTX, k_BTY
+        if self.cfg.qk_norm.scope == "projection":
+            return self.q_norm(q_BTX), self.k_norm(k_BTY)
+        return (self.q_norm(q_BTX.unflatten(-1, (-1, self.head_dim))),
+                self.k_norm(k_BTY.unflatten(-1, (-1, self.head_dim))))
 
     def new_cache(self) -> KVCache:
         return KVCache()

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from moep_ds.layers.attention import AttentionConfig, CausalSelfAttention
-from moep_ds.layers.rope import apply_rope, rope_cos_sin
+from moep_ds.layers.rope import apply_rope, rope_tables
 
 # Smallest query chunk: for tiny windows a chunk of W queries would make many tiny matmuls; 64 rows keep
 # the batched matmul efficient while the key overhead (C + W - 1 per query) stays a small constant.
@@ -275,7 +275,7 @@ class RoutedSelfAttention(CausalSelfAttention):
         q, k, v = self.w_qkv(x).split([H * Dh, G * Dh, G * Dh], -1)
         q, k, v = q.unflatten(-1, (H, Dh)), k.unflatten(-1, (G, Dh)), v.unflatten(-1, (G, Dh))
         if self.rot_dim:
-            cos, sin = rope_cos_sin(pos, self.rot_dim, self.cfg.rope.base)
+            cos, sin = rope_tables(pos, self.rot_dim, self.cfg.rope)
             cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v

@@ -4,7 +4,9 @@ experts.
 # T tokens (B*T flattened), B sequences, D model dim, E experts, K experts per token, G expert groups,
 # M groups kept per token, A = T*K assignments, S kept ones
 
-    logits l = x W_r^T (fp32; in training x may be jittered by U(1-eps, 1+eps), Switch Transformer)
+    logits l = x W_r^T (fp32; in training x may be jittered by U(1-eps, 1+eps), Switch Transformer); with
+               logits_dtype input in x's dtype, then fp32 (transformers' Mixtral, Qwen-MoE and OLMoE routers: a bf16
+               model's bf16 logits; DeepSeek-V3's are fp32)
     scores s = softmax_E(l)  (score: softmax)   or   s = sigmoid(l)  (score: sigmoid, DeepSeek-V3 eq. 15)
     choice c = s + b  with b the loss-free balancing bias (routing/balancing.py; selection only, DeepSeek-V3
                eq. 16), 0 without it
@@ -49,6 +51,7 @@ class TopKConfig:
     type: str = "topk"
     k: PositiveInt = 2
     score: Literal["softmax", "sigmoid"] = "softmax"
+    logits_dtype: Literal["float32", "input"] = "float32"  # the matmul's precision (module docstring)
     renormalize: bool = False  # weights sum to 1 over the k chosen experts (Mixtral, DeepSeek-V3's norm_topk_prob)
     scaling_factor: PositiveFloat = 1.0  # weights times this (DeepSeek-V3's routed_scaling_factor)
     bias_update_rate: NonNegativeFloat | None = None  # u of loss-free balancing; null: no selection bias
@@ -240,6 +243,11 @@ class TopKRouter(Router):
 
     def active_experts_per_token(self) -> int:
         return self.cfg.k
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.cfg.logits_dtype == "input":
+            return (x_TD @ self.weight.to(x_TD.dtype).t()).to(routing_dtype(x_TD))
+        return super().logits(x_TD)
 
     def forward(self, x_BTD: torch.Tensor) -> RoutingPlan:
         num_sequences = x_BTD.shape[0] if x_BTD.dim() == 3 else 1

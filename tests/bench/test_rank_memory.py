@@ -1,4 +1,5 @@
-"""bench/rank_memory.py at toy size: every row runs and the streamed export holds less than building the model
+"""bench/rank_memory.py at toy size: every row runs, the streamed export holds less than building the model and an
+expert-parallel import less than the whole one
 (at this size DeepSpeed's ZeRO-3 bookkeeping and one parameter's draw over all experts weigh as much as the
 model: RESULTS.md has the full-width numbers)."""
 import json
@@ -13,13 +14,17 @@ def test_toy_run_prints_every_row(tmp_path):
     out = tmp_path / "rows.json"
     proc = run("rank_memory.py", "--json", str(out), "--set", "model.d_model=128", "model.vocab_size=512",
                "model.layers[0].repeat=1",
-               "model.layers[0].layers[0].ffn.hidden_size=512", timeout=600)
+               "model.layers[0].layers[0].ffn.hidden_size=512", "--import_set", "model.d_model=64",
+               "model.vocab_size=512", "data.tokenizer.vocab_size=512", timeout=600)
     rows = json.loads(out.read_text())
     assert [r["step"] for r in rows] == ["build, ZeRO-3, 2 ranks", "build, expert parallel 2 (ZeRO-2)",
                                          "export, 1 process", "evaluate, ZeRO-3, 2 ranks",
-                                         "evaluate, expert parallel 2"]
+                                         "evaluate, expert parallel 2", "import, expert parallel 2"]
     assert "| step | whole model MiB | sharded / streamed MiB | sharded / whole |" in proc.stdout
-    zero3, ep, export, evaluate, evaluate_ep = rows
+    zero3, ep, export, evaluate, evaluate_ep, imported = rows
     assert ep["sharded"] > 0 and 0 < export["sharded"] < export["whole"]
     assert evaluate["sharded"] > 0 and evaluate_ep["sharded"] > 0 and evaluate["whole"] == evaluate_ep["whole"]
     assert zero3["sharded"] > 0 and zero3["whole"] == ep["whole"]  # one whole-model measurement for both
+    assert 0 < imported["sharded"] < imported["whole"] and imported["held"] > 0
+    assert "import (mixtral_tiny.yaml model.d_model=64 model.vocab_size=512 data.tokenizer.vocab_size=512): a rank " \
+           "holds" in proc.stdout

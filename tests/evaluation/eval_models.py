@@ -14,6 +14,8 @@ from moep_ds.config import config_from_dict
 from moep_ds.models.causal_lm import CausalLM, build_model
 
 ATTN = {"num_heads": 2, "num_kv_heads": 1}
+MLA = {"type": "mla", "num_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+       "v_head_dim": 6, "rope": {"yarn": {"factor": 4.0, "original_max_seq_len": 4, "mscale_all_dim": 1.0}}}
 EC_ROUTER = {"type": "expert_choice", "capacity_factor": 1.25, "rounding": "ceil", "score": "softmax_tokens",
              "eval_mode": "threshold"}
 
@@ -46,6 +48,11 @@ TINY_LAYERS: dict[str, tuple[dict, list]] = {
          "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 16},
                  "shared_expert": {"hidden_size": 16, "gate": "residual_mix"},
                  "router": {"type": "topk", "k": 2, "renormalize": True}}},
+    ]),
+    "ffn_moe_mla": ({"flavour": "llama"}, [  # DeepSeek-V3's attention: the cache keeps the latent
+        {"type": "dense", "attention": MLA},
+        {"type": "ffn_moe", "attention": MLA,
+         "moe": {"num_experts": 4, "expert": {"type": "swiglu", "hidden_size": 16}, "router": {"type": "topk", "k": 2}}},
     ]),
     "msit": ({"final_norm": {"type": "layernorm"}}, [
         {"type": "msit", "repeat": 2, "attention": {"num_heads": 2, "rope": {}}, "norm": {"type": "layernorm"},

@@ -343,3 +343,20 @@ def test_an_imported_checkpoint_is_not_resumed_but_initialised_from(tmp_path):
     with pytest.raises(CheckpointError, match=r"holds a model only \(moep-import\), no training state to resume: "
                                               r"start a run from it with model.init_from$"):
         check_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_import_without_a_recipe_writes_the_one_config_json_stands_for(tmp_path, case):
+    """moep-import SRC without --config: the recipe is config.json's (the case's own recipe, setting by setting), and
+    the logits are transformers'."""
+    from moep_ds.checkpointing.model_dir import load_recipe
+    from moep_ds.cli.import_model import main as import_main
+    from moep_ds.interop.sources import check_same_model
+
+    reference = hf_model(case)
+    src = save(reference, tmp_path / "hf", "safetensors")
+    assert import_main([str(src), "--out", str(tmp_path / "run")]) == 0
+    _, cfg = load_recipe(tmp_path / "run")
+    check_same_model(cfg.model, config_from_dict(recipe(case)).model, "the written recipe")
+    with torch.no_grad():
+        torch.testing.assert_close(imported_logits(tmp_path / "run"), reference(tokens()).logits, **TOLERANCE)

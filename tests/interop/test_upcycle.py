@@ -223,13 +223,32 @@ def test_init_from_an_moe_checkpoint_may_change_how_its_routers_train(tmp_path):
         check_same_model(saved, other, "SRC")
 
 
-def test_an_moe_has_no_native_hugging_face_format(tmp_path, capsys):
+def test_an_upcycled_llama_exports_as_mixtral(tmp_path):
+    """Top-2 renormalised SwiGLU experts over Llama's blocks are Mixtral: the native export loads in transformers
+    without remote code and gives the dense source's logits (step 0 of the upcycling is exact)."""
+    from moep_ds.cli.export import main as export_main
+
+    reference = hf_model("llama_gqa")
+    src = save(reference, tmp_path / "hf", "safetensors")
+    import_checkpoint(str(src), config_from_dict(moe_recipe("llama_gqa", src)), tmp_path / "moe")
+    assert export_main([str(tmp_path / "moe"), "--out", str(tmp_path / "out"), "--hf", "--native"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    mixtral = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    with torch.no_grad():
+        expected = reference(tokens()).logits
+        torch.testing.assert_close(mixtral.float().eval()(tokens()).logits, expected, **TOLERANCE)
+    torch.testing.assert_close(logits(tmp_path / "moe"), expected, **TOLERANCE)
+
+
+def test_an_moe_no_architecture_expresses_is_refused_naming_the_nearest(tmp_path, capsys):
+    """An upcycled GPT-NeoX (LayerNorm, GELU experts, parallel residual) is none of the MoE architectures: one line
+    naming the nearest and the first setting where it differs; nothing written."""
     from moep_ds.cli.export import main as export_main
 
     src = save(hf_model("gpt_neox"), tmp_path / "hf", "safetensors")
     import_checkpoint(str(src), config_from_dict(moe_recipe("gpt_neox", src)), tmp_path / "moe")
     assert export_main([str(tmp_path / "moe"), "--out", str(tmp_path / "out"), "--hf", "--native"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: model.layers (block 0) is 'ffn_moe': the Hugging Face architectures (GPT-2, Llama, Gemma, GPT-NeoX) "
-        "are of dense blocks only (a dense one becomes an MoE by model.upcycle)")
+        "error: no Hugging Face architecture expresses this model: the nearest, Qwen3MoeForCausalLM, differs first at "
+        "model.final_norm.type: 'rmsnorm' in Qwen3MoeForCausalLM, 'layernorm' in the model (13 setting(s) differ)")
     assert not (tmp_path / "out").exists()

@@ -30,6 +30,13 @@ def small_enough(recipe: str):
     if meta_param_report(cfg.model).params_total <= 60_000_000:
         return cfg.model
     shrink = ["model.vocab_size=512"] + [f"model.layers[{i}].repeat=1" for i in range(len(cfg.model.layers))]
+    for i, layer in enumerate(cfg.model.layers):  # narrow FFNs and experts (the full-size MoE recipes)
+        if layer.type == "dense":
+            shrink.append(f"model.layers[{i}].ffn.hidden_size=16")
+        if layer.type == "ffn_moe":
+            shrink.append(f"model.layers[{i}].moe.expert.hidden_size=16")
+            if layer.moe.shared_expert is not None:
+                shrink.append(f"model.layers[{i}].moe.shared_expert.hidden_size=16")
     return load_config(CONFIGS / f"{recipe}.yaml", shrink).model
 
 

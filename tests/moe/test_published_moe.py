@@ -174,3 +174,31 @@ def test_deepspeed_residual_moe(one_process_group):
     grad_ds, = torch.autograd.grad(y_ds.square().sum(), x)
     grad_ours, = torch.autograd.grad(out.y.square().sum(), x)
     torch.testing.assert_close(grad_ours, grad_ds, **TOL)
+
+
+def test_router_logits_in_the_input_dtype_as_mixtral():
+    """logits_dtype input: a bf16 model's router multiplies in bf16 and takes the softmax in fp32, as transformers'
+    Mixtral (and Qwen-MoE, OLMoE) router; the fp32 default differs from it there."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    from moep_ds.routing.topk import TopKRouter
+
+    E, K = 8, 2
+    torch.manual_seed(3)
+    hf = MixtralTopKRouter(MixtralConfig(hidden_size=64, num_local_experts=E, num_experts_per_tok=K)).bfloat16()
+    perturb(hf, std=1.0)
+    x_TD = torch.randn(64, 64).bfloat16()
+    hf_logits, hf_weights, hf_idx = hf(x_TD)
+    routers = {}
+    for dtype, equal in (("input", True), ("float32", False)):
+        routers[dtype] = TopKRouter(TopKConfig(k=K, renormalize=True, logits_dtype=dtype), d_model=64, num_experts=E)
+        with torch.no_grad():
+            routers[dtype].weight.copy_(hf.weight.float())
+        logits = routers[dtype].logits(x_TD)
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits, hf_logits.float()) == equal
+    plan = routers["input"](x_TD)
+    chosen_TE = torch.zeros(64, E, dtype=torch.bool)
+    chosen_TE[plan.token_idx_S, plan.expert_idx_S()] = True
+    assert torch.equal(chosen_TE, as_mask(hf_idx, E))

@@ -1,6 +1,8 @@
 """Train (recipe, ds_config, resume, overrides) jobs one after another, recording for each what the trainer
-actually did: the window indices and input ids of every micro-batch it read, and the lr of every group at each
-optimizer step as the torch optimizer applied it (a step pre-hook). Writes job["probe"] (JSON).
+actually did: the window indices, input ids and whole windows (inputs and the last label) of every micro-batch
+it read, and the lr of every group at each
+optimizer step as the torch optimizer applied it (a step pre-hook). Writes job["probe"] (JSON; on several
+processes each rank its own, job["probe"] + ".rank<N>").
 
     python branch_probe.py JOBS.json
 """
@@ -19,14 +21,16 @@ def main() -> None:
     for job in json.load(open(sys.argv[1])):
         cfg = load_config(job["recipe"], job.get("overrides", []))
         trainer = build_trainer(cfg, job.get("ds_config"), job.get("resume"))
-        probe = {"start": trainer.step, "indices": [], "input_ids": [], "lrs": []}
+        probe = {"start": trainer.step, "indices": [], "input_ids": [], "windows": [], "lrs": []}
         loader = trainer.module.loader
         read = loader.next_indices
 
         def next_indices():
             idx = read()
             probe["indices"].append(idx.tolist())
-            probe["input_ids"].append(loader.dataset.get_batch(idx)[:, :-1].tolist())
+            windows = loader.dataset.get_batch(idx)
+            probe["input_ids"].append(windows[:, :-1].tolist())
+            probe["windows"].append(windows.tolist())
             return idx
 
         loader.next_indices = next_indices
@@ -35,7 +39,8 @@ def main() -> None:
             lambda opt, args, kwargs: probe["lrs"].append([g["lr"] for g in opt.param_groups]))
         trainer.fit()
         probe["end"] = trainer.step
-        with open(job["probe"], "w") as f:
+        rank = "" if dist.get_world_size() == 1 else f".rank{dist.get_rank()}"
+        with open(job["probe"] + rank, "w") as f:
             json.dump(probe, f)
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,108 @@
+"""Small randomly initialised transformers MoE models of the five architectures (and DeepSeek-V3 without a low-rank
+query), every weight moved off its initial value and DeepSeek's selection bias non-zero, and the experts each
+one's routers choose.
+
+# B batch, T tokens, V vocabulary, E experts, L layers
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+transformers = __import__("pytest").importorskip("transformers")
+
+V, D, T, E = 300, 32, 16, 8
+NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+COMMON = dict(vocab_size=V, hidden_size=D, num_attention_heads=4, max_position_embeddings=64,
+              tie_word_embeddings=False, **NO_SPECIAL_TOKENS)
+YARN = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 8.0, "beta_slow": 1.0}
+
+
+def hf_config(case: str) -> Any:
+    if case == "mixtral":  # GQA, a sliding window shorter than the test's sequences
+        return transformers.MixtralConfig(**COMMON, intermediate_size=24, num_hidden_layers=2, num_key_value_heads=2,
+                                          num_local_experts=E, num_experts_per_tok=2, sliding_window=6,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if case == "qwen2_moe":  # layer 1 dense (mlp_only_layers), q/k/v biases, sigmoid-gated shared expert
+        return transformers.Qwen2MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=12,
+                                           shared_expert_intermediate_size=20, num_hidden_layers=3,
+                                           num_key_value_heads=2, num_experts=E, num_experts_per_tok=2,
+                                           mlp_only_layers=[1], norm_topk_prob=False)
+    if case == "qwen3_moe":  # every second layer an MoE (decoder_sparse_step), head_dim not D / heads, QK-norm per head
+        return transformers.Qwen3MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=12,
+                                           num_hidden_layers=2, num_key_value_heads=2, head_dim=12, num_experts=E,
+                                           num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=True)
+    if case == "olmoe":  # QK-norm over the whole projections, GQA
+        return transformers.OlmoeConfig(**COMMON, intermediate_size=12, num_hidden_layers=2, num_key_value_heads=2,
+                                        num_experts=E, num_experts_per_tok=2, norm_topk_prob=False)
+    if case in ("deepseek_v3", "deepseek_v3_no_q_lora"):  # MLA (YaRN with the low-rank query), 1 dense layer first
+        q_lora = case == "deepseek_v3"
+        return transformers.DeepseekV3Config(
+            **COMMON, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3, num_key_value_heads=4,
+            n_routed_experts=E, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+            n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=16 if q_lora else None,
+            kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True,
+            rope_parameters=dict(YARN) if q_lora else {"rope_type": "default", "rope_theta": 1e4})
+    raise KeyError(case)
+
+
+CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+           "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+           "deepseek_v3_no_q_lora": "DeepseekV3ForCausalLM"}
+CASES = list(CLASSES)
+
+
+def hf_model(case: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = hf_config(case)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, CLASSES[case])(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # routers far from uniform (clear choices), everything else moved off its initial value
+            p.add_((1.0 if name.endswith("gate.weight") else 0.05) * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
+    return model
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_choices(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits and, per MoE layer, the [B*T, E] mask of the experts each token went to (transformers' routers)."""
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+    return run_recording(model, input_ids, routers, lambda out: mask(out[2]))
+
+
+def our_choices(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    from moep_ds.routing.topk import TopKRouter
+
+    def chosen(plan) -> torch.Tensor:
+        out = torch.zeros(plan.num_tokens, E, dtype=torch.bool)
+        out[plan.token_idx_S, plan.expert_idx_S()] = True
+        return out
+
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    return run_recording(model, input_ids, routers, chosen)
+
+
+def mask(indices_TK: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(indices_TK.shape[0], E, dtype=torch.bool).scatter_(1, indices_TK, True)
+
+
+def run_recording(model, input_ids, routers, choice) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, args, out: seen.append(choice(out))) for r in routers]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(seen) == len(routers) > 0
+    return logits, seen

@@ -1,0 +1,204 @@
+"""Published MoE architectures in and out: a tiny random transformers model of each (every weight perturbed,
+DeepSeek's selection bias non-zero) -> `moep-import` without --config -> logits equal transformers' (float32,
+1e-5) and the same experts chosen per token -> `moep-export --hf --native` -> transformers loads it without
+remote code: the source's own tensors, the same logits -> importing that export is bit-identical.
+
+# B batch, T tokens, V vocabulary
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hf_moe_models import CASES, CLASSES, V, hf_choices, hf_model, our_choices, tokens
+from moep_ds.checkpointing.model_dir import load_model_dir, load_recipe, stored_weights
+from moep_ds.cli.export import main as export_main
+from moep_ds.cli.import_model import main as import_main
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Imported:
+    case: str
+    reference: torch.nn.Module
+    folder: Path  # hf/ (the source), run1/ (its import), hf2/ (run1's native export), run2/ (hf2's import)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def imported(request, tmp_path_factory) -> Imported:
+    case = request.param
+    folder = tmp_path_factory.mktemp(case)
+    reference = hf_model(case)
+    reference.save_pretrained(folder / "hf")
+    assert import_main([str(folder / "hf"), "--out", str(folder / "run1")]) == 0
+    assert export_main([str(folder / "run1"), "--out", str(folder / "hf2"), "--hf", "--native"]) == 0
+    assert import_main([str(folder / "hf2"), "--out", str(folder / "run2")]) == 0
+    return Imported(case, reference, folder)
+
+
+def stored(run: Path) -> dict[str, torch.Tensor]:
+    ckpt, cfg = load_recipe(run)
+    entries, _ = stored_weights(ckpt, cfg)
+    return {e.name: e.read() for e in entries}
+
+
+def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def test_import_without_a_recipe_equals_transformers(imported):
+    """Logits within 1e-5 and, in every MoE layer, the same experts for every token."""
+    model, cfg, _, meta = load_model_dir(imported.folder / "run1")
+    assert meta["step"] == 0 and cfg.model.vocab_size == V
+    expected_BTV, hf_chosen = hf_choices(imported.reference, tokens())
+    ours_BTV, our_chosen = our_choices(model.eval(), tokens())
+    assert float(ours_BTV.std()) > 0.1
+    torch.testing.assert_close(ours_BTV, expected_BTV, **TOLERANCE)
+    assert len(our_chosen) == len(hf_chosen)
+    for layer, (ours, theirs) in enumerate(zip(our_chosen, hf_chosen)):
+        assert torch.equal(ours, theirs), f"MoE layer {layer}"
+    if imported.case.startswith("deepseek"):  # the selection bias arrived as our loss-free balancing bias
+        bias = [m.balancer.bias_E for m in model.modules() if getattr(m, "balancer", None) is not None]
+        assert bias and all(float(b.abs().sum()) > 0 for b in bias)
+
+
+def test_native_export_is_the_architectures_own_format(imported):
+    """transformers loads the export without trust_remote_code: the source's tensors exactly (DeepSeek's
+    interleaved rotary rows put back), and its logits."""
+    config = json.loads((imported.folder / "hf2" / "config.json").read_text())
+    assert config["architectures"] == [CLASSES[imported.case]] and "auto_map" not in config
+    source, export = safetensors_of(imported.folder / "hf"), safetensors_of(imported.folder / "hf2")
+    assert source.keys() == export.keys()
+    for key in source:
+        assert torch.equal(source[key], export[key]), key
+    again = transformers.AutoModelForCausalLM.from_pretrained(imported.folder / "hf2", attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(again.float().eval()(tokens()).logits, imported.reference(tokens()).logits,
+                                   **TOLERANCE)
+
+
+def test_importing_the_export_is_bit_identical(imported):
+    first, second = stored(imported.folder / "run1"), stored(imported.folder / "run2")
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize("imported", ["deepseek_v3"], indirect=True)
+def test_a_large_export_is_sharded_as_save_pretrained_shards(imported, tmp_path):
+    """Above --max_shard_size: model-0000i-of-0000n.safetensors and the index; transformers loads it, and its import
+    is bit-identical."""
+    out = tmp_path / "sharded"
+    assert export_main([str(imported.folder / "run1"), "--out", str(out), "--hf", "--native",
+                        "--max_shard_size", "40KB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (out / "model.safetensors").exists()
+    tensors = safetensors_of(out)
+    for f in files:  # at most the limit of tensor bytes per shard (or one larger tensor alone)
+        held = [tensors[k].numel() * 4 for k, g in index["weight_map"].items() if g == f]
+        assert sum(held) <= 40_000 or len(held) == 1, f
+    assert set(index["weight_map"]) == set(tensors) == set(safetensors_of(imported.folder / "hf"))
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in tensors.values())
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(again.float().eval()(tokens()).logits, imported.reference(tokens()).logits,
+                                   **TOLERANCE)
+    assert import_main([str(out), "--out", str(tmp_path / "run")]) == 0
+    first, second = stored(imported.folder / "run1"), stored(tmp_path / "run")
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.mark.parametrize("imported", ["deepseek_v3"], indirect=True)
+def test_an_expert_parallel_rank_reads_only_its_own_experts(imported, tmp_path, monkeypatch):
+    """Rank 1 of 2 fills its model (experts 4-7 of 8) from a sharded source: of the expert tensors it reads only
+    those of its experts, and it gets the values rank-agnostic import gets."""
+    from moep_ds.checkpointing import model_state
+    from moep_ds.interop.hf_weights import TensorFiles
+    from moep_ds.interop.sources import source_weights
+    from moep_ds.interop.weights import fill_pieces
+    from moep_ds.models.causal_lm import build_model
+    from moep_ds.models.plan import plan_for
+
+    assert export_main([str(imported.folder / "run1"), "--out", str(tmp_path / "hf"), "--hf", "--native",
+                        "--max_shard_size", "40KB"]) == 0
+    _, cfg = load_recipe(imported.folder / "run1")
+    read: list[str] = []
+    original = TensorFiles.read
+    monkeypatch.setattr(TensorFiles, "read", lambda self, key: read.append(key) or original(self, key))
+    plan = plan_for(cfg.model, size=2, rank=1)
+    model = build_model(cfg.model, plan=plan, initialise=False)
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            p.allreduce = False  # DeepSpeed's mark of an expert parameter, as the engine sets it
+    weights, keep, _ = source_weights(str(tmp_path / "hf"), cfg.model)
+    fill_pieces(model_state.module_pieces(model, plan), weights, keep)
+    experts_read = {int(key.split(".experts.")[1].split(".")[0]) for key in read if ".experts." in key}
+    assert experts_read == {4, 5, 6, 7}
+    assert sum(".experts." in key for key in read) == 2 * 4 * 3  # 2 MoE layers, 4 experts, gate / up / down
+    full = stored(imported.folder / "run1")
+    for name, p in model.named_parameters():
+        expected = full[name][4:] if "experts." in name else full[name]
+        assert torch.equal(p.detach(), expected), name
+
+
+@pytest.fixture
+def damaged(imported, tmp_path) -> Path:
+    """A copy of the source folder to damage."""
+    import shutil
+
+    return Path(shutil.copytree(imported.folder / "hf", tmp_path / "damaged"))
+
+
+def refused(src: Path, tmp_path: Path, capsys) -> str:
+    """moep-import's one error line; nothing written."""
+    assert import_main([str(src), "--out", str(tmp_path / "run")]) == 2
+    assert not (tmp_path / "run").exists()
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("imported", ["olmoe"], indirect=True)
+def test_bad_sources_fail_in_one_line(damaged, tmp_path, capsys):
+    edit_config(damaged, model_type="jamba")
+    assert refused(damaged, tmp_path, capsys) == (
+        f"error: SRC ({str(damaged)!r}): config.json has model_type 'jamba'; moep-import reads deepseek_v3, gemma, "
+        "gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe")
+    edit_config(damaged, model_type="olmoe", clip_qkv=8.0)  # OLMoE clamps q, k and v: a function we do not compute
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: clip_qkv = 8.0 (olmoe) has no moep_ds counterpart (supported: None)")
+    edit_config(damaged, clip_qkv=None)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    assert refused(damaged, tmp_path, capsys).startswith(
+        f"error: {str(weights)!r} cannot be read as safetensors (")
+
+
+@pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)
+def test_a_shard_the_index_names_is_missing(imported, tmp_path, capsys):
+    assert export_main([str(imported.folder / "run1"), "--out", str(tmp_path / "hf"), "--hf", "--native",
+                        "--max_shard_size", "40KB"]) == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (tmp_path / "hf" / shard).unlink()
+    key = min(k for k, f in index["weight_map"].items() if f == shard)
+    assert refused(tmp_path / "hf", tmp_path, capsys) == (
+        f"error: {str(tmp_path / 'hf' / 'model.safetensors.index.json')!r} names shard {shard!r} (holding {key!r}), "
+        f"which is missing from {str(tmp_path / 'hf')!r}")

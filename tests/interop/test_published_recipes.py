@@ -1,0 +1,96 @@
+"""The full-size recipes that follow published MoE configs: their dry runs count the parameters (total, and active
+per token as the family routes) that transformers' own model of the config.json counts (built on the meta device),
+and each one moep-import reads is exactly the recipe its config.json stands for. The quick-start recipes export
+natively.
+
+# E experts, K experts per token
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moep_ds.cli.pretrain import main as pretrain_main
+from moep_ds.config import load_config
+from moep_ds.interop.compare import model_differences
+from moep_ds.interop.hf_weights import model_of
+from moep_ds.interop.moe_layout import MOE_ARCHITECTURES
+
+from repo_paths import CONFIGS
+
+transformers = pytest.importorskip("transformers")
+
+# the released config.json values that shape the model (the recipe's comment names each repository)
+PUBLISHED = {
+    "mixtral_8x7b": {  # mistralai/Mixtral-8x7B-v0.1
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+        "sliding_window": None, "router_aux_loss_coef": 0.02, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "olmoe_1b_7b": {  # allenai/OLMoE-1B-7B-0924
+        "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024,
+        "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
+        "num_experts_per_tok": 8, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "norm_topk_prob": False, "clip_qkv": None, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+        "hidden_act": "silu"},
+    "qwen3_30b_a3b": {  # Qwen/Qwen3-30B-A3B
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6, "use_sliding_window": False, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
+        "hidden_act": "silu"},
+    "deepseek_v2_lite": {  # deepseek-ai/DeepSeek-V2-Lite
+        "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                                "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                                                "mscale_all_dim": 0.707},
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "tie_word_embeddings": False, "hidden_act": "silu"},
+}
+
+
+def transformers_counts(published: dict) -> tuple[int, int]:
+    """(total, active per token) of transformers' model of the config, built on the meta device: every parameter,
+    less, in each MoE layer, the E - K experts a token does not visit."""
+    config = transformers.AutoConfig.for_model(**published)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    k = published["num_experts_per_tok"]
+    idle = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts"):
+            E = module.num_experts
+            idle += sum(p.numel() for p in module.parameters()) // E * (E - k)
+    return total, total - idle
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_dry_run_counts_what_transformers_counts(name, capsys):
+    assert pretrain_main(["--config", str(CONFIGS / f"{name}.yaml"), "--dry_run"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (report["params_total"], report["params_active"]) == transformers_counts(PUBLISHED[name])
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in PUBLISHED.items() if c["model_type"] in MOE_ARCHITECTURES))
+def test_recipe_is_what_moep_import_writes_for_the_config(name):
+    published = PUBLISHED[name]
+    expected = model_of(MOE_ARCHITECTURES[published["model_type"]].recipe(published), name)
+    assert model_differences(expected, load_config(CONFIGS / f"{name}.yaml").model) == []
+
+
+@pytest.mark.parametrize("name", ["mixtral_tiny", "qwen_moe_tiny", "olmoe_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"])
+def test_quick_start_recipes_have_a_native_format(name):
+    from moep_ds.interop.export_native import native_format
+
+    expected = {"mixtral_tiny": "MixtralForCausalLM", "qwen_moe_tiny": "Qwen2MoeForCausalLM",
+                "olmoe_tiny": "OlmoeForCausalLM", "qwen3_moe_tiny": "Qwen3MoeForCausalLM",
+                "deepseek_v3_tiny": "DeepseekV3ForCausalLM"}[name]
+    assert native_format(load_config(CONFIGS / f"{name}.yaml").model).hf_class == expected
