@@ -87,7 +87,7 @@ def matmul_peak_tflops(device: torch.device, sizes: list[int], iters: int) -> tu
 
 
 def nominal_peak_tflops(device: torch.device) -> float | None:
-    from moep_ds.training.trainer import PEAK_TFLOPS_BF16
+    from moep_ds.training.startup import PEAK_TFLOPS_BF16
 
     if device.type != "cuda":
         return None

@@ -74,7 +74,7 @@ def build_worker(args) -> None:
     from moep_ds.models.causal_lm import build_model
     from moep_ds.distributed.process_group import init_distributed
     from moep_ds.distributed.expert_parallel import expert_parallel_plan, setup_expert_parallel
-    from moep_ds.training.trainer import build_rank_model
+    from moep_ds.training.startup import build_rank_model
 
     import deepspeed.runtime.zero.partition_parameters  # noqa: F401 - imported before measuring, for every way
 

@@ -238,7 +238,7 @@ def test_sharded_checkpoint_files_and_model_dir(matrix):
     from moep_ds.training.checkpoint import TRAINER_STATE_FILE
 
     state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
-    assert (state["step"], state["max_steps"]) == (6, cfg.train.max_steps)
+    assert (state["step"], state["max_steps"]) == (6, cfg.raw["train"]["max_steps"])
     from moep_ds.cli.export import main as export
 
     assert export([str(sources[3][1]), "--out", str(tmp / "export")]) == 0  # one process, weights only

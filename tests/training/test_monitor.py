@@ -2,7 +2,6 @@
 import json
 import os
 import pathlib
-import types
 
 import pytest
 import torch
@@ -15,15 +14,17 @@ WORLD = 2
 
 
 class Recorder:
-    """Stands in for DeepSpeed's MonitorMaster: keeps what write_events receives."""
-
-    enabled = True
+    """Stands in for the engine (distributed/engine.py) and DeepSpeed's monitor behind it: keeps what write_events
+    receives."""
 
     def __init__(self):
         self.events = []
 
     def write_events(self, events):
         self.events += events
+
+    def flush_events(self):
+        pass
 
 
 def rank_stats(rank: int) -> dict[str, torch.Tensor]:
@@ -34,7 +35,7 @@ def rank_stats(rank: int) -> dict[str, torch.Tensor]:
 def _worker(rank: int, init_file: str, run_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     recorder = Recorder()
-    monitor = Monitor(pathlib.Path(run_dir), types.SimpleNamespace(monitor=recorder), enabled=rank == 0)
+    monitor = Monitor(pathlib.Path(run_dir), recorder, enabled=rank == 0)
     monitor.log_step(10, {"loss": 2.0}, rank_stats(rank))
     monitor.log_step(10, {"val_loss": 1.5}, {})
     monitor.close()

@@ -26,7 +26,7 @@ from moep_ds.models.causal_lm import build_model  # noqa: E402
 from moep_ds.training.config import OptimizerConfig  # noqa: E402
 from moep_ds.distributed.process_group import init_distributed  # noqa: E402
 from moep_ds.training.optim import param_groups  # noqa: E402
-from moep_ds.training.trainer import build_rank_model  # noqa: E402
+from moep_ds.training.startup import build_rank_model  # noqa: E402
 from moep_ds.distributed.zero3 import PRECISION_DTYPES  # noqa: E402
 
 
