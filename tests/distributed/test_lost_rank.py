@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import re
-import socket
-import subprocess
-import sys
+import signal
+import time
 
 import pytest
 
 from moep_ds.distributed.rank_errors import collective_cause, lost_rank_error
 
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "lose_a_rank.py"
+from ranks import run_ranks
 GLOO = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
         "[10.77.0.2]:32478. This is typically caused by a remote worker crashing. Check the logs of the remote worker "
         "before reporting an error.")
@@ -30,20 +28,36 @@ def test_other_errors_are_not_a_lost_rank():
 
 
 @pytest.mark.slow
-def test_the_survivor_names_the_killed_rank_in_one_line(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", MOEP_LOST_RANK_WAIT_S="3",
-               OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    out0, err0 = procs[0].communicate(timeout=180)
-    procs[1].communicate(timeout=60)
-    assert procs[1].returncode == -9
-    assert procs[0].returncode == 1, err0
+def test_the_survivor_names_the_killed_rank_in_one_line():
+    """Two ranks of this test (tests/ranks.py) without a launcher's stop of the survivor: a few all_reduces, then
+    rank 1 kills itself with SIGKILL while rank 0 goes on all-reducing, through run_guarded as pretrain.py is."""
+    ranks = run_ranks(2, lose_rank_1, env={"MOEP_LOST_RANK_WAIT_S": "3"}, grace=None, check=False, timeout=180)
+    assert ranks[1].exitcode == -9
+    assert ranks[0].exitcode == 1, ranks[0].stderr
+    err0 = ranks[0].stderr
     lines = [line for line in err0.splitlines() if line.strip() and not line.startswith("[W")]
     assert len(lines) == 1 and re.fullmatch(
         r"error: lost rank 1 of 2: a collective failed \([^()]*\[127\.0\.0\.1\]:\d+[^()]*\) and "
         r"rank 1 did not answer within 3 s; resubmit to resume from the newest complete checkpoint", lines[0]), err0
     assert re.search(r"Connection (closed|reset) by peer", lines[0])  # or gloo's "Read error [...]: ... reset by peer"
+
+
+def lose_rank_1() -> None:
+    from moep_ds.distributed.commands import run_guarded
+
+    def body():
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        x = torch.ones(4096)
+        for _ in range(3):
+            dist.all_reduce(x)
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        for _ in range(600):
+            dist.all_reduce(x)
+            time.sleep(0.05)
+        return 0
+
+    raise SystemExit(run_guarded(body))

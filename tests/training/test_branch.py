@@ -1,7 +1,8 @@
 """Branching from a step (train.start_step) end to end on one CPU process: a Megatron file laid out like Pythia's
 (one stored sequence per sample, read in file order) of > 13,002 global batches; a run started at step 13,000
 reads global batch 13,000 first and takes its first step at GPT-NeoX v1.0's lr of iteration 13,000 (Pythia's
-schedule: 143,000 steps, warm-up 1,430); its checkpoint resumes at the next batch, none replayed or skipped."""
+schedule: 143,000 steps, warm-up 1,430); its checkpoint resumes at the next batch, none replayed or skipped. The
+runs train on a rank of this test (tests/ranks.py), which records what the trainer read and the lr it applied."""
 import json
 import pathlib
 
@@ -13,11 +14,11 @@ from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.megatron import write_indexed
 from moep_ds.data.tokenizer import train_tokenizer
 
+from ranks import run_ranks
 from test_schedule import pythia_lr
-from tiny import DS_CONFIGS, launch, metrics
+from tiny import DS_CONFIGS, metrics
 
 pytestmark = pytest.mark.slow
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 SEQ_LEN, GLOBAL_BATCH, START = 8, 2, 13_000
 NUM_SEQUENCES = (START + 5) * GLOBAL_BATCH
 
@@ -52,9 +53,36 @@ def branched(tmp_path_factory):
             {**job, "resume": "auto", "overrides": [f"train.exit_at_step={START + 3}"], "probe": str(tmp / "resumed.json")},
             {**job, "overrides": ["train.start_step=null", "train.exit_at_step=2", f"train.output_dir={tmp / 'scratch'}"],
              "probe": str(tmp / "scratch.json")}]
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    launch(1, SCRIPTS / "branch_probe.py", str(tmp / "jobs.json"))
+    run_ranks(1, probe, jobs)
     return tmp, *(json.loads((tmp / f"{name}.json").read_text()) for name in ("first", "resumed", "scratch"))
+
+
+def probe(jobs: list[dict]) -> None:
+    """Train (recipe, ds_config, resume, overrides) jobs one after another, recording for each what the trainer
+    actually did: the window indices and input ids of every micro-batch it read, and the lr of every group at each
+    optimizer step as the torch optimizer applied it (a step pre-hook). Writes job["probe"] (JSON)."""
+    from moep_ds.config import load_config
+    from moep_ds.training.trainer import Trainer
+
+    for job in jobs:
+        cfg = load_config(job["recipe"], job.get("overrides", []))
+        trainer = Trainer(cfg, job.get("ds_config"), job.get("resume"))
+        record = {"start": trainer.step, "indices": [], "input_ids": [], "lrs": []}
+        loader, read = trainer.loader, trainer.loader.next_indices
+
+        def next_indices():
+            idx = read()
+            record["indices"].append(idx.tolist())
+            record["input_ids"].append(loader.dataset.get_batch(idx)[:, :-1].tolist())
+            return idx
+
+        loader.next_indices = next_indices
+        torch_optimizer = getattr(trainer.engine.optimizer, "optimizer", trainer.engine.optimizer)
+        torch_optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs: record["lrs"].append([g["lr"] for g in opt.param_groups]))
+        trainer.fit()
+        record["end"] = trainer.step
+        pathlib.Path(job["probe"]).write_text(json.dumps(record))
 
 
 def applied(probe) -> list[float]:

@@ -14,7 +14,8 @@ from moep_ds.training.callbacks import CALLBACKS, Callback, parse_callback  # no
 from moep_ds.training.checkpoint import CheckpointError  # noqa: E402
 from moep_ds.training.trainer_state import VERSION, TrainerState  # noqa: E402
 
-from tiny import REPO, env, launch, write_recipe  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+from tiny import REPO, pretrain, write_recipe  # noqa: E402
 
 RECORDER = '''
 import dataclasses
@@ -109,14 +110,9 @@ def test_a_users_callback_named_in_the_recipe_runs_at_its_hooks(tmp_path):
                           checkpoint={"every_steps": 2, "keep_last": 3, "at_end": True},
                           callbacks=[{"type": "my_callbacks:Recorder", "out": str(log_path)}])
     args = ["--config", str(recipe), "--ds_config", str(REPO / "ds_configs" / "quickstart.json")]
-    import subprocess
 
     def run(*extra):
-        e = env()
-        e["PYTHONPATH"] = f"{tmp_path}:{e['PYTHONPATH']}"
-        proc = subprocess.run([sys.executable, str(REPO / "pretrain.py"), *args, *extra], env=e, cwd=REPO,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        run_ranks(1, pretrain_from, str(tmp_path), [*args, *extra])
 
     run()
     rows = [json.loads(line) for line in log_path.read_text().splitlines()]
@@ -134,3 +130,9 @@ def test_a_users_callback_named_in_the_recipe_runs_at_its_hooks(tmp_path):
     assert hooks[0] == ("on_load", 3)
     assert hooks[1:] == [("before_step", 4), ("after_optimizer_step", 4), ("on_save", 4), ("on_evaluation", 4),
                          ("after_step", 4), ("at_end", 4)]
+
+
+def pretrain_from(path: str, argv: list[str]) -> None:
+    """pretrain.py with `path` on the module search path, as PYTHONPATH puts it there."""
+    sys.path.insert(0, path)
+    pretrain(argv)
