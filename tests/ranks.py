@@ -33,6 +33,9 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_RANK",
                  "MV2_COMM_WORLD_SIZE")
 _context = None
+# the environment at collection, before any test changed it: the fork server starts in it, since what it imports
+# reads some variables once (OMP_NUM_THREADS, the Hugging Face cache paths)
+_START_ENV = dict(os.environ)
 
 
 @dataclasses.dataclass
@@ -66,8 +69,19 @@ def joined(ranks: list[Rank]) -> Joined:
 def context():
     global _context
     if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
+        from multiprocessing import forkserver
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        test_env = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(_START_ENV)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(test_env)
+        _context = ctx
     return _context
 
 

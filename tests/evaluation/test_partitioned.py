@@ -186,15 +186,25 @@ def test_ranks_load_padded_partitions_as_one_process(model_dirs, two_ranks):
         assert all(g["scores"] == want["scores"] and g["generated"] == want["generated"] for g in got), run["name"]
 
 
+EVAL_ARGS = ["--tasks", "grammar_pairs", "--limit", "6", "--batch_size", "4"]
+
+
+@pytest.fixture(scope="module")
+def one_process_eval(model_dirs, tmp_path_factory) -> dict:
+    """moep-eval's record of the sharded checkpoint in one process."""
+    out = tmp_path_factory.mktemp("one_process_eval")
+    assert run_eval.main([str(model_dirs["sharded"]), *EVAL_ARGS, "--output", str(out)]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("split", ["zero3", "expert_parallel"])
-def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_dirs, tmp_path, split):
-    args = ["--tasks", "grammar_pairs", "--limit", "6", "--batch_size", "4"]
-    assert run_eval.main([str(model_dirs["sharded"]), *args, "--output", str(tmp_path / "one")]) == 0
-    run_command(2, "moep_ds.cli.eval", str(model_dirs["sharded"]), *args, "--output", str(tmp_path / "two"),
+def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_dirs, one_process_eval, tmp_path,
+                                                                         split):
+    run_command(2, "moep_ds.cli.eval", str(model_dirs["sharded"]), *EVAL_ARGS, "--output", str(tmp_path / "two"),
                 *(["--expert_parallel"] if split == "expert_parallel" else []))
-    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    one, two = one_process_eval, json.loads((tmp_path / "two" / "results.json").read_text())
     assert two["scores"] == one["scores"] and one["scores"]  # accuracies: no margin is near a tie
     assert (one["moep"]["ranks"], two["moep"]["ranks"]) == (1, 2)
     assert (one["moep"]["split"], two["moep"]["split"]) == (None, split)

@@ -7,9 +7,6 @@ lays it, and bad input fails in one line.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +23,6 @@ from moep_ds.interop.importer import import_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # float32
 
 
@@ -144,11 +140,14 @@ def hub_cache(tmp_path: Path, folder: Path, repo: str, revision: str) -> Path:
     return cache
 
 
-def moep_import(args: list[str], cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "moep_ds.cli.import_model", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+def moep_import(args: list[str], cache: Path):
+    """`moep-import ARGS` on a rank of its own (tests/ranks.py), where huggingface_hub is first imported and so
+    reads HF_HUB_CACHE."""
+    from ranks import joined, run_command
+
+    return joined(run_command(1, "moep_ds.cli.import_model", *args, env={"HF_HUB_CACHE": str(cache),
+                                                                         "HF_HUB_OFFLINE": "1"},
+                              check=False, timeout=300))
 
 
 @pytest.mark.slow
