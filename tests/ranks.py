@@ -12,6 +12,7 @@ that fails ends the others, as torchrun does. Saves the interpreter, imports and
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing
 import os
 import pathlib
@@ -23,12 +24,7 @@ import tempfile
 import time
 import traceback
 
-# imported once by the fork server; each rank starts from there (DeepSpeed's optimizer check imports torch's
-# compiler, the end of a run plots with matplotlib: seconds a rank would otherwise spend importing). Nothing that
-# starts a thread: a fork copies only the thread that forks (lm_eval's evaluator starts one on import)
-PRELOAD = ["torch", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch._inductor.compile_fx",
-           "matplotlib.pyplot", "moep_ds.training.trainer", "moep_ds.training.analyze", "moep_ds.cli.pretrain",
-           "moep_ds.evaluation.harness", "moep_ds.cli.eval", "moep_ds.cli.generate", "lm_eval.api.instance"]
+PRELOAD = ["rank_preload"]  # imported by the fork server before it forks a rank
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_RANK",
                  "MV2_COMM_WORLD_SIZE")
@@ -120,6 +116,7 @@ def run_command(nproc: int, module: str, *argv: str, **options) -> list[Rank]:
 def _rank_main(rank: int, env: dict, out: str, fn, args, kwargs) -> None:
     """A rank's process: the launcher's environment, stdout / stderr to files, fn, then leave the process group and
     exit without the interpreter's teardown (gloo's threads, distributed/process_group.py)."""
+    gc.freeze()  # what the fork server made after its preload: not walked by this rank's collections either
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [f"rank{rank}"]
