@@ -7,6 +7,8 @@ import pytest
 
 from ranks import RanksFailed, run_ranks
 
+pytestmark = pytest.mark.slow  # the first run starts the fork server (seconds)
+
 
 def all_reduce_rank():
     import torch
