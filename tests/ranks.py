@@ -25,6 +25,7 @@ import time
 import traceback
 
 PRELOAD = ["rank_preload"]  # imported by the fork server before it forks a rank
+MAX_RANKS = 2  # no test runs more processes than the CI machine has cores
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_RANK",
                  "MV2_COMM_WORLD_SIZE")
@@ -157,9 +158,10 @@ def run_ranks(nproc: int, fn, *args, env: dict | None = None, timeout: float = 6
 
     env: extra environment variables. A rank that exits non-zero ends the others after `grace` seconds (SIGTERM,
     then SIGKILL), as a launcher does (None: they run on, as processes without a launcher). check: raise, with every
-    rank's output, unless all ranks exit 0."""
-    if nproc > (os.cpu_count() or 1) and nproc > 2:
-        raise ValueError(f"{nproc} ranks on {os.cpu_count()} cores: the suite runs at most 2 processes per test")
+    rank's output, unless all ranks exit 0. Ranks still running after `timeout` seconds are ended and the run
+    fails, checked or not."""
+    if nproc > MAX_RANKS:
+        raise ValueError(f"{nproc} ranks: a test runs at most {MAX_RANKS} (the cores of the CI machine)")
     ctx = context()
     base = launcher_env(env)
     base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
@@ -171,14 +173,17 @@ def run_ranks(nproc: int, fn, *args, env: dict | None = None, timeout: float = 6
             p = ctx.Process(target=_rank_main, args=(rank, rank_env, out, fn, args, kwargs), name=f"rank{rank}")
             p.start()
             procs.append(p)
-        _wait(procs, timeout, grace)
+        timed_out = _wait(procs, timeout, grace)
         ranks = [_collect(rank, p.exitcode, pathlib.Path(out)) for rank, p in enumerate(procs)]
+    if timed_out:
+        raise RanksFailed(f"{fn.__name__} on {nproc} ranks timed out after {timeout} s\n{describe(ranks)}")
     if check and any(r.exitcode != 0 for r in ranks):
         raise RanksFailed(describe(ranks))
     return ranks
 
 
-def _wait(procs, timeout: float, grace: float | None) -> None:
+def _wait(procs, timeout: float, grace: float | None) -> bool:
+    """Wait for every rank; end them all `grace` seconds after one failed, or at `timeout` (then True)."""
     deadline, failed_at = time.monotonic() + timeout, None
     while any(p.exitcode is None for p in procs):
         now = time.monotonic()
@@ -186,8 +191,9 @@ def _wait(procs, timeout: float, grace: float | None) -> None:
             failed_at = now
         if now > deadline or (failed_at is not None and now > failed_at + grace):
             _end(procs)
-            return
+            return now > deadline
         time.sleep(0.05)
+    return False
 
 
 def _end(procs) -> None:

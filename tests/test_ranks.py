@@ -1,5 +1,6 @@
 """tests/ranks.py, the in-process multi-rank helper: ranks join one gloo group with a launcher's environment, their
-results and output come back, and a rank that fails ends the others instead of leaving them in a collective."""
+results and output come back, a rank that fails ends the others instead of leaving them in a collective, and a run
+that outlasts its timeout fails."""
 import os
 import time
 
@@ -48,3 +49,5 @@ def test_a_failing_rank_ends_the_others_and_its_traceback_comes_back():
     assert ranks[1].exitcode == 1 and "ValueError: rank 1 gives up" in ranks[1].error
     assert ranks[0].exitcode == -15 and ranks[0].result is None  # SIGTERM, as torchrun stops the others
     assert [r.exitcode for r in run_ranks(1, exit_with, 3, check=False)] == [3]
+    with pytest.raises(RanksFailed, match="fail_on_rank_1 on 1 ranks timed out after 1 s"):
+        run_ranks(1, fail_on_rank_1, timeout=1, check=False)  # rank 0 sleeps: a timeout fails, checked or not
