@@ -153,11 +153,11 @@ def _rank_main(rank: int, env: dict, out: str, fn, args, kwargs) -> None:
 
 
 def run_ranks(nproc: int, fn, *args, env: dict | None = None, timeout: float = 600, check: bool = True,
-              grace: float | None = 5.0, **kwargs) -> list[Rank]:
+              grace: float | None = 2.0, **kwargs) -> list[Rank]:
     """Run `fn(*args, **kwargs)` on ranks 0 .. nproc-1 of a new process group's environment (gloo on CPU).
 
     env: extra environment variables. A rank that exits non-zero ends the others after `grace` seconds (SIGTERM,
-    then SIGKILL), as a launcher does (None: they run on, as processes without a launcher). check: raise, with every
+    then SIGKILL), as a launcher does (torchrun: within 0.1 s; None: they run on, as processes without a launcher). check: raise, with every
     rank's output, unless all ranks exit 0. Ranks still running after `timeout` seconds are ended and the run
     fails, checked or not."""
     if nproc > MAX_RANKS:
@@ -197,7 +197,8 @@ def _wait(procs, timeout: float, grace: float | None) -> bool:
 
 
 def _end(procs) -> None:
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
+    # a trainer takes SIGTERM as a stop request (at the end of its step): one stuck in a collective needs SIGKILL
+    for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 10.0)):
         for p in procs:
             if p.exitcode is None:
                 os.kill(p.pid, sig)
