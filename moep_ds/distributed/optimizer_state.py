@@ -9,6 +9,8 @@ FP16_UnfusedOptimizer): `adopt_unfused_masters` links each parameter to it (`mas
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from deepspeed.utils import (
     safe_get_full_fp32_param,

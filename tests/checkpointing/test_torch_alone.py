@@ -134,26 +134,37 @@ def test_a_model_loads_into_its_own_state_dict_with_torch_alone(tmp_path):
 
 @pytest.mark.slow
 def test_every_rank_of_a_launch_loads_the_whole_model_with_torch_alone(tmp_path):
-    """The snippet under torchrun (2 processes, a process group: DCP plans the reads collectively)."""
-    import pathlib
-    import sys
-
+    """The snippet on 2 ranks (tests/ranks.py: a launcher's environment and a process group, so that DCP plans the
+    reads collectively)."""
     from moep_ds.checkpointing.model_dir import write_recipe_files
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
-    from tiny import launch
+    from ranks import run_ranks
 
     source = tiny(0, trained=True)
     model_state.save_module(source, tmp_path / "ckpt")
     write_recipe_files(config_from_dict(RECIPE), tmp_path / "ckpt", None, {"step": 0})
-    launch(2, pathlib.Path(__file__).parent / "scripts" / "torch_load.py", str(tmp_path / "ckpt"), str(tmp_path))
-    for rank in (0, 1):
-        held = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+    for rank, held in enumerate(r.result for r in run_ranks(2, load_with_torch_alone, str(tmp_path / "ckpt"))):
         assert held["tied"]
         expected = {k: v for k, v in source.state_dict().items() if isinstance(v, torch.Tensor)}
         assert list(held["tensors"]) == list(expected)
         for key, value in expected.items():
             assert torch.equal(held["tensors"][key], value), (rank, key)
+
+
+def load_with_torch_alone(ckpt: str) -> dict:
+    """On a rank: build the empty model and fill it with torch.distributed.checkpoint alone (the README's snippet);
+    what the rank holds then."""
+    import torch.distributed as dist
+
+    from moep_ds import build_model, load_config
+
+    dist.init_process_group("gloo")
+    model = build_model(load_config(f"{ckpt}/config.yaml").model)
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd)
+    held = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    return {"tensors": held, "tied": model.head.weight is model.embed.weight}
 
 
 def save_legacy(model, path):

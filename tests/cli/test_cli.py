@@ -1,7 +1,5 @@
-"""One-line errors of the command-line entries under a launcher: rank 0 prints what every rank is given alike."""
-import os
-import subprocess
-import sys
+"""One-line errors of the command-line entries under a launcher (the ranks of tests/ranks.py): rank 0 prints what every
+rank is given alike."""
 from types import SimpleNamespace
 
 import pytest
@@ -15,52 +13,42 @@ from moep_ds.cli.lm_eval import unknown_tasks_error
 from moep_ds.training.ds_config import read_ds_config, reconcile
 from moep_ds.distributed.expert_parallel import check_parallel_layout
 
-from repo_paths import REPO
-
-
-def launched(rank: int) -> dict:
-    """The environment a launcher gives rank `rank` of 2, without its rendezvous (refused before any)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "SLURM_PROCID")}
-    env.update(RANK=str(rank), WORLD_SIZE="2", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return env
+from ranks import run_command
 
 
 MODEL = {"flavour": "llama", "vocab_size": 64, "d_model": 32, "max_seq_len": 16,
          "layers": [{"type": "dense", "attention": {"num_heads": 4}}]}
 
 
-@pytest.mark.slow  # two processes per case
+@pytest.mark.slow  # two ranks per case
 @pytest.mark.parametrize("command, message", [
-    (["-m", "moep_ds.cli.eval", "{tmp}", "--batch_size", "0"], "--batch_size (0) must be >= 1"),
-    (["-m", "moep_ds.cli.eval", "{tmp}", "--device", "gpu0"],
+    (["moep_ds.cli.eval", "{tmp}", "--batch_size", "0"], "--batch_size (0) must be >= 1"),
+    (["moep_ds.cli.eval", "{tmp}", "--device", "gpu0"],
      "--device ('gpu0') is not a torch device (e.g. cpu, cuda, cuda:1)"),
-    (["-m", "moep_ds.cli.generate", "{tmp}", "--top_p", "2"], "--top_p (2.0) must be in (0, 1]"),
-    (["pretrain.py", "--config", "{tmp}/recipe.yaml", "--dry_run"], "model.d_model (-1) must be > 0"),
+    (["moep_ds.cli.generate", "{tmp}", "--top_p", "2"], "--top_p (2.0) must be in (0, 1]"),
+    (["moep_ds.cli.pretrain", "--config", "{tmp}/recipe.yaml", "--dry_run"], "model.d_model (-1) must be > 0"),
 ])
 def test_an_argument_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, command, message):
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"model": {**MODEL, "d_model": -1}}))
-    argv = [sys.executable, *(part.replace("{tmp}", str(tmp_path)) for part in command)]
-    procs = [subprocess.Popen(argv, env=launched(rank), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for rank in (0, 1)]
-    (out0, err0), (out1, err1) = (p.communicate(timeout=300) for p in procs)
-    assert [p.returncode for p in procs] == [2, 2], (err0, err1)
+    ranks = run_command(2, *(part.replace("{tmp}", str(tmp_path)) for part in command), check=False)
+    (out0, err0), (out1, err1) = ((r.stdout, r.stderr) for r in ranks)
+    assert [r.exitcode for r in ranks] == [2, 2], (err0, err1)
     assert err0.startswith(f"error: {message}") and err0.count("\n") == 1, err0
     assert (out0, out1, err1) == ("", "", "")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 
-@pytest.mark.slow  # two processes per case
+@pytest.mark.slow  # two ranks per case
 @pytest.mark.parametrize("command", [
-    [str(REPO / "pretrain.py"), "--config", "r.yaml", "--bogus"],
-    ["-m", "moep_ds.cli.eval", "ckpt", "--batch_size", "two"],
-    ["-m", "moep_ds.cli.generate", "ckpt", "--max_new_tokens", "x"],
+    ["moep_ds.cli.pretrain", "--config", "r.yaml", "--bogus"],
+    ["moep_ds.cli.eval", "ckpt", "--batch_size", "two"],
+    ["moep_ds.cli.generate", "ckpt", "--max_new_tokens", "x"],
 ])
-def test_a_usage_error_under_a_launcher_is_printed_by_rank_0_only(tmp_path, command):
+def test_a_usage_error_under_a_launcher_is_printed_by_rank_0_only(command):
     """argparse's own refusals (unknown option, wrong type): usage and the error on rank 0, exit 2 on both."""
-    procs = [subprocess.Popen([sys.executable, *command], env=launched(rank), cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    (out0, err0), (out1, err1) = (p.communicate(timeout=300) for p in procs)
-    assert [p.returncode for p in procs] == [2, 2], (err0, err1)
+    ranks = run_command(2, *command, check=False)
+    (out0, err0), (out1, err1) = ((r.stdout, r.stderr) for r in ranks)
+    assert [r.exitcode for r in ranks] == [2, 2], (err0, err1)
     assert err0.startswith("usage: ") and "error: " in err0, err0
     assert (out0, out1, err1) == ("", "", "")
 

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import re
-import socket
-import subprocess
-import sys
+import signal
+import time
 
 import pytest
 
 from moep_ds.distributed.rank_errors import collective_cause, lost_rank_error
 
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "lose_a_rank.py"
+from ranks import run_ranks
 GLOO = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
         "[10.77.0.2]:32478. This is typically caused by a remote worker crashing. Check the logs of the remote worker "
         "before reporting an error.")
@@ -31,21 +29,16 @@ def test_other_errors_are_not_a_lost_rank():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
-def test_the_survivor_names_the_killed_rank_in_one_line(tmp_path, victim):
-    """Killing rank 0 takes the rendezvous store with it: the survivor's line says so, and nothing else is printed
-    (issue 40 item 4: the store's client printed a C++ warning with ~20 stack frames first)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", MOEP_LOST_RANK_WAIT_S="3",
-               OMP_NUM_THREADS="1", VICTIM=str(victim))
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+def test_the_survivor_names_the_killed_rank_in_one_line(victim):
+    """Two ranks of this test (tests/ranks.py) without a launcher's stop of the survivor: a few all_reduces, then rank
+    `victim` kills itself with SIGKILL while the other goes on all-reducing, through run_guarded as pretrain.py is.
+    Killing rank 0 takes the rendezvous store with it: the survivor's line says so, and nothing else is printed (the
+    store's client printed a C++ warning with ~20 stack frames first)."""
+    ranks = run_ranks(2, lose_rank, victim, env={"MOEP_LOST_RANK_WAIT_S": "3"}, grace=None, check=False, timeout=180)
     survivor = 1 - victim
-    out, err = procs[survivor].communicate(timeout=180)
-    procs[victim].communicate(timeout=60)
-    assert procs[victim].returncode == -9
-    assert procs[survivor].returncode == 1, err
+    assert ranks[victim].exitcode == -9
+    assert ranks[survivor].exitcode == 1, ranks[survivor].stderr
+    err = ranks[survivor].stderr
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[W")]
     prefix = "" if survivor == 0 else r"\[rank 1\] "
     why = (r"rank 1 did not answer within 3 s" if victim == 1 else
@@ -54,3 +47,24 @@ def test_the_survivor_names_the_killed_rank_in_one_line(tmp_path, victim):
         prefix + rf"error: lost rank {victim} of 2: a collective failed \([^()]*\[127\.0\.0\.1\]:\d+[^()]*\) and "
         rf"{why}; resubmit to resume from the newest complete checkpoint", lines[0]), err
     assert re.search(r"Connection (closed|reset) by peer", lines[0])  # or gloo's "Read error [...]: ... reset by peer"
+
+
+def lose_rank(victim: int) -> None:
+    from moep_ds.distributed.commands import run_guarded
+
+    def body():
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        x = torch.ones(4096)
+        for _ in range(3):
+            dist.all_reduce(x)
+        if dist.get_rank() == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        for _ in range(600):
+            dist.all_reduce(x)
+            time.sleep(0.05)
+        return 0
+
+    raise SystemExit(run_guarded(body))

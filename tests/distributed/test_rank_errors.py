@@ -1,6 +1,6 @@
 """One error, one line, under a launcher: a data error on rank 0 while the other ranks wait for its preparation is
 printed once by rank 0; the others exit quietly instead of ending in a collective's traceback ("monitoredBarrier
-... Connection closed by peer")."""
+... Connection closed by peer"). On 2 ranks of the test (tests/ranks.py)."""
 import pathlib
 import sys
 
@@ -13,7 +13,8 @@ from moep_ds.data.megatron import write_indexed
 from moep_ds.data.tokenizer import train_tokenizer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
-from tiny import REPO, launch, recipe  # noqa: E402
+from ranks import joined  # noqa: E402
+from tiny import REPO, recipe, run_pretrain  # noqa: E402
 
 
 def tokenizer(tmp_path) -> str:
@@ -49,13 +50,13 @@ def test_a_data_error_on_rank_0_is_one_line(tmp_path, fault):
     cfg = recipe("top2", tmp_path / "run", max_steps=2)
     expected = fault(tmp_path, cfg)
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(cfg))
-    proc = launch(2, REPO / "pretrain.py", "--config", str(tmp_path / "r.yaml"), check=False, timeout=900)
+    proc = joined(run_pretrain(2, "--config", str(tmp_path / "r.yaml"), check=False, timeout=900))
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     errors = [line for line in output.splitlines() if "error:" in line and "ChildFailedError" not in line]
     assert len(errors) == 1 and errors[0].startswith("error: ") and expected in errors[0], output[-4000:]
     assert "monitoredBarrier" not in output and "Connection closed by peer" not in output, output[-4000:]
-    # torchrun prints its own summary (ChildFailedError): no traceback comes from the trainers themselves
+    # no traceback comes from the trainers themselves
     assert "moep_ds" not in "".join(part.split("\n\n")[0] for part in output.split("Traceback")[1:]), output[-4000:]
     assert not (tmp_path / "run").exists()
 

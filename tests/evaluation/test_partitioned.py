@@ -1,8 +1,10 @@
-"""Evaluation on two processes, each holding half of the model (evaluation/partitioned.py: ZeRO-3, or half of the
-experts): the same scores and generations as one process, from every checkpoint format, in fp32 and bf16; `moep-eval` under torchrun writes
-the single-process results once; `moep-generate` under torchrun samples what one process samples."""
+"""Evaluation on two ranks, each holding half of the model (evaluation/partitioned.py: ZeRO-3, or half of the
+experts): the same scores and generations as one process, from every checkpoint format, in fp32 and bf16, padded
+partitions included; `moep-eval` under a launcher writes the single-process results once; `moep-generate` under a
+launcher samples what one process samples. The ranks run in the test (tests/ranks.py)."""
 import copy
 import json
+import os
 import pathlib
 import sys
 
@@ -22,18 +24,12 @@ from moep_ds.models.causal_lm import build_model
 from moep_ds.distributed.expert_parallel import expert_stages
 from moep_ds.distributed.inference import inference_ds_config
 
+from ranks import joined, run_command, run_ranks  # noqa: E402
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
-from tiny import LAYERS, launch  # noqa: E402
+from tiny import LAYERS  # noqa: E402
 
-SCRIPTS = pathlib.Path(__file__).resolve().parent / "scripts"
-SCRIPT = SCRIPTS / "partitioned_eval.py"
 CONTEXTS = ["the dog", "a cat sees the", "every bird"]
-
-
-def launch_command(*args: str):
-    """A console command on 2 processes, which must exit 0 on both: before `leave_process_group`, ~1 launch in 15
-    aborted after finishing ("terminate called without an active exception", distributed/process_group.py)."""
-    return launch(2, "-m", *args)
 
 
 def mixed_recipe() -> dict:
@@ -63,7 +59,20 @@ def model_dirs(tmp_path_factory):
     assert export.main([str(ckpt), "--out", str(root / "hf_export"), "--hf"]) == 0
     for name in ("plain", "hf"):
         assert convert.main([str(root / f"{name}_export"), "--out", str(root / name)]) == 0
-    return {name: root / name for name in ("sharded", "plain", "hf")}
+    # odd widths (GPT-2: learned positions, d_model 33 in 3 heads): most parameters do not divide by 2, so their
+    # last partitions are padded; as a sharded checkpoint and converted back from the plain export
+    odd_cfg = config_from_dict(odd_recipe())
+    odd = root / "odd_sharded"
+    model_state.save_module(build_model(odd_cfg.model), odd)
+    model_dir.write_recipe_files(odd_cfg, odd, root / "tok", {"step": 1})
+    assert export.main([str(odd), "--out", str(root / "odd_export")]) == 0
+    assert convert.main([str(root / "odd_export"), "--out", str(root / "odd_plain")]) == 0
+    return {name: root / name for name in ("sharded", "plain", "hf", "odd_sharded", "odd_plain")}
+
+
+def odd_recipe() -> dict:
+    return {"model": {"flavour": "gpt2", "vocab_size": 321, "d_model": 33, "max_seq_len": 32, "init_std": 0.2,
+                      "layers": [{"type": "dense", "repeat": 2, "attention": {"num_heads": 3}}]}}
 
 
 def requests(vocab: int = 300) -> list[tuple[list[int], list[int]]]:
@@ -83,35 +92,81 @@ def single_process(directory: pathlib.Path, dtype: str) -> dict:
             "generated": lm.generate_until(generate)}
 
 
+SPLIT = [{"name": name, "dir": name, "dtype": "float32"} for name in ("sharded", "plain", "hf")] + [
+    {"name": "sharded_bf16", "dir": "sharded", "dtype": "bfloat16"}]
+EXPERTS = [{"name": f"{name}_ep", "dir": name, "dtype": "float32", "expert_parallel": True} for name in ("sharded", "hf")]
+PADDED = [{"name": name, "dir": name, "dtype": "float32"} for name in ("odd_sharded", "odd_plain")]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dirs):
+    """What each of 2 ranks holds of each model and scored and generated with it (evaluate_on_rank)."""
+    runs = [{**run, "dir": str(model_dirs[run["dir"]])} for run in SPLIT + EXPERTS + PADDED]
+    return [rank.result for rank in run_ranks(2, evaluate_on_rank, runs, requests(), CONTEXTS, 2)]
+
+
+def evaluate_on_rank(runs: list[dict], requests: list, contexts: list[str], batch_size: int) -> dict:
+    """Evaluate model directories ({"name", "dir", "dtype": torch dtype name, "expert_parallel"}) with the lm-eval
+    model `moep_ds` on this rank of a launch, and record what the rank holds of the model and what it scored and
+    generated: {name: {"scores": [[logp, greedy], ...], "generated": [str, ...] (greedy), "sampled": [str, ...]
+    (drawn with a different seed on each rank), "held": elements of this rank's partitions, "total": elements of the
+    whole model, "whole": names of parameters held whole, "params": number of parameters, "experts_held": elements
+    of the expert parameters held here, "different_work": the error when each rank is given different requests,
+    "padded": ZeRO-3 parameters whose last partition is padded}}."""
+    import torch.distributed as dist
+
+    from moep_ds.checkpointing.model_state import zero3_partition
+    from moep_ds.errors import SharedUserError
+
+    record = {}
+    for run in runs:
+        lm = MoepLM(pretrained=run["dir"], batch_size=batch_size, dtype=run["dtype"],
+                    expert_parallel=run.get("expert_parallel", False))
+        params = list(lm.model.named_parameters())
+        scored = [(None, ctx, cont) for ctx, cont in requests]
+        generate = [Instance("generate_until", {}, (c, {"until": ["."], "max_gen_toks": 6}), i)
+                    for i, c in enumerate(contexts)]
+        sample = [Instance("generate_until", {}, (c, {"until": ["."], "max_gen_toks": 6, "do_sample": True}), i)
+                  for i, c in enumerate(contexts)]
+        torch.manual_seed(dist.get_rank())  # each rank draws differently: the ranks must follow rank 0's tokens
+        record[run["name"]] = {
+            "scores": [list(s) for s in lm._loglikelihood_tokens(scored, disable_tqdm=True)],
+            "generated": lm.generate_until(generate, disable_tqdm=True),
+            "sampled": lm.generate_until(sample, disable_tqdm=True),
+            "held": sum(zero3_partition(p)[1] for _, p in params if hasattr(p, "ds_id")),
+            "total": sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for _, p in params),
+            "whole": [n for n, p in params if not hasattr(p, "ds_id")],
+            "params": len(params),
+            "padded": sum(p.ds_numel % dist.get_world_size() != 0 for _, p in params if hasattr(p, "ds_id")),
+            "experts_held": sum(p.numel() for _, p in params if getattr(p, "allreduce", True) is False),
+        }
+        try:  # ranks given different requests: refused on every rank before any forward pass
+            lm._loglikelihood_tokens(scored[:1 + dist.get_rank()], disable_tqdm=True)
+        except SharedUserError as err:
+            record[run["name"]]["different_work"] = str(err)
+    return record
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_two_ranks_each_holding_half_score_and_generate_as_one_process(model_dirs, tmp_path):
-    runs = [{"name": name, "dir": str(d), "dtype": "float32"} for name, d in model_dirs.items()]
-    runs.append({"name": "sharded_bf16", "dir": str(model_dirs["sharded"]), "dtype": "bfloat16"})
-    experts = [{"name": f"{name}_ep", "dir": str(model_dirs[name]), "dtype": "float32", "expert_parallel": True}
-               for name in ("sharded", "hf")]
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"requests": requests(), "contexts": CONTEXTS, "batch_size": 2,
-                                "runs": runs + experts}))
-    launch(2, SCRIPT, str(spec), str(tmp_path / "out"))
-    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+def test_two_ranks_each_holding_half_score_and_generate_as_one_process(model_dirs, two_ranks):
     stages = expert_stages(MoepLM(pretrained=str(model_dirs["sharded"])).model)
     all_experts = sum(p.numel() for stage in stages for p in stage.experts.parameters())
-    for run in experts:  # each rank holds half of every stage's experts and every other parameter whole
-        got = [rank[run["name"]] for rank in ranks]
+    for run in EXPERTS:  # each rank holds half of every stage's experts and every other parameter whole
+        got = [rank[run["name"]] for rank in two_ranks]
         assert [g["experts_held"] for g in got] == [all_experts // 2] * 2 and len(got[0]["whole"]) == got[0]["params"]
-        want = single_process(pathlib.Path(run["dir"]), run["dtype"])
+        want = single_process(model_dirs[run["dir"]], run["dtype"])
         for g in got:  # each expert's tokens from both ranks' batches in one matmul: equal up to rounding
             assert [s[1] for s in g["scores"]] == [s[1] for s in want["scores"]], run["name"]
             assert [s[0] for s in g["scores"]] == pytest.approx([s[0] for s in want["scores"]], rel=1e-5, abs=1e-5)
             assert g["generated"] == want["generated"], run["name"]
         assert got[0]["sampled"] == got[1]["sampled"], run["name"]
-    for run in runs:
-        got = [rank[run["name"]] for rank in ranks]
+    for run in SPLIT:
+        got = [rank[run["name"]] for rank in two_ranks]
         assert got[0]["whole"] == [] and got[1]["whole"] == [], run["name"]  # every parameter partitioned
         assert got[0]["held"] + got[1]["held"] == got[0]["total"] > 0
         assert abs(got[0]["held"] - got[1]["held"]) <= got[0]["params"]  # half each, up to one element a parameter
-        want = single_process(pathlib.Path(run["dir"]), run["dtype"])
+        want = single_process(model_dirs[run["dir"]], run["dtype"])
         for g in got:  # the scores gathered onto every rank; the same batches as one process runs, exactly
             assert g["scores"] == want["scores"], run["name"]
             assert g["generated"] == want["generated"], run["name"]
@@ -122,29 +177,34 @@ def test_two_ranks_each_holding_half_score_and_generate_as_one_process(model_dir
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_three_ranks_load_padded_partitions_as_one_process(model_dirs, tmp_path):
-    """Most parameters of the model do not divide by 3: their last partitions are padded."""
-    runs = [{"name": name, "dir": str(model_dirs[name]), "dtype": "float32"} for name in ("sharded", "plain")]
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"requests": requests(), "contexts": CONTEXTS, "batch_size": 2, "runs": runs}))
-    launch(3, SCRIPT, str(spec), str(tmp_path / "out"))
-    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(3)]
-    for run in runs:
-        got = [rank[run["name"]] for rank in ranks]
+def test_ranks_load_padded_partitions_as_one_process(model_dirs, two_ranks):
+    """Most parameters of the odd-width model do not divide by 2: their last partitions are padded."""
+    for run in PADDED:
+        got = [rank[run["name"]] for rank in two_ranks]
         assert got[0]["padded"] > 0 and sum(g["held"] for g in got) == got[0]["total"]
-        want = single_process(pathlib.Path(run["dir"]), run["dtype"])
+        want = single_process(model_dirs[run["dir"]], run["dtype"])
         assert all(g["scores"] == want["scores"] and g["generated"] == want["generated"] for g in got), run["name"]
+
+
+EVAL_ARGS = ["--tasks", "grammar_pairs", "--limit", "6", "--batch_size", "4"]
+
+
+@pytest.fixture(scope="module")
+def one_process_eval(model_dirs, tmp_path_factory) -> dict:
+    """moep-eval's record of the sharded checkpoint in one process."""
+    out = tmp_path_factory.mktemp("one_process_eval")
+    assert run_eval.main([str(model_dirs["sharded"]), *EVAL_ARGS, "--output", str(out)]) == 0
+    return json.loads((out / "results.json").read_text())
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("split", ["zero3", "expert_parallel"])
-def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_dirs, tmp_path, split):
-    args = ["--tasks", "grammar_pairs", "--limit", "6", "--batch_size", "4"]
-    assert run_eval.main([str(model_dirs["sharded"]), *args, "--output", str(tmp_path / "one")]) == 0
-    launch_command("moep_ds.cli.eval", str(model_dirs["sharded"]), *args, "--output", str(tmp_path / "two"),
-                   *(["--expert_parallel"] if split == "expert_parallel" else []))
-    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_dirs, one_process_eval, tmp_path,
+                                                                         split):
+    run_command(2, "moep_ds.cli.eval", str(model_dirs["sharded"]), *EVAL_ARGS, "--output", str(tmp_path / "two"),
+                *(["--expert_parallel"] if split == "expert_parallel" else []))
+    one, two = one_process_eval, json.loads((tmp_path / "two" / "results.json").read_text())
     assert two["scores"] == one["scores"] and one["scores"]  # accuracies: no margin is near a tie
     assert (one["moep"]["ranks"], two["moep"]["ranks"]) == (1, 2)
     assert (one["moep"]["split"], two["moep"]["split"]) == (None, split)
@@ -152,10 +212,43 @@ def test_moep_eval_under_torchrun_writes_the_single_process_results_once(model_d
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["results.json", "results.md"]
 
 
+def failing_eval(fault: str, argv: list[str]) -> None:
+    """On a rank: `moep-eval ARGV` where one rank fails. read: the last rank cannot read the checkpoint
+    (DamagedCheckpoint); write: rank 0 cannot write the results (OSError, after every rank evaluated); score: the last
+    rank fails alone on its first batch of scores (a RuntimeError, as from a bug or running out of memory) while the
+    others go on to their next forward pass."""
+    from moep_ds.checkpointing.sharded import DamagedCheckpoint
+    from moep_ds.evaluation import harness
+
+    last = int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1
+    read, score = model_dir.load_weights, harness.continuation_logprobs
+
+    def load_weights(model, path, **kwargs):
+        if last:
+            raise DamagedCheckpoint(f"checkpoint {str(path)!r} could not be read: simulated on this rank")
+        return read(model, path, **kwargs)
+
+    def write_record(record, out_dir):
+        raise OSError(f"simulated: cannot write {out_dir}")
+
+    def continuation_logprobs(*args, **kwargs):
+        if last:
+            raise RuntimeError("simulated: this rank cannot score")
+        return score(*args, **kwargs)
+
+    if fault == "read":
+        model_dir.load_weights = load_weights
+    elif fault == "score":
+        harness.continuation_logprobs = continuation_logprobs
+    else:
+        run_eval.write_record = write_record
+    raise SystemExit(run_eval.main(argv))
+
+
 @pytest.mark.slow
 def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_one_line_each(model_dirs, tmp_path):
-    proc = launch(2, SCRIPTS / "failing_rank_eval.py", "read", str(model_dirs["sharded"]), "--tasks", "grammar_pairs",
-                  "--output", str(tmp_path / "out"), check=False, timeout=300)
+    proc = joined(run_ranks(2, failing_eval, "read", [str(model_dirs["sharded"]), "--tasks", "grammar_pairs",
+                                                      "--output", str(tmp_path / "out")], check=False, timeout=300))
     assert proc.returncode != 0 and not (tmp_path / "out").exists()
     sharded_dir = str(model_dirs["sharded"])
     stderr = proc.stderr  # two processes' lines, which may interleave
@@ -167,12 +260,12 @@ def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank_with_one_line_e
 
 @pytest.mark.slow
 def test_rank_0_failing_after_the_evaluation_fails_the_command_on_every_rank(model_dirs, tmp_path):
-    proc = launch(2, SCRIPTS / "failing_rank_eval.py", "write", str(model_dirs["sharded"]), "--tasks",
-                  "grammar_pairs", "--limit", "2", "--output", str(tmp_path / "out"), check=False, timeout=300)
-    assert proc.returncode != 0 and "OSError: simulated: cannot write" in proc.stderr
-    exits = [line.split(":")[1].split()[0] for line in proc.stderr.splitlines() if line.startswith("  exitcode")]
+    ranks = run_ranks(2, failing_eval, "write", [str(model_dirs["sharded"]), "--tasks", "grammar_pairs", "--limit",
+                                                 "2", "--output", str(tmp_path / "out")], check=False, timeout=300)
+    assert "OSError: simulated: cannot write" in ranks[0].stderr
     # both ranks failed and none waited for the other (the launcher may stop rank 1 as rank 0 exits: -15)
-    assert len(exits) == 2 and "0" not in exits and exits[0] in ("1", "-15"), proc.stderr[-3000:]
+    exits = [rank.exitcode for rank in ranks]
+    assert exits[0] == 1 and exits[1] != 0, joined(ranks).stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -182,8 +275,9 @@ def test_a_rank_that_fails_alone_while_scoring_ends_the_command_without_waiting(
     gathering parameters that rank 1 holds: rank 1 ends at once and the launcher stops rank 0. Agreeing on the exit
     status after a failure (as run_split did) left the two ranks in different collectives until gloo's timeout.
     (A one-line error ends a rank at once too: cli.exit_joined.)"""
-    proc = launch(2, SCRIPTS / "failing_rank_eval.py", "score", str(model_dirs["sharded"]), "--tasks", "grammar_pairs",
-                  "--limit", "6", "--batch_size", "2", "--output", str(tmp_path / "out"), check=False, timeout=180)
+    proc = joined(run_ranks(2, failing_eval, "score", [str(model_dirs["sharded"]), "--tasks", "grammar_pairs",
+                                                       "--limit", "6", "--batch_size", "2", "--output",
+                                                       str(tmp_path / "out")], check=False, timeout=180))
     assert proc.returncode != 0 and not (tmp_path / "out").exists()
     assert "RuntimeError: simulated: this rank cannot score" in proc.stderr, proc.stderr[-3000:]
 
@@ -199,18 +293,18 @@ def test_lm_eval_cli_arguments_on_each_rank_of_a_launch():
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lm_eval_cli_under_torchrun_writes_one_result_file(model_dirs, tmp_path):
     assert run_eval.main(["--render_tasks", str(tmp_path / "tasks")]) == 0
-    launch_command("moep_ds.cli.lm_eval", "--model", "moep_ds", "--model_args",
-                   f"pretrained={model_dirs['sharded']},expert_parallel=true", "--include_path", str(tmp_path / "tasks"),
-                   "--tasks", "grammar_pairs", "--limit", "3", "--output_path", str(tmp_path / "out"))
+    run_command(2, "moep_ds.cli.lm_eval", "--model", "moep_ds", "--model_args",
+                f"pretrained={model_dirs['sharded']},expert_parallel=true", "--include_path", str(tmp_path / "tasks"),
+                "--tasks", "grammar_pairs", "--limit", "3", "--output_path", str(tmp_path / "out"))
     written = list((tmp_path / "out").rglob("results_*.json"))
     assert len(written) == 1 and json.loads(written[0].read_text())["results"]["grammar_pairs"]
 
 
 @pytest.mark.slow
 def test_lm_eval_cli_refuses_its_cache_under_a_launcher(model_dirs, tmp_path):
-    proc = launch(2, "-m", "moep_ds.cli.lm_eval", "--model", "moep_ds", "--model_args",
-                  f"pretrained={model_dirs['sharded']}", "--tasks", "grammar_pairs", "--use_cache", str(tmp_path / "c"),
-                  check=False)
+    proc = joined(run_command(2, "moep_ds.cli.lm_eval", "--model", "moep_ds", "--model_args",
+                              f"pretrained={model_dirs['sharded']}", "--tasks", "grammar_pairs", "--use_cache",
+                              str(tmp_path / "c"), check=False))
     errors = [line for line in proc.stderr.splitlines() if "error: " in line]
     assert proc.returncode != 0 and errors == [
         "error: --use_cache is not supported under a launcher (each rank would keep its own cache and skip "
@@ -222,7 +316,7 @@ def test_expert_parallel_evaluation_of_a_model_without_experts_is_one_line(tmp_p
     cfg = config_from_dict({"model": {"flavour": "llama", "vocab_size": 64, "d_model": 16, "max_seq_len": 16,
                                       "layers": [{"type": "dense", "attention": {"num_heads": 2}}]}})
     model_dir.save_model_dir(build_model(cfg.model), cfg, tmp_path / "dense")
-    proc = launch(2, "-m", "moep_ds.cli.generate", str(tmp_path / "dense"), "--expert_parallel", check=False)
+    proc = joined(run_command(2, "moep_ds.cli.generate", str(tmp_path / "dense"), "--expert_parallel", check=False))
     errors = [line for line in proc.stderr.splitlines() if "error: " in line]
     assert proc.returncode != 0 and errors == [
         f"error: --expert_parallel: {str(tmp_path / 'dense')!r} has no routed experts to shard over 2 ranks; "
@@ -236,7 +330,7 @@ def test_moep_generate_under_torchrun_samples_as_one_process(model_dirs, capsys)
             "--temperature", "1.5", "--seed", "7"]
     assert generate.main(args) == 0
     one = capsys.readouterr().out
-    two = launch_command("moep_ds.cli.generate", *args).stdout  # with DeepSpeed's log lines
+    two = joined(run_command(2, "moep_ds.cli.generate", *args)).stdout  # with DeepSpeed's log lines
     assert two.count(one) == 1 and one.count("the dog") >= 3  # printed once (rank 0), three samples
     assert len(set(one.split("the dog"))) > 2  # that differ: sampled
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from hf_models import CASES, V, hf_model, recipe, save, tokens
+from repo_paths import REPO
 from moep_ds.checkpointing import layout, sharded
 from moep_ds.checkpointing.model_dir import load_model_dir
 from moep_ds.config import config_from_dict
@@ -27,7 +26,6 @@ from moep_ds.training.branch import start_step
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # float32
 
 
@@ -160,11 +158,14 @@ def hub_cache(tmp_path: Path, folder: Path, repo: str, revision: str) -> Path:
     return cache
 
 
-def moep_import(args: list[str], cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "moep_ds.cli.import_model", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+def moep_import(args: list[str], cache: Path):
+    """`moep-import ARGS` on a rank of its own (tests/ranks.py), where huggingface_hub is first imported and so
+    reads HF_HUB_CACHE."""
+    from ranks import joined, run_command
+
+    return joined(run_command(1, "moep_ds.cli.import_model", *args, env={"HF_HUB_CACHE": str(cache),
+                                                                         "HF_HUB_OFFLINE": "1"},
+                              check=False, timeout=300))
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ from moep_ds.interop.sources import source_recipe
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
-from tiny import DS_CONFIGS, REPO, launch, metrics  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+from tiny import DS_CONFIGS, metrics, probe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 T = 16
@@ -51,8 +52,7 @@ def trained(tmp_path_factory):
         recipe.write_text(yaml.safe_dump(training_recipe(tmp / case / "hf", tmp / name, **train)))
         jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"{ds}.json"),
                      "probe": str(tmp / f"{name}.probe")})
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    launch(2, REPO / "tests" / "training" / "scripts" / "branch_probe.py", str(tmp / "jobs.json"), timeout=900)
+    run_ranks(2, probe, jobs, timeout=900)
     return tmp, runs
 
 

@@ -24,7 +24,7 @@ from moep_ds.interop.sources import source_weights
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
-from tiny import DS_CONFIGS, REPO, launch, metrics  # noqa: E402
+from tiny import DS_CONFIGS, metrics, run_jobs  # noqa: E402
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 TOP2 = {"type": "topk", "k": 2, "renormalize": True, "capacity_factor": None, "load_balancing_weight": 0.01}
@@ -178,7 +178,7 @@ def training_recipe(path: Path, out: Path, src: Path, moe: bool, **train) -> Pat
 
 @pytest.mark.slow
 def test_upcycled_training_under_expert_parallelism_and_zero3(tmp_path):
-    """One launch of 2 processes: the dense model continued (ZeRO-2), and upcycled under expert parallelism 2
+    """One run of 2 ranks (tests/ranks.py): the dense model continued (ZeRO-2), and upcycled under expert parallelism 2
     (ZeRO-2) and under ZeRO-3. The first step's loss is computed by the step-0 weights: the upcycled runs' cross
     entropy equals the dense run's. After 5 steps the experts of each layer differ from each other, and the two
     upcycled runs' curves agree."""
@@ -187,8 +187,7 @@ def test_upcycled_training_under_expert_parallelism_and_zero3(tmp_path):
             "zero3": ("zero3_fp32", True, {})}
     jobs = [{"recipe": str(training_recipe(tmp_path / f"{name}.yaml", tmp_path / name, src, moe, **train)),
              "ds_config": str(DS_CONFIGS / f"{ds}.json")} for name, (ds, moe, train) in runs.items()]
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    launch(2, REPO / "tests" / "training" / "scripts" / "run_many.py", str(tmp_path / "jobs.json"), timeout=900)
+    run_jobs(2, jobs, timeout=900)
     first = {name: next(m for m in metrics(tmp_path / name) if m["step"] == 1) for name in runs}
     for name in ("ep2", "zero3"):
         assert first[name]["ce_loss"] == pytest.approx(first["dense"]["ce_loss"], abs=1e-5), name

@@ -4,7 +4,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.all_to_all import SEQ_ID_STRIDE, AllToAllDispatcher, source_to_expert_order
@@ -13,6 +12,8 @@ from moep_ds.moe.layer import MoEConfig, MoELayer, shard_experts
 from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.expert_choice import ExpertChoiceConfig
 from moep_ds.routing.topk import TopKConfig
+
+from ranks import run_ranks
 
 WORLD, B_GLOBAL, T, D, H = 2, 4, 6, 8, 12
 # Routing is per rank; these routers give the same plan for a rank's tokens whether routed alone or within the
@@ -55,8 +56,9 @@ def received_tokens_are_right(layer: MoELayer, x_local: torch.Tensor, x_global: 
             and counts_agree)
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _worker(out_dir: str) -> None:
+    dist.init_process_group("gloo")  # a rank of tests/ranks.py: the launcher's environment
+    rank = dist.get_rank()
     results = []
     for num_experts, router in CASES:
         layer = build(num_experts, router)
@@ -72,13 +74,11 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         results.append({"y": out.y.detach(), "x_grad": x_local.grad, "grads": grads,
                         "meta_ok": received_tokens_are_right(layer, x_local.detach(), x, rank)})
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-    os._exit(0)
 
 
 @pytest.mark.slow
 def test_all_to_all_matches_local_dispatch(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(WORLD, _worker, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for c, (num_experts, router) in enumerate(CASES):
         layer = build(num_experts, router)

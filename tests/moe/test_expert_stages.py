@@ -5,7 +5,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moep_ds.blocks.msit import MSITBlock, MSITBlockConfig, MSITExpertConfig
 from moep_ds.blocks.paths import PathsBlock, PathsBlockConfig
@@ -16,6 +15,8 @@ from moep_ds.moe.dispatch import ExpertStage, shard_experts
 from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.expert_choice import ExpertChoiceConfig
 from moep_ds.routing.topk import TopKConfig
+
+from ranks import run_ranks
 
 WORLD, B_GLOBAL, T, D = 2, 4, 10, 16
 
@@ -62,8 +63,9 @@ def stages(block) -> list[ExpertStage]:
     return [m for m in block.modules() if isinstance(m, ExpertStage)]
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _worker(out_dir: str) -> None:
+    dist.init_process_group("gloo")  # a rank of tests/ranks.py: the launcher's environment
+    rank = dist.get_rank()
     results = {}
     for name in BLOCKS:
         block = build(name)
@@ -80,13 +82,11 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
                          "grads": {n: p.grad for n, p in block.named_parameters()},
                          "shapes": {n: tuple(p.shape) for n, p in block.named_parameters()}}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-    os._exit(0)
 
 
 @pytest.mark.slow
 def test_sharded_routed_blocks_match_the_single_process_block(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(WORLD, _worker, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for name in BLOCKS:
         block = build(name)

@@ -9,10 +9,7 @@ Run as a script (`torchrun --nproc_per_node 2 test_lifecycle.py --zero2-worker O
 from __future__ import annotations
 
 import copy
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,6 +28,8 @@ from moep_ds.routing.lifecycle import (
 )
 from moep_ds.schema import ConfigError
 from moep_ds.training.lifecycle import LifecycleRunner
+
+from ranks import run_ranks
 
 # B batch, T tokens, E experts, S routed (token, expert) pairs
 
@@ -457,13 +456,8 @@ def held_row(ranks: list[dict], key: str, i: int, expert: int) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_replacement_under_zero2_survives_the_next_step(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    repo = pathlib.Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           __file__, "--zero2-worker", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    """On 2 ranks of this test (tests/ranks.py), at expert parallel 1 and 2."""
+    run_ranks(2, zero2_worker, str(tmp_path), env={"DS_ACCELERATOR": "cpu"}, timeout=540)
     runs = {ep: [torch.load(tmp_path / f"ep{ep}_rank{r}.pt", weights_only=True) for r in range(2)] for ep in (1, 2)}
     for ep, ranks in runs.items():
         events = ranks[0]["events"]
@@ -502,8 +496,3 @@ def test_replacement_under_zero2_survives_the_next_step(tmp_path):
         replicated = slice(-1, None)  # the router's rows: the same on both expert-parallel ranks
         for a, b in zip(runs[2][0]["stepped"][key][replicated], runs[2][1]["stepped"][key][replicated]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-if __name__ == "__main__" and "--zero2-worker" in sys.argv:
-    zero2_worker(sys.argv[sys.argv.index("--zero2-worker") + 1])
-    os._exit(0)

@@ -2,7 +2,6 @@
 boundary after it failed, not one save later."""
 import errno
 import os
-import pathlib
 
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
@@ -10,9 +9,7 @@ from torch.distributed.checkpoint.api import CheckpointException, _wrap_exceptio
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.checkpoint import save_error_reason
 
-from tiny import DS_CONFIGS, REPO, launch, metrics, write_recipe
-
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
+from tiny import DS_CONFIGS, metrics, run_pretrain, write_recipe
 
 
 def test_a_full_disk_is_named_through_dcps_wrapping(tmp_path, monkeypatch):
@@ -31,18 +28,16 @@ def test_a_full_disk_is_named_through_dcps_wrapping(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_failed_async_save_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
-    """The save of step 4 fails (ENOSPC in DCP's writer, scripts/pretrain_fault.py) while training goes on: the run
+def test_a_failed_async_save_stops_the_run_at_the_next_step(tmp_path):
+    """The save of step 4 fails (ENOSPC in DCP's writer, faults.py) while training goes on: the run
     stops within the steps the write took, with the error of the save of step 4; before, it trained on to the save
     of step 8 and failed there, with step 4's error and steps 5-8 lost."""
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=12,
                           checkpoint={"every_steps": 4, "async_save": True, "keep_last": 3})
-    for key, value in (("MOEP_TEST_FAULT", "enospc"), ("MOEP_TEST_FAULT_STEP", 4), ("MOEP_TEST_FAULT_RANK", 0)):
-        monkeypatch.setenv(key, str(value))
-    proc = launch(1, SCRIPTS / "pretrain_fault.py", "--config", str(recipe), "--ds_config",
-                  str(DS_CONFIGS / "zero2_fp32.json"), check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    [proc] = run_pretrain(1, "--config", str(recipe), "--ds_config", str(DS_CONFIGS / "zero2_fp32.json"),
+                          fault="enospc", step=4, rank=0, check=False)
+    assert proc.exitcode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     tmp = out / "checkpoints" / ".tmp-step_00000004"
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -1,9 +1,9 @@
 """Branching from a step (train.start_step) end to end on one CPU process: a Megatron file laid out like Pythia's
 (one stored sequence per sample, read in file order) of > 13,002 global batches; a run started at step 13,000
 reads global batch 13,000 first and takes its first step at GPT-NeoX v1.0's lr of iteration 13,000 (Pythia's
-schedule: 143,000 steps, warm-up 1,430); its checkpoint resumes at the next batch, none replayed or skipped."""
+schedule: 143,000 steps, warm-up 1,430); its checkpoint resumes at the next batch, none replayed or skipped. The
+runs train on a rank of this test (tests/ranks.py), which records what the trainer read and the lr it applied."""
 import json
-import pathlib
 
 import numpy as np
 import pytest
@@ -13,11 +13,11 @@ from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.megatron import write_indexed
 from moep_ds.data.tokenizer import train_tokenizer
 
+from ranks import run_ranks
 from test_schedule import pythia_lr
-from tiny import DS_CONFIGS, launch, metrics
+from tiny import DS_CONFIGS, metrics, probe
 
 pytestmark = pytest.mark.slow
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 SEQ_LEN, GLOBAL_BATCH, START = 8, 2, 13_000
 NUM_SEQUENCES = (START + 5) * GLOBAL_BATCH
 
@@ -52,8 +52,7 @@ def branched(tmp_path_factory):
             {**job, "resume": "auto", "overrides": [f"train.exit_at_step={START + 3}"], "probe": str(tmp / "resumed.json")},
             {**job, "overrides": ["train.start_step=null", "train.exit_at_step=2", f"train.output_dir={tmp / 'scratch'}"],
              "probe": str(tmp / "scratch.json")}]
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    launch(1, SCRIPTS / "branch_probe.py", str(tmp / "jobs.json"))
+    run_ranks(1, probe, jobs)
     return tmp, *(json.loads((tmp / f"{name}.json").read_text()) for name in ("first", "resumed", "scratch"))
 
 

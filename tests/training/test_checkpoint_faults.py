@@ -1,4 +1,5 @@
-"""Checkpoint faults, each with its one-line error or fallback (1 process unless a second rank matters):
+"""Checkpoint faults, each with its one-line error or fallback (1 rank unless a second rank matters; the ranks run in
+this test, tests/ranks.py, except where the launcher's exit matters):
 a damaged newest checkpoint (skipped by --resume auto, an error for --resume PATH), every checkpoint damaged (an
 error, nothing touched), a full disk during a save, an unwritable output directory, a start-up that fails (no
 output directory left behind); logs follow the checkpoint."""
@@ -10,21 +11,17 @@ import shutil
 
 import pytest
 
-from tiny import DS_CONFIGS, REPO, launch, metrics, write_recipe
+from ranks import joined, run_ranks
+from tiny import DS_CONFIGS, REPO, launch, metrics, run_pretrain, write_recipe
 
 pytestmark = pytest.mark.slow
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 DS = str(DS_CONFIGS / "zero2_fp32.json")
 
 
-def pretrain(recipe, *args, script=REPO / "pretrain.py", nproc=1, timeout=600):
-    return launch(nproc, script, "--config", str(recipe), "--ds_config", DS, *args, check=False, timeout=timeout)
-
-
-def inject_fault(monkeypatch, fault: str, step: int, rank: int) -> None:
-    """For scripts/pretrain_fault.py, through the environment the launched processes inherit."""
-    for key, value in (("MOEP_TEST_FAULT", fault), ("MOEP_TEST_FAULT_STEP", step), ("MOEP_TEST_FAULT_RANK", rank)):
-        monkeypatch.setenv(key, str(value))
+def pretrain(recipe, *args, nproc=1, timeout=600, **fault):
+    """pretrain.py on `nproc` ranks of this test; fault: fault, step, rank (faults.py)."""
+    return joined(run_pretrain(nproc, "--config", str(recipe), "--ds_config", DS, *args, check=False, timeout=timeout,
+                            **fault))
 
 
 def last_line(proc) -> str:
@@ -39,12 +36,10 @@ def _needed(ckpt: pathlib.Path) -> int:
     return max(i.offset + i.length for i in md.storage_data.values() if i.relative_path == "__0_0.distcp")
 
 
-def test_full_disk_during_a_save_then_a_damaged_newest_checkpoint(tmp_path, monkeypatch):
+def test_full_disk_during_a_save_then_a_damaged_newest_checkpoint(tmp_path):
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=4, checkpoint={"every_steps": 2})
-    with monkeypatch.context() as patch:
-        inject_fault(patch, "enospc", step=4, rank=1)
-        proc = pretrain(recipe, script=SCRIPTS / "pretrain_fault.py", nproc=2)
+    proc = pretrain(recipe, nproc=2, fault="enospc", step=4, rank=1)
     assert proc.returncode != 0
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(
@@ -94,12 +89,14 @@ def test_unwritable_output_dir_is_one_line_before_data_preparation(tmp_path):
 def test_an_error_every_rank_agrees_on_exits_2_on_each_without_an_abort(tmp_path):
     """Both ranks find the output directory unwritable, agree, and exit 2 at once (cli.exit_joined); before, ~1
     launch in 10 aborted in the interpreter's teardown while gloo's worker let go of the agreement's tensor
-    (distributed/process_group.py). A few launches, since the abort was a race."""
+    (distributed/process_group.py). A few launches, since the abort was a race; under torchrun, since a rank of this
+    test (tests/ranks.py) never reaches the interpreter's teardown."""
     recipe = write_recipe(tmp_path / "r.yaml", "top2", tmp_path / "run", max_steps=2)
     (tmp_path / "a_file").write_text("")
     out = tmp_path / "a_file" / "run"
     for _ in range(3):
-        proc = pretrain(recipe, "--set", f"train.output_dir={out}", nproc=2)
+        proc = launch(2, REPO / "pretrain.py", "--config", str(recipe), "--ds_config", DS, "--set",
+                      f"train.output_dir={out}", check=False)
         codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)  # torchrun's report per failed rank
         assert "2" in codes and set(codes) <= {"2", "-15"}, proc.stderr[-3000:]  # -15: stopped by torchrun
         assert "terminate called" not in proc.stderr
@@ -107,14 +104,15 @@ def test_an_error_every_rank_agrees_on_exits_2_on_each_without_an_abort(tmp_path
         assert errors == [f"error: train.output_dir ('{out}') is not writable: Not a directory"]
 
 
-def test_a_rank_that_fails_alone_ends_the_launch_without_waiting_for_the_others(tmp_path, monkeypatch):
+def test_a_rank_that_fails_alone_ends_the_launch_without_waiting_for_the_others(tmp_path):
     """Rank 1 fails after step 2 while rank 0 goes on into step 3's collectives: rank 1 exits at once
-    (cli.exit_joined) and the launcher stops rank 0. Waiting for the others at a barrier (as the end of training
-    did) left both ranks in mismatched collectives until gloo's 30-minute timeout."""
+    (cli.exit_joined) and the launcher (here tests/ranks.py) stops rank 0. Waiting for the others at a barrier (as
+    the end of training did) left both ranks in mismatched collectives until gloo's 30-minute timeout."""
     recipe = write_recipe(tmp_path / "r.yaml", "top2", tmp_path / "run", max_steps=6)
-    inject_fault(monkeypatch, "raise", step=2, rank=1)
-    proc = pretrain(recipe, script=SCRIPTS / "pretrain_fault.py", nproc=2, timeout=180)
-    assert proc.returncode != 0
+    ranks = run_pretrain(2, "--config", str(recipe), "--ds_config", DS, fault="raise", step=2, rank=1, check=False,
+                         timeout=180)
+    assert ranks[1].exitcode == 2, ranks[1].stderr[-3000:]
+    proc = joined(ranks)
     errors = [line for line in proc.stderr.splitlines() if "error:" in line and "simulated" in line]
     assert errors == ["[rank 1] error: simulated: rank 1 cannot go on after step 2"], proc.stderr[-3000:]
 
@@ -127,6 +125,33 @@ def two_checkpoints(tmp_path_factory) -> pathlib.Path:
     proc = pretrain(recipe)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp / "run"
+
+
+def pretrain_each(runs: list[list[str]], full_disk: str | None = None) -> list[int]:
+    """pretrain.py's main once per argument list, one after another on this rank; their exit statuses. A start-up
+    that fails leaves its process group (cli.exit_joined), so the next one can start, at a fresh rendezvous port.
+    full_disk: a folder in which opening a file for writing fails with ENOSPC, as on a full disk."""
+    import builtins
+    import errno
+    import os
+
+    from moep_ds.cli.pretrain import main
+    from moep_ds.distributed.process_group import free_port
+
+    if full_disk is not None:
+        original_open = builtins.open
+
+        def open_on_a_full_disk(file, mode="r", *args, **kwargs):
+            if any(c in mode for c in "wax+") and os.path.abspath(str(file)).startswith(full_disk + os.sep):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+            return original_open(file, mode, *args, **kwargs)
+
+        builtins.open = open_on_a_full_disk
+    codes = []
+    for argv in runs:
+        os.environ["MASTER_PORT"] = str(free_port())
+        codes.append(main(argv))
+    return codes
 
 
 def tree(root: pathlib.Path) -> dict[str, str]:
@@ -155,7 +180,7 @@ def test_resume_auto_refuses_to_start_over_when_every_checkpoint_is_damaged(two_
     assert tree(out) == before
 
 
-def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_path, monkeypatch):
+def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_path):
     """Bad input found before the first step: one line, exit 2, and the output directory (with the folders above it
     that the run made) is gone again, also after the engine wrote its TensorBoard files (the tokenizer case); an
     output directory that existed before is kept."""
@@ -195,11 +220,9 @@ def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_
     runs = [["--config", str(recipe), "--ds_config", DS, *args] for args, _ in cases]
     runs.append(["--config", str(recipe), "--ds_config", DS, "--resume", "latest",
                  "--set", f"train.output_dir={existing}"])
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    monkeypatch.setenv("MOEP_TEST_FULL_DISK", str(tmp_path / "full"))  # read by pretrain_many.py
-    proc = launch(1, SCRIPTS / "pretrain_many.py", str(tmp_path / "runs.json"), check=False)
-    codes = re.findall(r"^exit code (\d+)$", proc.stdout, re.M)
-    assert proc.returncode == 0 and codes == ["2"] * len(runs), proc.stderr[-3000:]
+    [rank] = run_ranks(1, pretrain_each, runs, full_disk=str(tmp_path / "full"))
+    proc = joined([rank])
+    assert rank.result == [2] * len(runs), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == len(runs)

@@ -1,10 +1,11 @@
-"""Sharded checkpoints on 2 CPU processes: resume across every pair of ZeRO stages (0-3), bit-identical when
-nothing changes, ZeRO-3 over 6 steps stopped at 3 with lifecycle replacements and asynchronous saves, activation
+"""Sharded checkpoints on 2 CPU ranks (tests/ranks.py): every ZeRO stage (0-3) resumes into itself (bit-identical)
+and into the next stage (3 into 0), so every stage's checkpoint is read by another stage and every stage reads
+another's, ZeRO-3 over 6 steps stopped at 3 with lifecycle replacements and asynchronous saves, activation
 checkpointing switched on and off, the consolidated format of before 2026-12-03 once moep-convert has turned it
 into a sharded checkpoint, and the old 1-D sharded layout (train.compile on <-> off: in one process,
 tests/training/test_blocks.py).
 
-One launch trains the sources (a checkpoint at step 3 each), a second resumes every (source, target) pair."""
+One run of the ranks trains the sources (a checkpoint at step 3 each), a second resumes them."""
 import json
 import pathlib
 
@@ -13,11 +14,16 @@ import torch
 
 from moep_ds.cli import convert
 
-from tiny import DS_CONFIGS, launch, losses, write_recipe
+from tiny import DS_CONFIGS, losses, run_jobs, write_recipe
 
 pytestmark = pytest.mark.slow
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 STAGES = (0, 1, 2, 3)
+
+
+def targets(source: int) -> list[int]:
+    """The stages a source stage's checkpoint resumes into: itself (ZeRO-3: test_zero3_resume_is_bit_identical...)
+    and the next one."""
+    return [t for t in (source, (source + 1) % 4) if (source, t) != (3, 3)]
 
 
 def ds(stage: int, precision: str = "fp32") -> str:
@@ -56,14 +62,11 @@ def matrix(tmp_path_factory):
                               checkpoint={"every_steps": 3}, activation_checkpointing=True)
     jobs.append({"recipe": str(recomputed), "ds_config": ds(3)})
     sources["ac"] = (recomputed, tmp / "src_ac")
-    (tmp / "sources.json").write_text(json.dumps(jobs))
-    launch(2, SCRIPTS / "run_many.py", str(tmp / "sources.json"))
+    run_jobs(2, jobs)
     resumed, jobs = {}, []
     for s in STAGES:
         recipe, out = sources[s]
-        for t in STAGES:
-            if (s, t) == (3, 3):  # to the end: all 6 steps bit-identical
-                continue
+        for t in targets(s):
             dest = tmp / f"res{s}to{t}"
             # two resumed steps: the loss of step 5 shows the restored Adam moments (step 4's only the weights)
             jobs.append({"recipe": str(recipe), "ds_config": ds(t), "resume": str(out / "checkpoints/step_00000003"),
@@ -104,8 +107,7 @@ def matrix(tmp_path_factory):
                            (f"from_legacy{suffix}", to_legacy(sharded_ckpt, tmp / f"legacy{suffix}"))):
             jobs.append({"recipe": str(sources[source][0]), "ds_config": ds(2), "resume": str(ckpt),
                          "overrides": [f"train.output_dir={tmp / name}", "train.exit_at_step=null"]})
-    (tmp / "resumes.json").write_text(json.dumps(jobs))
-    launch(2, SCRIPTS / "run_many.py", str(tmp / "resumes.json"))
+    run_jobs(2, jobs)
     return tmp, sources, resumed
 
 
@@ -168,7 +170,7 @@ def to_consolidated(ckpt: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("source", STAGES)
-def test_every_zero_stage_resumes_into_every_other(matrix, source):
+def test_every_zero_stage_resumes_into_itself_and_the_next(matrix, source):
     """Two resumed steps: step 4's loss depends on the restored weights only, step 5's also on the Adam moments and
     step count (each rank's whole copy of them under ZeRO-0, its partition otherwise). The ZeRO-1 source stopped at
     step 4: its step 5 is the uninterrupted ZeRO-2 run's of the same recipe."""
@@ -177,9 +179,7 @@ def test_every_zero_stage_resumes_into_every_other(matrix, source):
     borrowed = 5 not in reference
     if borrowed:
         reference[5] = losses(sources[2][1])[5]
-    for target in STAGES:
-        if (source, target) == (3, 3):
-            continue
+    for target in targets(source):
         got = losses(resumed[(source, target)])
         assert sorted(got) == [4, 5]
         for step in (4, 5):

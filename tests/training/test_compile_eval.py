@@ -1,16 +1,14 @@
 """train.compile with validation (issue: InductorError "Exponent must be non-negative" at the first evaluation of
 the quick-start recipe, in routed attention's SDPA path, and nothing saved because evaluation came before the
 step's checkpoint)."""
-import pathlib
-
 import pytest
 
 from moep_ds.checkpointing import layout
 
-from tiny import DS_CONFIGS, REPO, launch, metrics, write_recipe
+from tiny import DS_CONFIGS, REPO, metrics, run_pretrain, write_recipe
 
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
-QUICKSTART = ["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/quickstart.json"]
+QUICKSTART = ["--config", str(REPO / "configs" / "quickstart.yaml"), "--ds_config",
+              str(REPO / "ds_configs" / "quickstart.json")]
 
 
 @pytest.mark.slow
@@ -20,9 +18,9 @@ def test_quickstart_recipe_compiled_validates_and_saves_as_eager(tmp_path):
     runs = {}
     for compile in (False, True):
         out = tmp_path / f"compile_{compile}"
-        launch(1, REPO / "pretrain.py", *QUICKSTART, "--set", f"train.output_dir={out}", f"train.compile={compile}",
-               "model.layers[0].repeat=1", "train.max_steps=2", "train.eval_every=2", "train.eval_batches=1",
-               "train.checkpoint.every_steps=2", "train.log_every=1", timeout=900)
+        run_pretrain(1, *QUICKSTART, "--set", f"train.output_dir={out}", f"train.compile={compile}",
+                     "model.layers[0].repeat=1", "train.max_steps=2", "train.eval_every=2", "train.eval_batches=1",
+                     "train.checkpoint.every_steps=2", "train.log_every=1", timeout=900)
         assert [c.name for c in layout.complete_checkpoints(out)] == ["step_00000002"]
         runs[compile] = {(m["step"], key): m[key] for m in metrics(out) for key in ("loss", "val_loss") if key in m}
     assert sorted(runs[True]) == [(1, "loss"), (2, "loss"), (2, "val_loss")]
@@ -30,15 +28,13 @@ def test_quickstart_recipe_compiled_validates_and_saves_as_eager(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_evaluation_keeps_the_checkpoint_of_its_step(tmp_path, monkeypatch):
+def test_a_failing_evaluation_keeps_the_checkpoint_of_its_step(tmp_path):
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=4, eval_every=2,
                           checkpoint={"every_steps": 2})
-    monkeypatch.setenv("MOEP_TEST_FAULT", "eval")
-    monkeypatch.setenv("MOEP_TEST_FAULT_STEP", "0")
-    proc = launch(1, SCRIPTS / "pretrain_fault.py", "--config", str(recipe), "--ds_config",
-                  str(DS_CONFIGS / "zero2_fp32.json"), check=False)
-    assert proc.returncode != 0 and "simulated: the evaluation forward failed" in proc.stderr
+    [proc] = run_pretrain(1, "--config", str(recipe), "--ds_config", str(DS_CONFIGS / "zero2_fp32.json"),
+                          fault="eval", check=False)
+    assert proc.exitcode != 0 and "simulated: the evaluation forward failed" in proc.stderr
     assert [c.name for c in layout.complete_checkpoints(out)] == ["step_00000002"]
 
 

@@ -1,15 +1,11 @@
 """Expert parallelism shards every routed block: the shipped MSIT and MoEP-paths recipes (tiny shapes, built-in
 corpus) train on 2 processes under ZeRO-2 fp32 with expert_parallel_size 2 exactly like expert_parallel_size 1,
 and an expert-parallel checkpoint of their stacked experts resumes at expert_parallel_size 1."""
-import json
-import pathlib
-
 import pytest
 
-from tiny import DS_CONFIGS, REPO, launch, losses
+from tiny import DS_CONFIGS, REPO, losses, run_jobs
 
 pytestmark = pytest.mark.slow
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 COMMON = [  # tiny shapes on the built-in corpus, 5 logged steps, no checkpoints
     "data.source=builtin", "data.tokenizer.vocab_size=512", "model.vocab_size=512", "model.max_seq_len=32",
     "data.seq_len=32", "train.max_steps=5", "train.log_every=1", "train.micro_batch_size=4",
@@ -39,8 +35,7 @@ def runs(tmp_path_factory):
         jobs.append({"recipe": str(REPO / "configs" / f"{name}.yaml"), "overrides": sets,
                      "ds_config": str(DS_CONFIGS / "zero2_fp32.json"),
                      "resume": str(out[name, 2] / "checkpoints" / "step_00000003")})
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    launch(2, SCRIPTS / "run_many.py", str(tmp / "jobs.json"))
+    run_jobs(2, jobs)
     return out
 
 

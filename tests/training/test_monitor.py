@@ -6,9 +6,10 @@ import pathlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moep_ds.training.monitor import Monitor, drop_rows_after
+
+from ranks import run_ranks
 
 WORLD = 2
 
@@ -32,8 +33,9 @@ def rank_stats(rank: int) -> dict[str, torch.Tensor]:
             "layers.1.dropped_fraction": torch.tensor(0.25 * rank), "layers.1.router_entropy": torch.tensor(1.0 + rank)}
 
 
-def _worker(rank: int, init_file: str, run_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _worker(run_dir: str) -> None:
+    dist.init_process_group("gloo")  # a rank of tests/ranks.py: the launcher's environment
+    rank = dist.get_rank()
     recorder = Recorder()
     monitor = Monitor(pathlib.Path(run_dir), recorder, enabled=rank == 0)
     monitor.log_step(10, {"loss": 2.0}, rank_stats(rank))
@@ -42,14 +44,11 @@ def _worker(rank: int, init_file: str, run_dir: str) -> None:
     if rank == 0:
         with open(os.path.join(run_dir, "events.json"), "w") as f:
             json.dump(recorder.events, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
 
 
 @pytest.mark.slow
 def test_statistics_are_summed_over_ranks_and_shown_as_shares(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(WORLD, _worker, str(tmp_path))
     counts = [sum(rank_stats(r)["layers.1.tokens_per_expert"][e].item() for r in range(WORLD)) for e in range(4)]
     assert counts == [7.0, 2.0, 0.0, 4.0]
     events = {tag: (value, step) for tag, value, step in json.loads((tmp_path / "events.json").read_text())}

@@ -2,8 +2,8 @@
 choice, sequence and global balancing scopes, both drop policies, shared experts with each gate, in FFN-MoE, SSM-MoE
 with the lifecycle manager and MoEP-paths routers) trains at expert-parallel size 2 as at size 1, under ZeRO-3 with
 activation checkpointing as under ZeRO-2, and resumes exactly; the loss-free balancing bias of 2 processes equals
-that of 1 process over the same global batches. Two tiny recipes (tests/training/tiny.py: deepseek, qwen), one
-2-process launch and one 1-process launch; plus an in-process check that a recomputed forward counts nothing."""
+that of 1 process over the same global batches. Two tiny recipes (tests/training/tiny.py: deepseek, qwen) trained on
+2 ranks and on 1 (tests/ranks.py); plus an in-process check that a recomputed forward counts nothing."""
 from __future__ import annotations
 
 import json
@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from moep_ds.checkpointing import sharded
-from tiny import DS_CONFIGS, launch, losses, metrics, write_recipe
+from tiny import DS_CONFIGS, losses, metrics, run_jobs, write_recipe
 
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 ZERO2, ZERO3 = str(DS_CONFIGS / "zero2_fp32.json"), str(DS_CONFIGS / "zero3_fp32.json")
 STEPS = 5
 CHECKPOINTS = {"every_steps": 3, "at_end": True}
@@ -48,13 +47,11 @@ def runs(tmp_path_factory):
                               global_batch_size=8, checkpoint=CHECKPOINTS)
         jobs.append({"recipe": str(recipe), "ds_config": ZERO2,
                      "resume": str(out[layers, "ep1"] / "checkpoints" / "step_00000003")})
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    launch(2, SCRIPTS / "run_many.py", str(tmp / "jobs.json"), timeout=1800)
+    run_jobs(2, jobs, timeout=1800)
     out["deepseek", "1p"] = tmp / "deepseek_1p"
     recipe = write_recipe(tmp / "deepseek_1p.yaml", "deepseek", out["deepseek", "1p"], max_steps=STEPS,
                           global_batch_size=8, checkpoint=CHECKPOINTS)  # 1 process: 2 micro-batches per step
-    (tmp / "jobs_1p.json").write_text(json.dumps([{"recipe": str(recipe), "ds_config": ZERO2}]))
-    launch(1, SCRIPTS / "run_many.py", str(tmp / "jobs_1p.json"), timeout=900)
+    run_jobs(1, [{"recipe": str(recipe), "ds_config": ZERO2}], timeout=900)
     return out
 
 

@@ -1,13 +1,10 @@
 """The run directory contract (training/run_dir.py) and resumes that keep the checkpoint's global batch
-(training/resume_batch.py), in-process and end to end with real processes."""
+(training/resume_batch.py), in-process and end to end on ranks of the test (tests/ranks.py)."""
 import json
 import logging
 import pathlib
-import subprocess
-import sys
 
 import pytest
-import yaml
 
 from moep_ds.checkpointing import layout
 from moep_ds.errors import SharedUserError
@@ -16,7 +13,7 @@ from moep_ds.training.resume_batch import reconcile_resumed, resume_state, saved
 from moep_ds.training.resume_data import check_same_data, tokens_read
 from moep_ds.training.run_dir import claim_run_dir, decide
 
-from tiny import DS_CONFIGS, REPO, env, launch, losses, metrics, write_recipe
+from tiny import DS_CONFIGS, REPO, losses, metrics, run_pretrain, write_recipe
 
 
 def fake_run(run_dir: pathlib.Path, steps=(2,), state=None) -> None:
@@ -137,12 +134,13 @@ def test_tokens_are_counted_from_the_samples_read_not_the_current_global_batch()
     assert TrainerState.from_state_dict(resumed.state_dict()).tokens == 10_240
 
 
-QUICKSTART = ["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/quickstart.json"]
+QUICKSTART = ["--config", str(REPO / "configs" / "quickstart.yaml"), "--ds_config",
+              str(REPO / "ds_configs" / "quickstart.json")]
 
 
-def pretrain(*args, timeout=600):
-    return subprocess.run([sys.executable, "pretrain.py", *args], env=env(), cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+def pretrain(*args, nproc=1):
+    """pretrain.py on `nproc` ranks of this test: rank 0's exit status and output (the others are quiet)."""
+    return run_pretrain(nproc, *args, check=False)[0]
 
 
 @pytest.mark.slow
@@ -152,9 +150,9 @@ def test_second_run_into_the_quickstart_folder_is_refused_and_overwrite_replaces
     sets = ["--set", f"train.output_dir={out}", "model.layers[0].repeat=1", "train.eval_every=null",
             "train.log_every=1", "train.checkpoint.every_steps=2"]
     first = pretrain(*QUICKSTART, *sets, "train.max_steps=4")
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.exitcode == 0, first.stderr[-3000:]
     second = pretrain(*QUICKSTART, *sets, "train.max_steps=2")
-    assert second.returncode == 2
+    assert second.exitcode == 2
     errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
     assert "holds another run (checkpoints step_00000002..step_00000004, metrics.jsonl, expert_utilization.jsonl)" \
@@ -162,7 +160,7 @@ def test_second_run_into_the_quickstart_folder_is_refused_and_overwrite_replaces
     assert [c.name for c in layout.complete_checkpoints(out)] == ["step_00000002", "step_00000004"]
     assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3, 4]
     third = pretrain(*QUICKSTART, *sets, "train.max_steps=2", "--overwrite")
-    assert third.returncode == 0, third.stderr[-3000:]
+    assert third.exitcode == 0, third.stderr[-3000:]
     assert [c.name for c in layout.complete_checkpoints(out)] == ["step_00000002"]
     assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2]  # the new run's rows only
 
@@ -175,11 +173,11 @@ def test_two_process_checkpoint_resumed_on_one_keeps_global_batch_and_sample(tmp
     two = tmp_path / "two"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", two, max_steps=4, micro_batch_size=8,
                           checkpoint={"every_steps": 2, "keep_last": 2, "at_end": True})
-    launch(2, REPO / "pretrain.py", "--config", str(recipe), "--ds_config", str(DS_CONFIGS / "quickstart.json"))
+    run_pretrain(2, "--config", str(recipe), "--ds_config", str(DS_CONFIGS / "quickstart.json"))
     ckpt = two / "checkpoints" / "step_00000002"
     one = tmp_path / "one"
-    launch(1, REPO / "pretrain.py", "--config", str(recipe), "--ds_config", str(DS_CONFIGS / "quickstart.json"),
-           "--resume", str(ckpt), "--set", f"train.output_dir={one}")
+    run_pretrain(1, "--config", str(recipe), "--ds_config", str(DS_CONFIGS / "quickstart.json"),
+                 "--resume", str(ckpt), "--set", f"train.output_dir={one}")
     state = json.loads((one / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
     assert (state["global_batch_size"], state["global_samples"], state["world_size"]) == (16, 64, 1)
     assert state["data"] == {"epoch": 0, "global_batch": 4}
@@ -191,14 +189,14 @@ def test_two_process_checkpoint_resumed_on_one_keeps_global_batch_and_sample(tmp
     changed = tmp_path / "changed"
     args = ["--config", str(recipe), "--ds_config", str(fixed), "--resume", str(ckpt), "--set",
             f"train.output_dir={changed}"]
-    refused = launch(1, REPO / "pretrain.py", *args, check=False)
-    assert refused.returncode == 2
+    refused = pretrain(*args)
+    assert refused.exitcode == 2
     assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == [
         f"error: checkpoint {str(ckpt)!r} was trained with global batch 16, this run's train_micro_batch_size_per_gpu "
         "(8) x gradient_accumulation_steps (1) x 1 processes = 8: leave the global batch unset (ds_config "
         'gradient_accumulation_steps "auto", no train_batch_size) to keep 16, or pass --allow_batch_change to '
         "continue with 8 from the sample reached"]
-    launch(1, REPO / "pretrain.py", *args, "--allow_batch_change")
+    run_pretrain(1, *args, "--allow_batch_change")
     state = json.loads((changed / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
     # samples 0-31 in the 2 steps of 16, then 32-47 in the 2 steps of 8: nothing replayed, nothing skipped
     assert (state["global_batch_size"], state["global_samples"]) == (8, 48)

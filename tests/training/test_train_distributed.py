@@ -1,60 +1,86 @@
-"""End-to-end training on 2 CPU processes (gloo): ZeRO stages x precisions, expert parallelism, exact and
-cross-layout resume, crash safety of checkpoints, TensorBoard scalars, fp16 loss scaling."""
+"""End-to-end training on 2 CPU ranks (gloo, tests/ranks.py): every ZeRO stage once in fp32 and bf16 once, expert
+parallelism, exact and cross-layout resume, crash safety of checkpoints, TensorBoard scalars, fp16 loss scaling
+(every shipped stage x precision config on 1 rank)."""
 import json
 import pathlib
 
 import pytest
 
-from tiny import DS_CONFIGS, REPO, launch, losses, metrics, write_recipe
+from tiny import DS_CONFIGS, REPO, losses, metrics, run_jobs, run_pretrain, write_recipe
 
 pytestmark = pytest.mark.slow
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
-
-
-def jobs_file(tmp: pathlib.Path, jobs: list[dict]) -> str:
-    path = tmp / f"jobs_{len(list(tmp.glob('jobs_*')))}.json"
-    path.write_text(json.dumps(jobs))
-    return str(path)
+ZERO_RUNS = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16")]
+STEPS = 12
 
 
 @pytest.fixture(scope="module")
 def zero_matrix(tmp_path_factory):
+    """Every routed block type, 12 steps on 2 ranks: each ZeRO stage in fp32, bf16 at ZeRO-3 (its partitioned
+    build in bf16; every stage in bf16 on 1 rank: test_every_shipped_fp32_and_bf16_config_trains_as_zero2). ZeRO-2
+    checkpoints at step 6 and is resumed from there to the end ("resumed"); ZeRO-3 runs with activation
+    checkpointing too, stopped at step 3 ("recomputed")."""
     tmp = tmp_path_factory.mktemp("zero")
     jobs, runs = [], {}
-    for stage in range(4):
-        for precision in ("fp32", "bf16"):
-            out = tmp / f"zero{stage}_{precision}"
-            recipe = write_recipe(tmp / f"zero{stage}_{precision}.yaml", "mixed", out, max_steps=20)
-            jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_{precision}.json")})
-            runs[(stage, precision)] = out
-    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp, jobs))
+    for stage, precision in ZERO_RUNS:
+        out = tmp / f"zero{stage}_{precision}"
+        ckpt = {"every_steps": 6 if (stage, precision) == (2, "fp32") else None, "at_end": False}
+        recipe = write_recipe(tmp / f"zero{stage}_{precision}.yaml", "mixed", out, max_steps=STEPS, checkpoint=ckpt)
+        jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_{precision}.json")})
+        runs[(stage, precision)] = out
+    runs["resumed"] = tmp / "zero2_resumed"
+    jobs.append({**jobs[2], "resume": str(runs[2, "fp32"] / "checkpoints" / "step_00000006"),
+                 "overrides": [f"train.output_dir={runs['resumed']}"]})
+    runs["recomputed"] = tmp / "zero3_recomputed"
+    jobs.append({**jobs[3], "overrides": [f"train.output_dir={runs['recomputed']}", "train.exit_at_step=3",
+                                          "train.activation_checkpointing=true"]})
+    runs["ranks"] = run_jobs(2, jobs)
     return runs
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage, precision", ZERO_RUNS)
 def test_every_zero_stage_and_precision_trains_all_routed_blocks(zero_matrix, stage, precision):
     curve = losses(zero_matrix[(stage, precision)])
-    assert sorted(curve) == list(range(1, 21))
-    first, last = sum(curve[s] for s in range(1, 4)) / 3, sum(curve[s] for s in range(18, 21)) / 3
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in range(STEPS - 2, STEPS + 1)) / 3
     assert last < first - 0.3, curve
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_zero3_built_partitioned_trains_as_zero2(zero_matrix, precision):
+def test_zero3_built_partitioned_trains_as_zero2(zero_matrix):
     """ZeRO-3 builds and initialises the model partitioned (distributed/zero3.py), ZeRO-2 whole: the same initial
-    weights, so the same losses on every routed block type."""
-    zero3, zero2 = losses(zero_matrix[(3, precision)]), losses(zero_matrix[(2, precision)])
+    weights, so the same losses on every routed block type (in bf16: tests/distributed/test_zero3.py compares the
+    partitioned bf16 build's weights, and the shipped-config test below its losses with ZeRO-2's)."""
+    zero3, zero2 = losses(zero_matrix[(3, "fp32")]), losses(zero_matrix[(2, "fp32")])
     for step in range(1, 6):
         assert zero3[step] == pytest.approx(zero2[step], abs=1e-4), (step, zero3, zero2)
 
 
-def test_every_zero_stage_and_precision_logs_the_gradient_norm(zero_matrix):
+def test_every_zero_stage_logs_the_gradient_norm(zero_matrix):
     """ZeRO-0 fp32's norm is computed by distributed/grad_norm.py, the others by DeepSpeed: the same quantity."""
-    norms = {key: [m["grad_norm"] for m in metrics(run) if "loss" in m] for key, run in zero_matrix.items()}
-    assert all(len(n) == 20 for n in norms.values()), {key: len(n) for key, n in norms.items()}
+    norms = {key: [m["grad_norm"] for m in metrics(zero_matrix[key]) if "loss" in m] for key in ZERO_RUNS}
+    assert all(len(n) == STEPS for n in norms.values()), {key: len(n) for key, n in norms.items()}
     for stage in (0, 1, 3):
         assert norms[stage, "fp32"][:3] == pytest.approx(norms[2, "fp32"][:3], rel=1e-4), norms
+
+
+def test_activation_checkpointing_under_zero3_trains_as_without(zero_matrix):
+    """The recipe switch under ZeRO-3 (parameters fetched again for the recomputation): the same losses as without
+    it, every routed block type."""
+    plain, recomputed = losses(zero_matrix[(3, "fp32")]), losses(zero_matrix["recomputed"])
+    assert sorted(recomputed) == [1, 2, 3]
+    assert recomputed == {step: plain[step] for step in (1, 2, 3)}
+    # on CPU the checkpointed run also returns freed host buffers to the OS (training/host_memory.py), rank 0 says so
+    output = "".join(rank.stdout + rank.stderr for rank in zero_matrix["ranks"])
+    assert output.count("go back to the OS when freed") == 1
+
+
+def test_exact_resume_with_lifecycle(zero_matrix):
+    """ZeRO-2 resumed from step 6 trains steps 7-12 bit-identically, and the lifecycle manager makes the same
+    replacements as in the uninterrupted run."""
+    full, resumed = losses(zero_matrix[(2, "fp32")]), losses(zero_matrix["resumed"])
+    assert sorted(resumed) == list(range(7, STEPS + 1))
+    assert resumed == {step: full[step] for step in range(7, STEPS + 1)}
+    events = [e for e in lifecycle_events(zero_matrix[(2, "fp32")]) if e["step"] > 6]
+    assert events and lifecycle_events(zero_matrix["resumed"]) == events
 
 
 def test_tensorboard_events_hold_the_named_scalars(zero_matrix):
@@ -70,7 +96,7 @@ def test_tensorboard_events_hold_the_named_scalars(zero_matrix):
         assert tag in tags, sorted(tags)
     assert any(t.startswith("train/aux/layers.") and t.endswith("load_balancing_loss") for t in tags), sorted(tags)
     assert any(t.startswith("moe/layers.") and "/expert_" in t for t in tags), sorted(tags)
-    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 21))
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, STEPS + 1))
     utilization = [json.loads(l) for l in (run / "expert_utilization.jsonl").read_text().splitlines()]
     assert utilization and all("step" in u for u in utilization)
 
@@ -103,7 +129,7 @@ def expert_parallel_runs(tmp_path_factory):
                               expert_parallel_size=ep, grad_clip=0.05)
         jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero1_fp32.json")})
         runs["paths", ep] = (recipe, out)
-    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp, jobs))
+    run_jobs(2, jobs)
     return tmp, runs
 
 
@@ -134,9 +160,8 @@ def one_process_reference(expert_parallel_runs):
                           checkpoint={"every_steps": 5, "at_end": False}, eval_every=4)
     top2 = tmp / "top2_1p"
     top2_recipe = write_recipe(tmp / "top2_1p.yaml", "top2", top2, max_steps=4, global_batch_size=8, eval_every=3)
-    launch(1, SCRIPTS / "run_many.py", jobs_file(tmp, [
-        {"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
-        {"recipe": str(top2_recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")}]))
+    run_jobs(1, [{"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
+                 {"recipe": str(top2_recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")}])
     return {"msit": (recipe, out), "top2": (top2_recipe, top2)}
 
 
@@ -161,21 +186,6 @@ def test_moep_paths_expert_parallel_2_equals_1(expert_parallel_runs):
     assert ep2 == pytest.approx(ep1, abs=1e-5)
 
 
-def test_expert_parallel_2_and_4_equal_1_on_four_processes(tmp_path):
-    """4 processes (expert-data-parallel groups of 2 at expert parallel 2): ZeRO 0 and 1, clipping every step."""
-    jobs, runs = [], {}
-    for stage in (0, 1):
-        for ep in (1, 2, 4):
-            out = tmp_path / f"zero{stage}_ep{ep}"
-            recipe = write_recipe(tmp_path / f"zero{stage}_ep{ep}.yaml", EP_LAYERS, out, max_steps=4,
-                                  global_batch_size=16, expert_parallel_size=ep, grad_clip=0.05)
-            jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_fp32.json")})
-            runs[stage, ep] = out
-    launch(4, SCRIPTS / "run_many.py", jobs_file(tmp_path, jobs))
-    for (stage, ep), out in runs.items():
-        assert losses(out) == pytest.approx(losses(runs[0, 1]), abs=1e-5), (stage, ep)
-
-
 def resume_job(recipe, out, ckpt, stage=2, **overrides):
     sets = [f"train.output_dir={out}"] + [f"train.{k}={v}" for k, v in overrides.items()]
     return {"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"zero{stage}_fp32.json"), "resume": str(ckpt),
@@ -193,52 +203,30 @@ def test_checkpoints_move_between_expert_parallel_and_single_process(expert_para
     # expert-data-parallel group), two steps: the second shows the Adam moments
     zero0 = tmp / "zero0_ep2_on_1p"
     _, out_zero0 = runs[0, 2]
-    launch(1, SCRIPTS / "run_many.py", jobs_file(tmp, [
-        resume_job(recipe_1p, one, ckpt, exit_at_step=6, expert_parallel_size=1),
-        resume_job(recipe_1p, zero0, out_zero0 / "checkpoints" / "step_00000005", stage=0, exit_at_step=7,
-                   expert_parallel_size=1)]))
+    run_jobs(1, [resume_job(recipe_1p, one, ckpt, exit_at_step=6, expert_parallel_size=1),
+                 resume_job(recipe_1p, zero0, out_zero0 / "checkpoints" / "step_00000005", stage=0, exit_at_step=7,
+                            expert_parallel_size=1)])
     assert losses(one)[6] == pytest.approx(losses(out_ep2)[6], abs=1e-5)
     assert sorted(losses(zero0)) == [6, 7]
     for step in (6, 7):
         assert losses(zero0)[step] == pytest.approx(losses(out_zero0)[step], abs=1e-5), (step, losses(zero0))
     # and a 1-process checkpoint resumes on 2 processes at expert parallel 2
     two = tmp / "1p_on_ep2"
-    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp, [
-        resume_job(recipe_ep2, two, one_ref / "checkpoints" / "step_00000005", exit_at_step=6)]))
+    run_jobs(2, [resume_job(recipe_ep2, two, one_ref / "checkpoints" / "step_00000005", exit_at_step=6)])
     assert losses(two)[6] == pytest.approx(losses(one_ref)[6], abs=1e-5)
 
 
-def test_exact_resume_with_lifecycle(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    jobs = []
-    for out, extra in ((full, {}), (part, {"exit_at_step": 5})):
-        recipe = write_recipe(tmp_path / f"{out.name}.yaml", "mixed", out, max_steps=10, **extra)
-        jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")})
-    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp_path, jobs))
-    assert sorted(losses(part)) == [1, 2, 3, 4, 5]
-    resume = write_recipe(tmp_path / "resume.yaml", "mixed", part, max_steps=10)
-    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp_path, [
-        {"recipe": str(resume), "ds_config": str(DS_CONFIGS / "zero2_fp32.json"), "resume": "auto"}]))
-    assert losses(part) == losses(full)
-    events = [json.loads(l) for l in (full / "expert_utilization.jsonl").read_text().splitlines() if '"event"' in l]
-    resumed = [json.loads(l) for l in (part / "expert_utilization.jsonl").read_text().splitlines() if '"event"' in l]
-    assert events and resumed == events  # the lifecycle manager replaced experts, and made the same decisions
-
-
-def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, monkeypatch):
+def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path):
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=6, checkpoint={"every_steps": 2, "keep_last": 2})
     args = ["--config", str(recipe), "--ds_config", str(DS_CONFIGS / "zero2_fp32.json")]
-    with monkeypatch.context() as patch:
-        patch.setenv("MOEP_TEST_FAULT", "kill")
-        patch.setenv("MOEP_TEST_FAULT_STEP", "4")
-        crashed = launch(2, SCRIPTS / "pretrain_fault.py", *args, check=False)
-    assert crashed.returncode != 0
+    crashed = run_pretrain(2, *args, fault="kill", step=4, check=False)
+    assert crashed[0].exitcode == -9  # SIGKILL once its shard of step 4 was written
     root = out / "checkpoints"
     assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000002"]
     assert (root / ".tmp-step_00000004").is_dir()  # the half-written one is not a checkpoint
     (root / ".step_00000002.old-0123456789ab").mkdir()  # as a replacement killed before its delete leaves one
-    resumed = launch(2, REPO / "pretrain.py", *args, "--resume", "auto")
+    resumed = run_pretrain(2, *args, "--resume", "auto")[0]
     assert "resumed from" in resumed.stderr and "step_00000002" in resumed.stderr
     assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000004", "step_00000006"]
     assert not list(root.glob(".tmp-*")) and not list(root.glob(".step_*"))
@@ -246,17 +234,30 @@ def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, monkeypatc
     assert steps == [1, 2, 3, 4, 5, 6]  # rows 3-4 of the crashed run were dropped on resume from step 2
 
 
+@pytest.fixture(scope="module")
+def fp16_runs(tmp_path_factory):
+    """ZeRO-0 and ZeRO-2 fp16 on 1 rank: 16 steps from a loss scale of 2^24, and 4 steps as shipped (2^16, no
+    overflow: DeepSpeed's ZeRO-0 optimizer halves the scale at the first overflow, the ZeRO optimizers only at the
+    second, `hysteresis` 2)."""
+    tmp = tmp_path_factory.mktemp("fp16")
+    runs, jobs = {}, []
+    for stage in (0, 2):
+        for name, steps, scale_power in (("overflow", 16, 24), ("shipped", 4, None)):
+            runs[stage, name] = tmp / f"zero{stage}_{name}"
+            recipe = write_recipe(tmp / f"zero{stage}_{name}.yaml", "top2", runs[stage, name], max_steps=steps)
+            ds = json.loads((DS_CONFIGS / f"zero{stage}_fp16.json").read_text())
+            if scale_power:  # overflows at first: the scaler must skip steps and back off
+                ds["fp16"]["initial_scale_power"] = scale_power
+            (tmp / f"zero{stage}_{name}.json").write_text(json.dumps(ds))
+            jobs.append({"recipe": str(recipe), "ds_config": str(tmp / f"zero{stage}_{name}.json")})
+    run_jobs(1, jobs, fp16=True)
+    return runs
+
+
 @pytest.mark.parametrize("stage", [0, 2])
-def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path, stage):
+def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(fp16_runs, stage):
     """ZeRO-0 included: DeepSpeed 0.19 leaves its loss scaling to us there (distributed/optimizer_state.py loss_for_backward)."""
-    out = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=16)
-    ds = json.loads((DS_CONFIGS / f"zero{stage}_fp16.json").read_text())
-    ds["fp16"]["initial_scale_power"] = 24  # overflows at first: the scaler must skip steps and back off
-    ds_path = tmp_path / "fp16.json"
-    ds_path.write_text(json.dumps(ds))
-    launch(1, SCRIPTS / "fp16_on_cpu.py", "--config", str(recipe), "--ds_config", str(ds_path))
-    rows = metrics(out)
+    rows = metrics(fp16_runs[stage, "overflow"])
     scales = [r["loss_scale"] for r in rows]
     assert scales[0] <= 2.0**24 and scales[-1] < scales[0]
     assert 1 <= rows[-1]["skipped_steps"] <= len(rows) - 4  # it backed off, then trained
@@ -264,18 +265,12 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path, stage):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
 
 
-def test_fp16_zero0_trains_as_zero2(tmp_path):
+def test_fp16_zero0_trains_as_zero2(fp16_runs):
     """ZeRO-0 fp16 (DeepSpeed's FP16_UnfusedOptimizer: loss scaled by us, Adam's zero-gradient initialisation step
     undone) follows ZeRO-2 fp16 step for step."""
-    runs = {}
-    for stage in (0, 2):
-        out = tmp_path / f"z{stage}"
-        recipe = write_recipe(tmp_path / f"z{stage}.yaml", "top2", out, max_steps=4)
-        launch(1, SCRIPTS / "fp16_on_cpu.py", "--config", str(recipe), "--ds_config",
-               str(DS_CONFIGS / f"zero{stage}_fp16.json"))
-        runs[stage] = metrics(out)
-    assert [r["step"] for r in runs[0]] == [1, 2, 3, 4]
-    for z0, z2 in zip(runs[0], runs[2]):
+    zero0, zero2 = metrics(fp16_runs[0, "shipped"]), metrics(fp16_runs[2, "shipped"])
+    assert [r["step"] for r in zero0] == [1, 2, 3, 4]
+    for z0, z2 in zip(zero0, zero2):
         assert z0["loss"] == pytest.approx(z2["loss"], abs=1e-4), (z0, z2)
         assert z0["loss_scale"] == z2["loss_scale"]
 
@@ -285,8 +280,8 @@ def test_conflicting_settings_fail_before_training(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", "top2", out, grad_clip=0.5)
     ds_path = tmp_path / "ds.json"
     ds_path.write_text(json.dumps({"gradient_clipping": 1.0}))
-    proc = launch(1, REPO / "pretrain.py", "--config", str(recipe), "--ds_config", str(ds_path), check=False)
-    assert proc.returncode == 2
+    [proc] = run_pretrain(1, "--config", str(recipe), "--ds_config", str(ds_path), check=False)
+    assert proc.exitcode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: train.grad_clip (0.5) conflicts with ds_config gradient_clipping (1.0); set it in one place")
     assert "Traceback" not in proc.stderr
@@ -314,7 +309,7 @@ def test_moe_stream_lifecycle_expert_parallel_2_equals_1(tmp_path):
     jobs = [{"recipe": str(REPO / "configs" / "moe_stream.yaml"), "ds_config": str(DS_CONFIGS / "zero2_fp32.json"),
              "overrides": shapes + [f"train.output_dir={out}", f"train.expert_parallel_size={ep}"]}
             for ep, out in runs.items()]
-    launch(2, SCRIPTS / "run_many.py", jobs_file(tmp_path, jobs))
+    run_jobs(2, jobs)
     ep1, ep2 = losses(runs[1]), losses(runs[2])
     assert sorted(ep1) == sorted(ep2) == [1, 2, 3, 4, 5]
     for step in ep1:
@@ -338,8 +333,7 @@ def test_every_shipped_fp32_and_bf16_config_trains_as_zero2(tmp_path):
     for name in names:
         recipe = write_recipe(tmp_path / f"{name}.yaml", "top2", tmp_path / name, max_steps=3)
         jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / f"{name}.json")})
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    launch(1, SCRIPTS / "run_many.py", str(tmp_path / "jobs.json"))
+    run_jobs(1, jobs)
     for name in names:
         reference = losses(tmp_path / f"zero2_{name.split('_')[1]}")
         got = losses(tmp_path / name)

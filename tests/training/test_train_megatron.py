@@ -1,9 +1,8 @@
-"""End-to-end training from a Megatron-format dataset on 2 CPU processes: a uint16 (dtype code 8) .bin/.idx
+"""End-to-end training from a Megatron-format dataset on 2 CPU ranks (tests/ranks.py): a uint16 (dtype code 8) .bin/.idx
 written here, a local tokenizer.json reused as data.tokenizer.path with a larger model vocabulary, samples in
 file order (data.order: sequential); a perfectly predictable sequence is learnt and a resumed run continues
 the uninterrupted one exactly."""
 import json
-import pathlib
 
 import numpy as np
 import pytest
@@ -14,10 +13,9 @@ from moep_ds.data.config import TokenizerConfig
 from moep_ds.data.megatron import write_indexed
 from moep_ds.data.tokenizer import train_tokenizer
 
-from tiny import DS_CONFIGS, launch, losses, recipe
+from tiny import DS_CONFIGS, losses, recipe, run_jobs
 
 pytestmark = pytest.mark.slow
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 SEQ_LEN, CYCLE, FIRST_ID = 16, 20, 10
 
 
@@ -46,8 +44,7 @@ def runs(tmp_path_factory):
         (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
         jobs.append({"recipe": str(tmp / f"{name}.yaml"), "ds_config": str(DS_CONFIGS / "zero1_fp32.json")})
     jobs.append({**jobs[1], "resume": "auto"})
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    launch(2, SCRIPTS / "run_many.py", str(tmp / "jobs.json"))
+    run_jobs(2, jobs)
     return tmp, out
 
 

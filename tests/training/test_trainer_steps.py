@@ -69,7 +69,6 @@ def test_validation_loss_is_the_mean_token_loss_over_the_same_windows_at_any_ran
     import torch
     import torch.nn.functional as F
 
-    from moep_ds.data.dataset import open_split
     from moep_ds.models.causal_lm import build_model
     from moep_ds.training import train_module as train_module_mod
     from moep_ds.training.train_module import TrainModule

@@ -1,4 +1,5 @@
-"""Tiny recipes for multi-process training tests, and launch helpers (every launch writes its results to files)."""
+"""Tiny recipes for multi-process training tests, and helpers that train them on the ranks of one test
+(tests/ranks.py; every run writes its results to files) or launch them (torchrun) where the launcher matters."""
 from __future__ import annotations
 
 import copy
@@ -105,3 +106,83 @@ def metrics(run_dir: pathlib.Path) -> list[dict]:
 
 def losses(run_dir: pathlib.Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in metrics(run_dir) if "loss" in m}
+
+
+def train(jobs: list[dict], fp16: bool = False) -> None:
+    """On one rank: train the jobs ({"recipe": path, "ds_config": path, "resume": None | "auto" | path,
+    "overrides": [...]}) one after another in one process group (DeepSpeed keeps its groups for the process); fp16:
+    with DeepSpeed's CPU accelerator allowing fp16 (faults.py)."""
+    from moep_ds.config import load_config
+    from moep_ds.training.trainer import build_trainer
+
+    if fp16:
+        import faults
+
+        faults.allow_fp16_on_cpu()
+    for job in jobs:
+        build_trainer(load_config(job["recipe"], job.get("overrides", [])), job.get("ds_config"),
+                      job.get("resume")).fit()
+
+
+def probe(jobs: list[dict]) -> None:
+    """On each rank: train the jobs (as `train`), recording for each what the trainer actually did: the window
+    indices, input ids and whole windows (inputs and the last label) of every micro-batch it read, and the lr of
+    every group at each optimizer step as the torch optimizer applied it (a step pre-hook). Writes job["probe"]
+    (JSON; on several ranks each its own, job["probe"] + ".rank<N>")."""
+    import torch.distributed as dist
+
+    from moep_ds.config import load_config
+    from moep_ds.distributed.optimizer_state import inner_optimizer
+    from moep_ds.training.trainer import build_trainer
+
+    for job in jobs:
+        trainer = build_trainer(load_config(job["recipe"], job.get("overrides", [])), job.get("ds_config"),
+                                job.get("resume"))
+        record = {"start": trainer.step, "indices": [], "input_ids": [], "windows": [], "lrs": []}
+        loader = trainer.module.loader
+        read = loader.next_indices
+
+        def next_indices():
+            idx = read()
+            windows = loader.dataset.get_batch(idx)
+            record["indices"].append(idx.tolist())
+            record["input_ids"].append(windows[:, :-1].tolist())
+            record["windows"].append(windows.tolist())
+            return idx
+
+        loader.next_indices = next_indices
+        inner_optimizer(trainer.module.engine.optimizer).register_step_pre_hook(
+            lambda opt, args, kwargs: record["lrs"].append([g["lr"] for g in opt.param_groups]))
+        trainer.fit()
+        record["end"] = trainer.step
+        rank = "" if dist.get_world_size() == 1 else f".rank{dist.get_rank()}"
+        pathlib.Path(job["probe"] + rank).write_text(json.dumps(record))
+
+
+def run_jobs(nproc: int, jobs: list[dict], **options):
+    """`train(jobs)` on `nproc` ranks in this test (tests/ranks.py): one process per rank for all the jobs."""
+    from ranks import run_ranks
+
+    return run_ranks(nproc, train, jobs, **options)
+
+
+def pretrain(argv: list[str], fault: str | None = None, step: int = 0, rank: int = 0, fp16: bool = False):
+    """On one rank: `pretrain.py ARGV` (cli/pretrain.py main), its status as the rank's exit status; with a fault
+    injected (faults.py) and DeepSpeed's CPU accelerator allowing fp16 where asked."""
+    import faults
+    from moep_ds.cli.pretrain import main
+
+    if fp16:
+        faults.allow_fp16_on_cpu()
+    if fault is not None:
+        faults.inject(fault, step, rank)
+    raise SystemExit(main(argv))
+
+
+def run_pretrain(nproc: int, *argv: str, check: bool = True, **options):
+    """`pretrain.py ARGV` on `nproc` ranks in this test; options: fault, step, rank, fp16 (pretrain), env, timeout,
+    grace (tests/ranks.py run_ranks)."""
+    from ranks import run_ranks
+
+    injected = {k: options.pop(k) for k in ("fault", "step", "rank", "fp16") if k in options}
+    return run_ranks(nproc, pretrain, list(argv), check=check, **injected, **options)

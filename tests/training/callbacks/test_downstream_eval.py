@@ -3,31 +3,30 @@ the steps asked, equal to moep-eval's on the checkpoint of the same step; on 2 p
 gives moep-eval's number too."""
 import json
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/training: tiny.py
 
-from tiny import REPO, env, launch, metrics  # noqa: E402
+from tiny import REPO, metrics, run_pretrain  # noqa: E402
 
 LIMIT = 6  # examples per grammar_pairs phenomenon
 
 
 def quickstart(nproc: int, out: pathlib.Path) -> None:
     callbacks = f"train.callbacks=[{{type: downstream_eval, tasks: [grammar_pairs], every: 10, limit: {LIMIT}}}]"
-    launch(nproc, REPO / "pretrain.py", "--config", "configs/quickstart.yaml", "--ds_config",
-           "ds_configs/quickstart.json", "--set", f"train.output_dir={out}", "model.layers[0].repeat=1",
-           "train.max_steps=20", "train.eval_every=null", "train.checkpoint.every_steps=10",
-           "train.checkpoint.keep_last=2", callbacks, timeout=900)
+    run_pretrain(nproc, "--config", str(REPO / "configs" / "quickstart.yaml"), "--ds_config",
+                 str(REPO / "ds_configs" / "quickstart.json"), "--set", f"train.output_dir={out}",
+                 "model.layers[0].repeat=1", "train.max_steps=20", "train.eval_every=null",
+                 "train.checkpoint.every_steps=10", "train.checkpoint.keep_last=2", callbacks, timeout=900)
 
 
 def moep_eval(ckpt: pathlib.Path, out: pathlib.Path) -> float:
-    proc = subprocess.run([sys.executable, "-m", "moep_ds.cli.eval", str(ckpt), "--tasks", "grammar_pairs",
-                           "--limit", str(LIMIT), "--bootstrap_iters", "0", "--data_dir", str(out / "nowhere"),
-                           "--output", str(out)], env=env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    from moep_ds.cli.eval import main
+
+    assert main([str(ckpt), "--tasks", "grammar_pairs", "--limit", str(LIMIT), "--bootstrap_iters", "0",
+                 "--data_dir", str(out / "nowhere"), "--output", str(out)]) == 0
     return json.loads((out / "results.json").read_text())["scores"]["grammar_pairs"]["acc"]
 
 
