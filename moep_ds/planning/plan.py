@@ -127,7 +127,7 @@ def search(cfg, ds: dict[str, Any], cluster: Cluster, gpu: Accelerator, assumed:
            global_batch: int) -> list[RunPlan]:
     """Every candidate layout planned, fastest first (those that fit and those that do not)."""
     plans = [plan_layout(cfg, layout, gpu, assumed) for layout in candidate_layouts(cfg, ds, cluster, global_batch)]
-    return sorted(plans, key=lambda p: (round(p.time.step_s, 6), p.memory.peak))  # ties: the more headroom first
+    return sorted(plans, key=lambda p: (p.time.step_s, p.memory.peak))  # ties: the more headroom first
 
 
 __all__ = ["RunPlan", "candidate_layouts", "plan_layout", "plan_run", "recipe_global_batch", "run_steps", "search"]
