@@ -37,7 +37,7 @@ def plan_parser() -> Parser:
                         "inter_node_gbps")
     p.add_argument("--assume", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="override the assumptions: compute_efficiency (0.45), comm_efficiency (0.7), hbm_efficiency "
-                        "(0.8), overlap (0.5), reserve_gib (2)")
+                        "(0.8), overlap (0.5), reserve_gib (2), micro_step_ms (3)")
     p.add_argument("--search", action="store_true",
                    help="every layout (expert parallel x ZeRO stage x micro-batch x activation checkpointing) that "
                         "fits, ordered by predicted step time")

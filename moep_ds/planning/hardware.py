@@ -50,6 +50,8 @@ class Assumptions:
     overlap: float = 0.5  # share of the overlappable communication hidden behind compute (ZeRO-3 prefetch, and
     #                       ZeRO-1/2 gradient reduction under overlap_comm); the all-to-all is never hidden
     reserve_gib: float = 2.0  # per GPU, beyond what the plan counts: CUDA context, NCCL buffers, fragmentation
+    micro_step_ms: float = 3.0  # fixed cost of each micro-batch (kernel launches, hooks, Python): small micro-batches
+    #                             do not run at the efficiency of large ones
 
 
 def key_values(items: list[str], flag: str, known: dict[str, Any], zero_ok: tuple[str, ...] = ()) -> dict[str, float]:
@@ -79,7 +81,7 @@ def hardware(name: str, overrides: list[str] = ()) -> Accelerator:
 
 def assumptions(overrides: list[str] = ()) -> Assumptions:
     base = Assumptions()
-    values = key_values(list(overrides), "--assume", dataclasses.asdict(base), zero_ok=("overlap", "reserve_gib"))
+    values = key_values(list(overrides), "--assume", dataclasses.asdict(base), zero_ok=("overlap", "reserve_gib", "micro_step_ms"))
     for key in ("compute_efficiency", "comm_efficiency", "hbm_efficiency", "overlap"):
         if values.get(key, 0) > 1:
             raise UserError(f"--assume {key} ({values[key]:g}) must be <= 1")

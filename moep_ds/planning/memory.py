@@ -10,7 +10,8 @@ model states:
   ZeRO-1/2 parameters in one flat buffer per optimizer group, padded to a multiple of 2g (p N); fp32 masters and
            Adam moments of this rank's partition (12 N/g, also in fp32: DeepSpeed copies the partition)
            ZeRO-1 keeps every gradient (p N) until the step; ZeRO-2 keeps its partition's (p N/g) and, with
-           contiguous_gradients, one reduce bucket (reduce_bucket_size elements)
+           contiguous_gradients, one reduce bucket (reduce_bucket_size elements); without it the all-reduce runs on
+           a flat copy of up to reduce_bucket_size gradients
   ZeRO-3   partitions (p N/g, each parameter padded to a multiple of g), masters and moments 12 N/g, gradient
            partitions p N/g, the reduce bucket, parameters smaller than stage3_param_persistence_threshold whole,
            and the gathered parameters: a module's parameters stay gathered after its forward when their next use
@@ -18,8 +19,10 @@ model states:
 activations: the traced peak of one micro-batch (forward and backward), with the gradients the stage keeps at each
   moment of backward; under expert parallelism the all-to-all receive buffers beside it (the trace runs every
   expert locally: the expert-side activations are the same at balanced loads)
-the step: after backward the optimizer step adds fp32 gradients of the partition (4 N/g; ZeRO-0 with 16-bit
-  weights 4N for the masters), while the gradients kept so far are alive; the peak is the larger of the two phases
+the reduction: the all-reduce (ZeRO-0, and ZeRO-1/2 without contiguous gradients) or reduce-scatter (ZeRO-3) runs
+  on a flat copy of up to reduce_bucket_size gradients, beside the gradients kept (and ZeRO-3's gathered parameters)
+the step: the optimizer step adds fp32 gradients of the partition (4 N/g; ZeRO-0 with 16-bit weights 4N for the
+  masters), while the gradients kept so far are alive; the peak is the largest of the three phases
 checkpoint save: DCP writes each rank's fp32 masters and moments from the device (views, no device copy); with
   train.checkpoint.async_save they are first copied to host memory: that host transient is reported, not added
 """
@@ -37,12 +40,22 @@ from moep_ds.planning.trace import GradPolicy, StepTrace
 ALIGN = 2  # DeepSpeed's nccl_start_alignment_factor: flat groups padded to a multiple of 2 x group size
 
 
+# the moments of a step whose memory is summed: the activation peak of a micro-batch's backward, the gradient
+# reduction after it (ZeRO-0/1 at the step, ZeRO-2/3 when a bucket is full: at the end of backward for models
+# smaller than reduce_bucket_size), the optimizer step
+PHASES = ("backward", "reduce", "step")
+
+
 @dataclasses.dataclass(frozen=True)
 class Item:
     name: str
     bytes: int
-    phase: str  # "static" (held throughout), "backward" (at the activation peak), "step" (optimizer step), "host"
+    phase: str  # "static" (held throughout), one of PHASES, "kept" (reduce and step), or "host" (not device memory)
     note: str = ""
+
+    def counts_in(self, phase: str) -> bool:
+        return self.phase in ("static", phase) or (self.phase == "kept" and phase in ("reduce", "step")) or (
+            self.phase == "gathered" and phase in ("backward", "reduce"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +174,7 @@ def model_state_items(inv: Inventory, layout: Layout) -> list[Item]:
         if layout.precision != "fp32":
             items.append(Item("fp32 master weights", 4 * N, "static", "DeepSpeed's unfused optimizer, one per parameter"))
         items += [Item("Adam moments (fp32)", 8 * N, "static"),
-                  Item("gradient all-reduce bucket", min(N, bucket) * p, "step",
+                  Item("gradient all-reduce bucket", min(N, bucket) * p, "reduce",
                        "flat copy of up to reduce_bucket_size gradients")]
         if layout.precision != "fp32":
             items.append(Item("fp32 gradients of the masters", 4 * N, "step"))
@@ -181,6 +194,9 @@ def model_state_items(inv: Inventory, layout: Layout) -> list[Item]:
             items.append(Item("reduce bucket (contiguous gradients)", p * bucket, "static",
                               f"reduce_bucket_size {bucket:,} elements"))
         items.append(Item("fp32 gradients of the partition", 4 * part, "step"))
+        if not contiguous and layout.gpus > 1:  # ZeRO-1 reduces at the step; ZeRO-2 when a bucket is full
+            items.append(Item("gradient all-reduce bucket", min(N, bucket) * p, "reduce",
+                              "flat copy of up to reduce_bucket_size gradients (contiguous_gradients false)"))
         items.append(Item("all-gather bucket", 0, "step",
                           f"allgather_bucket_size {layout.zero_setting('allgather_bucket_size'):,}: gathered in place "
                           "into the flat groups"))
@@ -196,9 +212,11 @@ def model_state_items(inv: Inventory, layout: Layout) -> list[Item]:
         Item("Adam moments (fp32, partition)", 8 * part, "static"),
         Item(f"gradient partition ({layout.precision})", p * part, "static"),
         Item("reduce bucket", p * bucket, "static", f"reduce_bucket_size {bucket:,} elements"),
-        Item("gathered parameters (ZeRO-3)", p * max(kept - persistent, 0), "backward",
+        Item("gathered parameters (ZeRO-3)", p * max(kept - persistent, 0), "gathered",
              f"{kept:,} elements live at once under stage3_max_reuse_distance, {regathered:,} gathered again"),
         Item("ZeRO-3 prefetch", p * prefetch, "backward", "stage3_prefetch_bucket_size ahead of use"),
+        Item("reduce-scatter input", p * min(inv.local_params, bucket), "reduce",
+             "flat copy of the reduce bucket's gradients"),
         Item("fp32 gradients of the partition", 4 * part, "step"),
     ]
 
@@ -229,10 +247,9 @@ def memory_plan(inv: Inventory, layout: Layout, trace: StepTrace, *, async_save:
                       f"{kept.get(layout.zero_stage, 'none')}"))
     if layout.expert_parallel > 1:
         items.append(Item("all-to-all receive buffers", all_to_all_buffers(trace, layout), "backward"))
-    items.append(Item("gradients kept at the step", kept_at_end, "step"))
+    items.append(Item("gradients kept after backward", kept_at_end, "kept"))
     items.append(checkpoint_transient(inv, layout, async_save))
-    static = sum(i.bytes for i in items if i.phase == "static")
-    phases = {phase: static + sum(i.bytes for i in items if i.phase == phase) for phase in ("backward", "step")}
+    phases = {phase: sum(i.bytes for i in items if i.counts_in(phase)) for phase in PHASES}
     peak_phase = max(phases, key=phases.get)
     return MemoryPlan(tuple(items), phases[peak_phase], peak_phase)
 
@@ -241,5 +258,5 @@ def trace_dtype(layout: Layout) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[layout.precision]
 
 
-__all__ = ["Item", "MemoryPlan", "grad_policy", "memory_plan", "model_state_items", "trace_dtype", "zero3_gathered",
+__all__ = ["PHASES", "Item", "MemoryPlan", "grad_policy", "memory_plan", "model_state_items", "trace_dtype", "zero3_gathered",
            "zero3_partitions", "flat_partitions"]

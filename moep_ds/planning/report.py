@@ -35,7 +35,8 @@ def header(run: RunPlan, recipe: str) -> list[str]:
 
 def memory_lines(run: RunPlan) -> list[str]:
     lines = ["", "## memory per rank", "| item | GiB | when | note |", "|---|---:|---|---|"]
-    when = {"static": "held", "backward": "backward peak", "step": "optimizer step", "host": "host, at a save"}
+    when = {"static": "held", "backward": "backward peak", "reduce": "gradient reduction", "step": "optimizer step",
+            "kept": "reduction and step", "gathered": "backward and reduction", "host": "host, at a save"}
     for item in run.memory.items:
         lines.append(f"| {item.name} | {gib(item.bytes)} | {when[item.phase]} | {item.note} |")
     verdict = (f"fits the {run.capacity / GIB:.0f} GiB usable of {run.gpu.name}" if run.fits else run.shortfall())
@@ -69,7 +70,7 @@ def time_lines(run: RunPlan) -> list[str]:
         "direction)",
         f"assumed: compute efficiency {a.compute_efficiency:.2f}, communication efficiency {a.comm_efficiency:.2f}, "
         f"HBM efficiency {a.hbm_efficiency:.2f}, overlap {a.overlap:.2f} of the overlappable communication "
-        "(all-to-all never overlapped)",
+        f"(all-to-all never overlapped), {a.micro_step_ms:g} ms per micro-batch, {a.reserve_gib:g} GiB reserved",
         f"compute {t.compute_s:.3f} s + optimizer {t.optimizer_s:.3f} s + exposed communication "
         f"{t.exposed_comm_s:.3f} s (of {t.comm_s:.3f} s) = step {t.step_s:.3f} s",
         f"{t.tokens_per_s:,.0f} tokens/s, MFU {100 * t.mfu:.1f}%",
@@ -136,13 +137,13 @@ def memory_png(runs: list[RunPlan], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(i.name for r in runs for i in r.memory.items
-                               if i.phase in ("static", r.memory.peak_phase) and i.bytes))
+                               if i.counts_in(r.memory.peak_phase) and i.bytes))
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(runs)))
     colours = plt.get_cmap("tab20").colors
     for row, run in enumerate(runs):
         left = 0.0
         for i in run.memory.items:
-            if i.phase in ("static", run.memory.peak_phase) and i.bytes:
+            if i.counts_in(run.memory.peak_phase) and i.bytes:
                 colour = colours[names.index(i.name) % len(colours)]
                 ax.barh(row, i.bytes / GIB, left=left, color=colour, label=i.name if row == 0 or
                         i.name not in {j.name for r in runs[:row] for j in r.memory.items} else None)

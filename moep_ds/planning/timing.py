@@ -2,7 +2,7 @@
 
     compute    tokens per rank per step x training FLOPs per token (pretrain.py --dry_run's: 6 x active matmul
                parameters + attention), plus one more forward (a third of it) under activation checkpointing,
-               at compute_efficiency x peak
+               at compute_efficiency x peak, plus micro_step_ms per micro-batch
     optimizer  the Adam step reads and writes about 32 bytes per parameter of the rank's share (fp32 master, two
                moments, gradient, the new 16-bit weight), at hbm_efficiency x HBM bandwidth
     comm       each collective's bytes on the slower of its links (planning/comm.py), at comm_efficiency x
@@ -64,6 +64,7 @@ def step_time(inv: Inventory, layout: Layout, comm: CommPlan, gpu: Accelerator, 
     flops = inv.report.flops_per_token
     recompute = 4 / 3 if layout.activation_checkpointing else 1.0
     compute = tokens_per_rank * flops * recompute / (peak * assumed.compute_efficiency)
+    compute += layout.grad_accum * assumed.micro_step_ms / 1e3
     optimizer = optimizer_share(inv, layout) * ADAM_BYTES_PER_PARAM / (gpu.hbm_gbps * GB * assumed.hbm_efficiency)
     comm_total, exposed = comm_seconds(comm, layout, gpu, assumed)
     step = compute + optimizer + exposed

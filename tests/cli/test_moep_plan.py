@@ -42,6 +42,7 @@ def test_json_holds_the_same_plan(recipe, capsys):
     assert run["gpu"]["name"] == "a100" and run["gpu"]["hbm_gbps"] == 1000 and run["assumptions"]["overlap"] == 0
     assert run["memory"]["fits"] and run["memory"]["peak_bytes"] >= sum(
         i["bytes"] for i in run["memory"]["items"] if i["phase"] == "static")
+    assert run["memory"]["peak_phase"] in ("backward", "reduce", "step")
     assert set(run["communication"]["bytes_by_kind"]) == {"all_reduce", "all_gather"}
     assert run["time"]["steps"] == 1000 and run["time"]["gpu_hours"] > 0
 

@@ -98,9 +98,11 @@ def test_memory_by_hand_zero0_bf16():
     got = items(run)
     assert got["parameters (bf16)"] == 2 * N and got["fp32 master weights"] == 4 * N
     assert got["Adam moments (fp32)"] == 8 * N and got["fp32 gradients of the masters"] == 4 * N
-    assert got["gradients kept at the step"] == 2 * N and got["gradient all-reduce bucket"] == 2 * N
+    assert got["gradients kept after backward"] == 2 * N and got["gradient all-reduce bucket"] == 2 * N
     static = 2 * N + 4 * N + 8 * N
-    assert run.memory.peak == static + max(got["activations and gradients kept in backward"], 2 * N + 2 * N + 4 * N)
+    # backward; the reduction: kept gradients and their flat copy; the step: kept gradients and fp32 master gradients
+    assert run.memory.peak == static + max(got["activations and gradients kept in backward"], 2 * N + 2 * N,
+                                           2 * N + 4 * N)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -113,10 +115,12 @@ def test_memory_by_hand_zero1_and_zero2_bf16(stage):
     assert got["parameters (bf16, flat groups)"] == 2 * flat
     assert got["fp32 master partition"] == 4 * part and got["Adam moments (fp32, partition)"] == 8 * part
     assert got["fp32 gradients of the partition"] == 4 * part
-    # ZeRO-1 keeps every gradient; ZeRO-2 without contiguous gradients keeps them until 5e8 are pending
-    assert got["gradients kept at the step"] == 2 * N
+    # ZeRO-1 keeps every gradient; ZeRO-2 without contiguous gradients keeps them until 5e8 are pending, then
+    # all-reduces a flat copy of them
+    assert got["gradients kept after backward"] == 2 * N and got["gradient all-reduce bucket"] == 2 * N
     static = 2 * flat + 12 * part
-    assert run.memory.peak == static + max(got["activations and gradients kept in backward"], 4 * part + 2 * N)
+    assert run.memory.peak == static + max(got["activations and gradients kept in backward"], 2 * N + 2 * N,
+                                           2 * N + 4 * part)
 
 
 def test_memory_by_hand_zero2_contiguous_gradients():
@@ -125,7 +129,7 @@ def test_memory_by_hand_zero2_contiguous_gradients():
     part = (pad(decay, 8) + pad(keep, 8)) // 4
     got = items(run)
     assert got["gradient partition (bf16)"] == 2 * part and got["reduce bucket (contiguous gradients)"] == 2 * 1000
-    assert got["gradients kept at the step"] == 0
+    assert got["gradients kept after backward"] == 0
 
 
 def test_memory_by_hand_zero3_fp32():
@@ -140,7 +144,11 @@ def test_memory_by_hand_zero3_fp32():
     assert got["gradient partition (fp32)"] == 4 * part
     # 2 x (parameters after any module) is far below stage3_max_reuse_distance: all stay gathered until backward
     assert got["gathered parameters (ZeRO-3)"] == 4 * (sum(numels) - persistent)
-    assert got["reduce bucket"] == 4 * 500_000_000
+    assert got["reduce bucket"] == 4 * 500_000_000 and got["reduce-scatter input"] == 4 * sum(numels)
+    static = 4 * (part + persistent + part + 2 * part + part + 500_000_000)
+    gathered = got["gathered parameters (ZeRO-3)"]
+    assert run.memory.peak == static + max(got["activations and gradients kept in backward"] + gathered,
+                                           gathered + 4 * sum(numels), 4 * part)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
