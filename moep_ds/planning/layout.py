@@ -106,18 +106,11 @@ class Layout:
                 f"checkpointing {'on' if self.activation_checkpointing else 'off'}")
 
 
-def with_settings(cfg, *, expert_parallel: int | None = None, micro_batch: int | None = None,
-                  activation_checkpointing: bool | None = None):
-    """A copy of the recipe with the layout's own fields replaced (the recipe is never modified)."""
-    train = cfg.train
-    changes: dict[str, Any] = {}
-    if expert_parallel is not None:
-        changes["expert_parallel_size"] = expert_parallel
-    if micro_batch is not None:
-        changes["micro_batch_size"] = micro_batch
-    if activation_checkpointing is not None:
-        changes["activation_checkpointing"] = activation_checkpointing
-    return dataclasses.replace(cfg, train=dataclasses.replace(train, **changes))
+def with_settings(cfg, *, expert_parallel: int, micro_batch: int, activation_checkpointing: bool, global_batch: int):
+    """A copy of the recipe with the layout's own train fields replaced (the recipe is never modified)."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, expert_parallel_size=expert_parallel, micro_batch_size=micro_batch,
+        activation_checkpointing=activation_checkpointing, global_batch_size=global_batch))
 
 
 def make_layout(cfg, ds: dict[str, Any], cluster: Cluster) -> Layout:

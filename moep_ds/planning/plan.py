@@ -8,7 +8,6 @@ over layouts.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 from moep_ds.errors import UserError
@@ -21,7 +20,6 @@ from moep_ds.planning.timing import StepTime, step_time
 from moep_ds.planning.trace import StepTrace, trace_step
 from moep_ds.training.branch import start_step
 
-log = logging.getLogger(__name__)
 
 TRACES: dict[tuple, StepTrace] = {}  # one traced micro-batch per (model, shape, dtype, checkpointing)
 
@@ -113,9 +111,7 @@ def candidate_layouts(cfg, ds: dict[str, Any], cluster: Cluster, global_batch: i
             for micro in divisors(per_rank) if per_rank else []:
                 for checkpointing in (False, True):
                     recipe = with_settings(cfg, expert_parallel=ep, micro_batch=micro,
-                                           activation_checkpointing=checkpointing)
-                    recipe = dataclasses.replace(recipe, train=dataclasses.replace(
-                        recipe.train, global_batch_size=global_batch))
+                                           activation_checkpointing=checkpointing, global_batch=global_batch)
                     try:
                         layouts.append(make_layout(recipe, with_zero_stage(ds, stage), cluster))
                     except UserError:
