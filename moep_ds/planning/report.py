@@ -138,7 +138,7 @@ def memory_png(runs: list[RunPlan], path: pathlib.Path) -> None:
 
     names = list(dict.fromkeys(i.name for r in runs for i in r.memory.items
                                if i.counts_in(r.memory.peak_phase) and i.bytes))
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(runs)))
+    fig, ax = plt.subplots(figsize=(10, max(2.8, 1.2 + 0.5 * len(runs))))
     colours = plt.get_cmap("tab20").colors
     for row, run in enumerate(runs):
         left = 0.0
