@@ -44,6 +44,7 @@ setup(
             "moep-analyze = moep_ds.cli.analyze:main",
             "moep-import = moep_ds.cli.import_model:main",
             "moep-convert = moep_ds.cli.convert:main",
+            "moep-plan = moep_ds.cli.plan:main",
         ]
     },
     package_data={"moep_ds.evaluation": ["hf_template/*.py"]},

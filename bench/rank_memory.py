@@ -28,6 +28,17 @@ measure two ways), as the peak resident memory a step adds to a rank over its le
                              once imported, and its peak over them
 
 Prints one markdown table with the model's fp32 size for scale; `--json` writes the rows.
+
+    python bench/rank_memory.py --train [--ranks 1 2] [--config configs/msit_babylm.yaml] [--set ...]
+
+`--train` measures training instead, against moep-plan's prediction (moep_ds/planning/): for each number of ranks,
+ZeRO stage 0-3 (fp32 on CPU), expert parallel 1 and the number of ranks (where DeepSpeed accepts it), activation
+checkpointing off and on, the peak resident memory that building the trainer (engine, optimizer) and two steps add to
+a rank (the largest over ranks; imports and the prepared corpus excluded), with seq_len 64 and micro-batch 2. The
+prediction is the plan's peak per rank on the host's terms: a DeepSpeed bucket allocated whole counts only for the
+elements written to it (untouched pages are not resident; the last column). Each row gives measured - predicted:
+what the plan leaves out (bench/RESULTS.md says what it is), and how much of it one micro-batch holds in the CPU's own
+kernels beyond the GPU kernels the plan traces (the same micro-batch traced on the CPU).
 """
 from __future__ import annotations
 
@@ -219,6 +230,96 @@ def measure_import(args, way: str, tmp: pathlib.Path, source: pathlib.Path) -> d
     return json.loads(out.read_text())
 
 
+TRAIN_SETS = ["data.seq_len=64", "train.micro_batch_size=2", "train.max_steps=2", "train.log_every=1",
+              "train.checkpoint.every_steps=null", "train.checkpoint.at_end=false", "train.eval_every=null"]
+
+
+def train_worker(args) -> None:
+    """One layout trained for two steps on each rank of a launch; rank 0 writes the largest peak."""
+    import deepspeed  # noqa: F401 - imported before measuring: not the run's memory
+
+    from moep_ds.config import load_config
+    from moep_ds.training.host_memory import return_freed_buffers_to_os
+    from moep_ds.training.trainer import build_trainer
+
+    return_freed_buffers_to_os()
+    cfg = load_config(args.config, ["data.source=builtin", *TRAIN_SETS, *args.set])
+    with PeakRSS() as peak:
+        build_trainer(cfg, str(REPO / f"ds_configs/zero{args.way}_fp32.json"), None).fit()
+    report_worst_and_exit(peak.added, args.out)
+
+
+def host_view(run) -> tuple[float, float]:
+    """(the plan's peak per rank as resident host memory, what that leaves out of the plan): each bucket DeepSpeed
+    allocates whole counted for the elements that pass through it (the rank's gradients), not its capacity."""
+    untouched = 0
+    grads = run.inventory.local_params * run.layout.param_bytes
+    for item in run.memory.items:
+        if "bucket" in item.name and item.phase == "static":
+            untouched += max(0, item.bytes - grads)
+    return run.memory.peak - untouched, untouched
+
+
+def cpu_kernel_bytes(cfg, checkpointing: bool) -> float:
+    """What the CPU's own kernels (expert loop, chunked window attention, unfused activations) hold beyond the GPU
+    kernels the plan traces: the activation peak of one micro-batch run on the CPU minus the one traced on meta."""
+    import torch
+
+    from moep_ds.planning.trace import trace_step
+
+    shape = dict(micro_batch=2, seq_len=cfg.data.seq_len, dtype=torch.float32, checkpointing=checkpointing)
+    return trace_step(cfg.model, device="cpu", **shape).peak - trace_step(cfg.model, **shape).peak
+
+
+def measure_training(args) -> list[dict]:
+    """Every layout of --train, measured in its own launch and predicted by moep-plan; one table row each."""
+    from moep_ds.config import load_config
+    from moep_ds.data.prepare import prepare
+    from moep_ds.planning.hardware import assumptions, hardware
+    from moep_ds.planning.layout import Cluster
+    from moep_ds.planning.plan import plan_run
+    from moep_ds.training.ds_config import read_ds_config
+
+    base = load_config(args.config, ["data.source=builtin", *TRAIN_SETS, *args.set])
+    prepare(base.data)  # tokenised once here, not inside a measured launch
+    cpu_kernels = {ckpt: cpu_kernel_bytes(base, ckpt) for ckpt in (False, True)}
+    print(f"# rank_memory --train: {args.config.name} {' '.join(args.set)}, seq_len 64, micro-batch 2, fp32")
+    print("| ranks | ZeRO | expert parallel | act. ckpt | predicted MiB | measured MiB | predicted / measured | "
+          "measured - predicted MiB | of which CPU kernels MiB | bucket pages never touched (left out) MiB |")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            for stage in args.zero:
+                for ep in sorted({1, ranks}):
+                    if ep > 1 and stage == 3:
+                        continue  # DeepSpeed refuses expert parameters under ZeRO-3
+                    for ckpt in (False, True):
+                        sets = [f"train.expert_parallel_size={ep}", f"train.activation_checkpointing={ckpt}",
+                                f"train.global_batch_size={2 * ranks}",
+                                f"train.output_dir={tmp}/r{ranks}_z{stage}_ep{ep}_{int(ckpt)}"]
+                        cfg = load_config(args.config, ["data.source=builtin", *TRAIN_SETS, *args.set, *sets])
+                        ds = read_ds_config(REPO / f"ds_configs/zero{stage}_fp32.json")
+                        plan = plan_run(cfg, ds, Cluster(ranks, ranks), hardware("h100"), assumptions())
+                        predicted, untouched = host_view(plan)
+                        out = pathlib.Path(tmp) / f"peak_{ranks}_{stage}_{ep}_{int(ckpt)}.json"
+                        cmd = [__file__, "--worker", "train", "--way", str(stage), "--out", str(out),
+                               "--config", str(args.config), "--set", *args.set, *sets]
+                        launcher = ([sys.executable] if ranks == 1 else
+                                    [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     f"--nproc_per_node={ranks}"])
+                        run(launcher + cmd)
+                        measured = json.loads(out.read_text())["added"]
+                        rows.append({"ranks": ranks, "zero": stage, "ep": ep, "checkpointing": ckpt,
+                                     "predicted": predicted, "measured": measured, "untouched": untouched,
+                                     "cpu_kernels": cpu_kernels[ckpt]})
+                        print(f"| {ranks} | {stage} | {ep} | {'on' if ckpt else 'off'} | {predicted / MiB:,.0f} | "
+                              f"{measured / MiB:,.0f} | {predicted / measured:.2f} | "
+                              f"{(measured - predicted) / MiB:+,.0f} | {cpu_kernels[ckpt] / MiB:+,.0f} | "
+                              f"{untouched / MiB:,.0f} |", flush=True)
+    return rows
+
+
 def run(cmd: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -256,21 +357,30 @@ def measure_eval(args, way: str, tmp: pathlib.Path, source: pathlib.Path) -> flo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p.add_argument("--train", action="store_true", help="measure training against moep-plan's prediction")
+    p.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], help="--train: the ZeRO stages")
     p.add_argument("--config", type=pathlib.Path, default=REPO / "configs/nova_moe.yaml")
     p.add_argument("--set", nargs="*", default=[])
     p.add_argument("--import_config", type=pathlib.Path, default=REPO / "configs/mixtral_tiny.yaml")
     p.add_argument("--import_set", nargs="*", default=["model.d_model=512", "model.layers[0].moe.expert.hidden_size=1792"])
     p.add_argument("--json", type=pathlib.Path)
-    p.add_argument("--worker", choices=["build", "checkpoint", "export", "eval", "import"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["build", "checkpoint", "export", "eval", "import", "train"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--way", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--source", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         workers = {"build": build_worker, "checkpoint": checkpoint_worker, "export": export_worker,
-                   "eval": eval_worker, "import": import_worker}
+                   "eval": eval_worker, "import": import_worker, "train": train_worker}
         return workers[args.worker](args)
+    if args.train:
+        rows = measure_training(args)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
+    args.ranks = args.ranks[0]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         source = tmp / "ckpt"

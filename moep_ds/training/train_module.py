@@ -76,11 +76,11 @@ class TrainModule:
         rank set it). Only the flags come to the host; the losses stay on the device (the caller brings them
         over on log steps). Every rank must pass the same flag names."""
         keys, names = sorted(sums), sorted(flags)
-        counts = self.balancing.local_counts().to(self.device)
-        dtype = torch.float64 if counts.numel() else torch.float32  # counts exact beyond fp32's 2^24
+        dtype = torch.float64  # balancing counts exact beyond fp32's 2^24; losses summed in float64
+        counts = self.balancing.local_counts().to(self.device, dtype)
         local = torch.tensor([float(flags[n]) for n in names], device=self.device, dtype=dtype)
         losses = torch.stack([sums[k] for k in keys]).to(dtype) / self.world if keys else local[:0]
-        packed = torch.cat([losses, counts.to(dtype), local])
+        packed = torch.cat([losses, counts, local])
         dist.all_reduce(packed)  # sum: mean losses, global counts, and a flag is set when any rank set it
         self.balancing.end_step(packed[len(keys):len(keys) + counts.numel()])
         flagged = packed[len(packed) - len(names):].tolist() if names else []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from moep_ds.cli import analyze, convert, eval as eval_cli, export, generate, import_model, prepare, pretrain
+from moep_ds.cli import analyze, convert, eval as eval_cli, export, generate, import_model, plan, prepare, pretrain
 
 
 def test_moep_prepare_takes_both_spellings_of_a_flag():
@@ -18,7 +18,7 @@ def test_the_trainer_takes_both_spellings_of_a_flag():
 
 
 @pytest.mark.parametrize("parser", [pretrain.pretrain_parser, eval_cli.parser, export.parser, generate.parser,
-                                    import_model.parser, convert.parser])
+                                    import_model.parser, convert.parser, plan.plan_parser])
 def test_help_shows_underscores_and_every_dashed_alias_parses_alike(parser):
     p = parser()
     for action in p._actions:

@@ -1,0 +1,191 @@
+"""Communication of one optimizer step, collective by collective, as DeepSpeed 0.19, the expert-parallel dispatcher
+(moe/all_to_all.py) and the trainer issue it; then by link.
+
+# N parameters a rank holds, g the group a parameter is reduced over (all ranks; an expert parameter: the ranks
+# holding the same experts), A micro-batches per step, S routed assignments of a stage per micro-batch, w their width
+
+Sizes are NCCL's tests' `size`: the whole buffer of the collective (all-reduce: the tensor; reduce-scatter: the
+input of all ranks' shards; all-gather: the output; all-to-all: what this rank sends, its own share included).
+  ZeRO-0     gradient all-reduce at the step (p N; expert gradients over their group)
+  ZeRO-1/2   gradient all-reduce of every gradient (DeepSpeed reduces the buckets by all-reduce, each rank keeping its
+             slice: `use_multi_rank_bucket_allreduce`), once per step (ZeRO-1) or per micro-batch (ZeRO-2); all-gather
+             of the updated flat groups after the step; one fp32 norm per optimizer group
+  ZeRO-3     all-gather of every parameter per micro-batch (again in backward for units the reuse distance lets go;
+             persistent parameters after the step instead), reduce-scatter of every gradient per micro-batch, each
+             parameter padded to a multiple of g; one fp64 norm per optimizer group
+  inf/nan    one byte (uint8) before the step: ZeRO-1/2 in fp16 and in bf16 (unless bf16.check_grad_overflow is
+             false), ZeRO-3 in fp16
+  all-to-all per routed stage and micro-batch: expert counts (E int64), the tokens there and back (S w p each), the
+             same two again in backward, sequence ids and positions (2 S int64) for experts that attend; a
+             checkpointed block's recomputation repeats the forward's
+  trainer    the step's one all-reduce (fp64: losses, each auxiliary loss, loss-free balancing counts, 3 flags),
+             expert-choice thresholds (fp64), global load-balancing counts (fp64, E + 1 per top-k stage and forward)
+Groups of one rank move nothing and are left out.
+
+Links: a collective over a group that spans k nodes of `gpus_per_node` ranks is costed hierarchically: a ring
+collective moves (n - 1)/n of its size per rank (twice for all-reduce), of which the share between nodes is
+(k - 1)/k of a 1/gpus_per_node slice (NCCL's tree / hierarchical algorithms); an all-to-all sends to each peer
+directly, (peers on other nodes) / n of its size between nodes.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from moep_ds.planning.inventory import Inventory
+from moep_ds.planning.layout import Layout
+from moep_ds.planning.memory import ALIGN, padded, zero3_gathered
+from moep_ds.planning.trace import StepTrace
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    what: str
+    kind: str
+    bytes: int  # per call, per rank (NCCL tests' size)
+    group: int  # ranks in the group
+    calls: int  # per step
+    overlappable: bool  # may run behind compute (ZeRO-3 prefetch, bucketed reduction with overlap_comm)
+    span: str = "data"  # "data" (every rank), "expert" (an expert-parallel group: consecutive ranks) or
+    #                     "expert_data" (the ranks holding the same experts: every expert_parallel-th rank)
+
+    @property
+    def total(self) -> int:
+        return self.bytes * self.calls
+
+
+@dataclasses.dataclass(frozen=True)
+class CommPlan:
+    collectives: tuple[Collective, ...]
+
+    def by_kind(self) -> dict[str, int]:
+        """Bytes per step per rank of each kind of collective (NCCL tests' sizes)."""
+        out = collections.Counter()
+        for c in self.collectives:
+            out[c.kind] += c.total
+        return {k: out[k] for k in KINDS if out[k]}
+
+    def by_kind_and_group(self) -> dict[str, int]:
+        """As `by_kind`, keyed "kind/group size" (what a counting wrapper around torch.distributed sees)."""
+        out = collections.Counter()
+        for c in self.collectives:
+            out[f"{c.kind}/{c.group}"] += c.total
+        return dict(out)
+
+
+def group_size(layout: Layout, expert: bool) -> int:
+    return layout.expert_data_parallel if expert else layout.gpus
+
+
+def gradient_collectives(inv: Inventory, layout: Layout) -> list[Collective]:
+    """DeepSpeed's gradient reduction and parameter gathering at the layout's ZeRO stage."""
+    p, A, stage = layout.param_bytes, layout.grad_accum, layout.zero_stage
+    overlap = bool(layout.zero_setting("overlap_comm"))
+    out: list[Collective] = []
+    for expert in (False, True):
+        groups = [g for g in inv.groups if g.expert == expert]
+        g, span = group_size(layout, expert), "expert_data" if expert else "data"
+        if not groups or g == 1:
+            continue
+        name = "expert " if expert else ""
+        if stage in (0, 1, 2):
+            numel = sum(gr.numel for gr in groups)
+            calls = A if stage == 2 else 1
+            out.append(Collective(f"{name}gradients", "all_reduce", numel * p, g, calls, overlap and stage == 2, span))
+        if stage in (1, 2):
+            flat = sum(padded(gr.numel, ALIGN * g) for gr in groups)
+            out.append(Collective(f"{name}parameters after the step", "all_gather", flat * p, g, 1, False, span))
+        if stage == 3:
+            numels = [n for gr in groups for n in gr.numels]
+            whole = sum(padded(n, g) for n in numels)
+            out.append(Collective(f"{name}gradients", "reduce_scatter", whole * p, g, A, overlap, span))
+            out.append(Collective(f"{name}parameters", "all_gather", whole * p, g, A, True, span))
+    if stage == 3:
+        regathered = zero3_gathered(inv, layout)[1]
+        if regathered:
+            out.append(Collective("parameters again in backward", "all_gather", padded(regathered, layout.gpus) * p,
+                                  layout.gpus, A, True))
+    norm_bytes = 8 if stage == 3 else 4
+    if stage > 0 and layout.gpus > 1:
+        out.append(Collective("gradient norm (one per optimizer group)", "all_reduce", norm_bytes, layout.gpus,
+                              len(inv.groups), False))
+    if layout.overflow_check and layout.gpus > 1 and (stage in (1, 2) or layout.precision == "fp16" and stage == 3):
+        out.append(Collective("inf/nan check", "all_reduce", 1, layout.gpus, 1, False))
+    if stage == 0 and layout.expert_parallel > 1:  # distributed/grad_norm.py: the experts' share of the norm
+        out.append(Collective("expert gradient norm", "all_reduce", 4, layout.expert_parallel, 1, False, "expert"))
+    return out
+
+
+def all_to_all_collectives(trace: StepTrace, layout: Layout) -> list[Collective]:
+    if layout.expert_parallel == 1:
+        return []
+    ep, A, p = layout.expert_parallel, layout.grad_accum, layout.param_bytes
+    forwards = 2 if layout.activation_checkpointing else 1  # the recomputation dispatches again
+    out = []
+    for stage in trace.routed:
+        tokens = stage.assignments * stage.width * p
+        out.append(Collective(f"{stage.name}: expert counts", "all_to_all", 8 * stage.num_experts, ep,
+                              A * forwards, False, "expert"))
+        out.append(Collective(f"{stage.name}: tokens to experts and back", "all_to_all", tokens, ep,
+                              A * (2 * forwards + 2), False, "expert"))
+        if stage.with_positions:
+            out.append(Collective(f"{stage.name}: sequence ids and positions", "all_to_all",
+                                  16 * stage.assignments, ep, A * forwards, False, "expert"))
+    return out
+
+
+def trainer_collectives(inv: Inventory, layout: Layout, trace: StepTrace) -> list[Collective]:
+    if layout.gpus == 1:
+        return []
+    n = layout.gpus
+    out = [Collective("losses, balancing counts and flags (trainer)", "all_reduce",
+                      8 * (2 + len(trace.aux_keys) + inv.balancing_counts + 3), n, 1, False)]
+    if inv.threshold_numel:
+        out.append(Collective("expert-choice thresholds (trainer)", "all_reduce", 8 * inv.threshold_numel, n, 1,
+                              False))
+    forwards = 2 if layout.activation_checkpointing else 1
+    for experts in inv.global_balance_experts:
+        out.append(Collective("global load-balancing counts", "all_reduce", 8 * (experts + 1), n,
+                              layout.grad_accum * forwards, False))
+    return out
+
+
+def comm_plan(inv: Inventory, layout: Layout, trace: StepTrace) -> CommPlan:
+    return CommPlan(tuple(gradient_collectives(inv, layout) + all_to_all_collectives(trace, layout)
+                          + trainer_collectives(inv, layout, trace)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkBytes:
+    intra: float  # per rank, per step, within a node
+    inter: float  # per rank, per step, between nodes
+
+
+def placement(layout: Layout, span: str) -> tuple[int, int]:
+    """(nodes a group spans, its ranks per node): DeepSpeed's expert-parallel groups are consecutive ranks, the
+    expert-data-parallel groups every expert_parallel-th rank."""
+    per_node, nodes, ep = layout.cluster.gpus_per_node, layout.cluster.nodes, layout.expert_parallel
+    if span == "data":
+        return nodes, per_node
+    if span == "expert":
+        return -(-ep // per_node), min(ep, per_node)
+    if ep <= per_node:  # strided over every node, per_node / ep ranks on each
+        return nodes, per_node // ep
+    return layout.expert_data_parallel, 1
+
+
+def link_bytes(c: Collective, layout: Layout) -> LinkBytes:
+    """Bytes one rank puts on each kind of link for `c` (all its calls)."""
+    nodes, local = placement(layout, c.span)
+    n = c.group
+    if c.kind == "all_to_all":
+        return LinkBytes(c.total * (local - 1) / n, c.total * (n - local) / n)
+    ring = 2 if c.kind == "all_reduce" else 1
+    intra = ring * c.total * (local - 1) / local if local > 1 else 0.0
+    inter = ring * c.total / local * (nodes - 1) / nodes if nodes > 1 else 0.0
+    return LinkBytes(intra, inter)
+
+
+__all__ = ["Collective", "CommPlan", "KINDS", "LinkBytes", "comm_plan", "link_bytes", "placement"]

@@ -1,0 +1,129 @@
+"""A run's plan: memory per rank, communication per step and step time of a recipe in one layout, and the search
+over layouts.
+
+    gpu, assumed = hardware("h100"), assumptions()
+    run = plan_run(cfg, ds, Cluster(64, 8), gpu, assumed)       # the layout the recipe and ds_config give
+    runs = search(cfg, ds, Cluster(64, 8), gpu, assumed)       # every fitting layout, fastest first
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from moep_ds.errors import UserError
+from moep_ds.planning.comm import CommPlan, comm_plan
+from moep_ds.planning.hardware import GIB, Accelerator, Assumptions
+from moep_ds.planning.inventory import Inventory, inventory
+from moep_ds.planning.layout import Cluster, Layout, make_layout, with_settings, with_zero_stage
+from moep_ds.planning.memory import MemoryPlan, memory_plan, trace_dtype
+from moep_ds.planning.timing import StepTime, step_time
+from moep_ds.planning.trace import StepTrace, trace_step
+from moep_ds.training.branch import start_step
+
+
+TRACES: dict[tuple, StepTrace] = {}  # one traced micro-batch per (model, shape, dtype, checkpointing)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    layout: Layout
+    inventory: Inventory
+    memory: MemoryPlan
+    comm: CommPlan
+    time: StepTime
+    gpu: Accelerator
+    assumed: Assumptions
+
+    @property
+    def capacity(self) -> float:
+        """Bytes a rank may use: the GPU's memory less the reserve assumed for the CUDA context, NCCL and the
+        allocator's fragmentation."""
+        return (self.gpu.memory_gib - self.assumed.reserve_gib) * GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= self.capacity
+
+    def shortfall(self) -> str:
+        """Why a layout does not fit, in one line: by how much, and its largest item."""
+        over = (self.memory.peak - self.capacity) / GIB
+        largest = self.memory.largest
+        return (f"does not fit: {self.memory.peak / GIB:.1f} GiB per rank, {over:.1f} GiB over the "
+                f"{self.capacity / GIB:.0f} GiB usable of {self.gpu.name} ({self.gpu.memory_gib:g} GiB less "
+                f"{self.assumed.reserve_gib:g} reserved); largest item: {largest.name} ({largest.bytes / GIB:.1f} GiB)")
+
+
+def run_steps(cfg) -> int | None:
+    """Optimizer steps the recipe runs: to train.exit_at_step or train.max_steps, from its start step (a branch from
+    a published checkpoint starts at its revision's step, training/branch.py). None when it counts epochs."""
+    last = cfg.train.exit_at_step or cfg.train.max_steps
+    if last is None:
+        return None
+    return max(0, last - start_step(cfg)[0])
+
+
+def traced(cfg, layout: Layout) -> StepTrace:
+    key = (repr(cfg.model), layout.micro_batch, layout.seq_len, layout.precision, layout.activation_checkpointing)
+    if key not in TRACES:
+        TRACES[key] = trace_step(cfg.model, micro_batch=layout.micro_batch, seq_len=layout.seq_len,
+                                 dtype=trace_dtype(layout), checkpointing=layout.activation_checkpointing)
+    return TRACES[key]
+
+
+def plan_layout(cfg, layout: Layout, gpu: Accelerator, assumed: Assumptions) -> RunPlan:
+    inv = inventory(cfg, layout.expert_parallel)
+    trace = traced(cfg, layout)
+    memory = memory_plan(inv, layout, trace, async_save=cfg.train.checkpoint.async_save)
+    comm = comm_plan(inv, layout, trace)
+    return RunPlan(layout, inv, memory, comm, step_time(inv, layout, comm, gpu, assumed, run_steps(cfg)), gpu,
+                   assumed)
+
+
+def plan_run(cfg, ds: dict[str, Any], cluster: Cluster, gpu: Accelerator, assumed: Assumptions) -> RunPlan:
+    """The plan of the layout `cfg` and `ds` give on `cluster` (one-line errors for a layout that cannot exist)."""
+    return plan_layout(cfg, make_layout(cfg, ds, cluster), gpu, assumed)
+
+
+def recipe_global_batch(cfg, ds: dict[str, Any], cluster: Cluster) -> int:
+    """Sequences per step: the recipe's train.global_batch_size, the ds_config's train_batch_size, or what its
+    micro-batch and accumulation make on `cluster`."""
+    given = cfg.train.global_batch_size or ds.get("train_batch_size")
+    if isinstance(given, int) and not isinstance(given, bool):
+        return given
+    return make_layout(cfg, ds, cluster).global_batch
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg, ds: dict[str, Any], cluster: Cluster, global_batch: int) -> list[Layout]:
+    """Every layout of data x expert parallelism, ZeRO stage, micro-batch and activation checkpointing that
+    training accepts for `global_batch` sequences per step (the recipe's)."""
+    from moep_ds.models.plan import routed_stages
+
+    stages = routed_stages(cfg.model)
+    eps = [ep for ep in divisors(cluster.gpus) if all(s.num_experts % ep == 0 for s in stages)] if stages else [1]
+    per_rank = global_batch // cluster.gpus if global_batch % cluster.gpus == 0 else 0
+    layouts = []
+    for ep in eps:
+        for stage in (0, 1, 2, 3):
+            for micro in divisors(per_rank) if per_rank else []:
+                for checkpointing in (False, True):
+                    recipe = with_settings(cfg, expert_parallel=ep, micro_batch=micro,
+                                           activation_checkpointing=checkpointing, global_batch=global_batch)
+                    try:
+                        layouts.append(make_layout(recipe, with_zero_stage(ds, stage), cluster))
+                    except UserError:
+                        continue  # a combination training refuses (e.g. ZeRO-3 with expert parallelism)
+    return layouts
+
+
+def search(cfg, ds: dict[str, Any], cluster: Cluster, gpu: Accelerator, assumed: Assumptions,
+           global_batch: int) -> list[RunPlan]:
+    """Every candidate layout planned, fastest first (those that fit and those that do not)."""
+    plans = [plan_layout(cfg, layout, gpu, assumed) for layout in candidate_layouts(cfg, ds, cluster, global_batch)]
+    return sorted(plans, key=lambda p: (p.time.step_s, p.memory.peak))  # ties: the more headroom first
+
+
+__all__ = ["RunPlan", "candidate_layouts", "plan_layout", "plan_run", "recipe_global_batch", "run_steps", "search"]
