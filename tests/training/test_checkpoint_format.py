@@ -1,7 +1,8 @@
 """Checkpoints of the earlier trainer-state format still resume, exactly, through the one checkpointer; a callback's
 state survives a stop and `--resume auto`; a recipe that removes the validation callback by name trains without
-validating. tests/training/fixtures/checkpoint_v2 is step 2 of a 4-step run (tiny top-2 MoE, ZeRO-2, 1 process)
-written by the trainer before TrainerState version 3, with that run's own metrics of steps 3 and 4."""
+validating. tests/training/fixtures/checkpoint_v2 is step 2 of a 4-step run (tiny top-2 MoE with a load-balancing
+loss, ZeRO-2, 1 process) written by the trainer before TrainerState version 3, with that run's own metrics of steps
+3 and 4."""
 import json
 import pathlib
 import shutil
