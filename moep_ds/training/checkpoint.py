@@ -316,8 +316,9 @@ def restore_rng(ckpt: pathlib.Path, rank: int, state: TrainerState) -> None:
 
 class Checkpointer:
     """The one seam through which a run saves and resumes: a checkpoint holds the parts of the `Trainer`
-    ({train_module, trainer, callbacks}) and the recipe; `read` parses and version-checks the trainer state before
-    `restore` puts anything back (collective: every rank calls `save`, `restore` and `wait` at the same steps)."""
+    ({train_module, trainer, callbacks}) and the recipe; `check_checkpoint` parses and version-checks the trainer
+    state before `restore` puts anything back (collective: every rank calls `save`, `restore` and `wait` at the same
+    steps)."""
 
     def __init__(self, run_dir: pathlib.Path, cfg: Any, tokenizer_dir: pathlib.Path | None):
         train = cfg.train.checkpoint
@@ -329,17 +330,13 @@ class Checkpointer:
         """Checkpoint `trainer` (training/trainer.py) at its step: its TrainModule's pieces and state, its own
         position and its callbacks' states."""
         module = trainer.module
-        state = TrainerState(**trainer.state_dict(), **module.state_dict(), callbacks=trainer.callback_states())
         meta = {"tokens": module.tokens_read(), **module.report.as_dict()}
-        return self.writer.save(module.engine, module.model, self.cfg, trainer.step, state.state_dict(),
+        return self.writer.save(module.engine, module.model, self.cfg, trainer.step,
+                                trainer.checkpoint_state().state_dict(),
                                 plan=module.plan, tokenizer_dir=self.tokenizer_dir, meta=meta)
 
-    @staticmethod
-    def read(ckpt: pathlib.Path) -> TrainerState:
-        return read_trainer_state(ckpt)
-
     def restore(self, ckpt: pathlib.Path, state: TrainerState, trainer: Any, saved_global_batch: int | None) -> None:
-        """Every part from `ckpt`, whose state `read` gave: the module's masters, moments and step state (the
+        """Every part from `ckpt`, whose state `check_checkpoint` gave: the module's masters, moments and step state (the
         weights were loaded into the model before the engine existed), the RNG streams, the trainer's position,
         then each callback's state (a callback the checkpoint has no state for keeps its own)."""
         module = trainer.module

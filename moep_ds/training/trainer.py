@@ -86,6 +86,11 @@ class Trainer:
     def callback_states(self) -> dict[str, dict[str, Any]]:
         return {name: state for name, callback in self.order if (state := callback.state_dict())}
 
+    def checkpoint_state(self) -> TrainerState:
+        """What a checkpoint of this step keeps besides the weights and moments: the trainer's position, the
+        TrainModule's step state and every callback's state."""
+        return TrainerState(**self.state_dict(), **self.module.state_dict(), callbacks=self.callback_states())
+
     def fit(self) -> int:
         self.module.engine.train()
         stopped = False

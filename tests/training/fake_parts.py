@@ -87,9 +87,8 @@ class MemoryCheckpointer:
         self.saved: dict[int, dict] = {}
 
     def save(self, trainer) -> pathlib.Path:
-        state = TrainerState(**trainer.state_dict(), **trainer.module.state_dict(),
-                             callbacks=trainer.callback_states())
-        self.saved[trainer.step] = json.loads(json.dumps(state.state_dict()))  # as the JSON file holds it
+        # as the JSON file holds it
+        self.saved[trainer.step] = json.loads(json.dumps(trainer.checkpoint_state().state_dict()))
         return pathlib.Path(f"step_{trainer.step}")
 
     def restore(self, ckpt, state, trainer, saved_global_batch) -> None:
