@@ -35,14 +35,19 @@ def model_description(model_cfg: Any, keep_length: bool = True) -> dict[str, Any
 
 def resolved(layer: Any, d_model: int) -> dict[str, Any]:
     """A block's settings with the sizes its defaults stand for (an FFN's hidden_size null is 4d for a GELU MLP,
-    num_kv_heads null is num_heads, qkv_bias null is bias, ...): two recipes that build the same block compare
-    equal."""
+    num_kv_heads null is num_heads, qkv_bias null is bias, a router that keeps all its groups has none, ...): two
+    recipes that build the same block compare equal."""
     from moep_ds.layers.ffn import ffn_hidden_size
     from moep_ds.schema import to_dict
 
     out = without(to_dict(layer), ("repeat",))
     if isinstance(out.get("ffn"), dict):
         out["ffn"]["hidden_size"] = ffn_hidden_size(layer.ffn, d_model)
+    router = out.get("moe", {}).get("router") if isinstance(out.get("moe"), dict) else None
+    if isinstance(router, dict) and "num_groups" in router:  # all groups kept: no group limit, however written
+        groups = router["num_groups"]
+        if (router.get("group_topk") or groups) == groups:
+            router.update(num_groups=1, group_topk=None, group_score=None)
     attention = getattr(layer, "attention", None)
     if isinstance(out.get("attention"), dict) and hasattr(attention, "kv_heads"):
         out["attention"].update(num_kv_heads=attention.kv_heads, head_dim=attention.resolved_head_dim(d_model))

@@ -2,7 +2,8 @@
 
     DIR/config.json         the architecture's config: GPT2LMHeadModel, LlamaForCausalLM, GemmaForCausalLM,
                             GPTNeoXForCausalLM (hf_layout.py), MixtralForCausalLM, Qwen2MoeForCausalLM,
-                            Qwen3MoeForCausalLM, OlmoeForCausalLM, DeepseekV3ForCausalLM (moe_layout.py)
+                            Qwen3MoeForCausalLM, OlmoeForCausalLM, DeepseekV2ForCausalLM,
+                            DeepseekV3ForCausalLM (moe_layout.py)
     DIR/model.safetensors   the architecture's tensor names and layouts, written one at a time; above
                             --max_shard_size as save_pretrained shards: model-0000i-of-0000n.safetensors and
                             model.safetensors.index.json ({"metadata": {"total_size", "total_parameters"},

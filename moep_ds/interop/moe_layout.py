@@ -1,4 +1,4 @@
-"""The five Hugging Face MoE architectures, both ways: config.json -> the recipe's model section (what moep-import
+"""The six Hugging Face MoE architectures, both ways: config.json -> the recipe's model section (what moep-import
 writes without --config, and checks a recipe against), a model -> config.json (the native export), and their
 tensors <-> ours. transformers' modeling files are the reference for every choice (transformers 5).
 
@@ -18,16 +18,20 @@ tensors <-> ours. transformers' modeling files are the reference for every choic
                                         group-limited choice (n_group, topk_group), norm_topk_prob,
                                         routed_scaling_factor; n_shared_experts as one ungated shared FFN; the first
                                         first_k_dense_replace layers dense
+    deepseek_v2  DeepseekV2ForCausalLM  DeepSeek-V3's attention, dense layers and shared experts; softmax scores,
+                                        no selection bias, topk_method greedy or group_limited_greedy (a group
+                                        scored by its largest score: router.group_score max), no renormalisation,
+                                        routed_scaling_factor; its rotary rows always interleaved (complex pairs)
 
 Router logits: Mixtral's, Qwen's and OLMoE's routers multiply in the activations' dtype (our logits_dtype input),
-DeepSeek-V3's in fp32. Load balancing (training only, not in the logits): transformers adds coef x K x E sum f P
+DeepSeek's in fp32. Load balancing (training only, not in the logits): transformers adds coef x K x E sum f P
 over all layers' tokens pooled (when output_router_logits); ours is alpha x E sum f P per layer, summed over the L
 MoE layers, so alpha = coef x K / L puts the same pressure on each router.
 
 Experts: transformers 5 saves each expert's gate / up [F, D] and down [D, F] as tensors of their own (and reads
 them so); ours are stacked w1_EDF (gate), w3_EDF (up), w2_EFD (down): every expert of a stack is read from its own
 tensors, so a process reads only the experts it holds (`Rule.stacked`). DeepSeek's rotary rows are interleaved
-(rope_interleave: pair 2i, 2i + 1); ours rotate i with i + R/2: the rope rows of q_proj / q_b_proj (each head's
+(V3's rope_interleave, V2's complex pairs: pair 2i, 2i + 1); ours rotate i with i + R/2: the rope rows of q_proj / q_b_proj (each head's
 last R) and of kv_a_proj_with_mqa (its last R) are permuted on the way in and back on the way out, exactly.
 """
 from __future__ import annotations
@@ -108,14 +112,45 @@ def softmax_router(hf: Raw, num_moe: int, renormalize: bool, coef_default: float
             "capacity_factor": None}
 
 
+def deepseek_balancing(hf: Raw) -> Raw:
+    """The original configs' aux_loss_alpha / seq_aux (transformers reads neither; a training setting)."""
+    return {"load_balancing_weight": float(hf.get("aux_loss_alpha") or 0.0),
+            "load_balancing_scope": "sequence" if hf.get("seq_aux") else "micro_batch", "capacity_factor": None}
+
+
 def deepseek_router(hf: Raw, num_moe: int) -> Raw:
     groups = hf.get("n_group") or 1
     return {"type": "topk", "k": hf["num_experts_per_tok"], "score": "sigmoid",
             "renormalize": bool(hf.get("norm_topk_prob", True)),
             "scaling_factor": float(hf.get("routed_scaling_factor", 1.0)), "bias_update_rate": LOSS_FREE_RATE,
-            "num_groups": groups, "group_topk": hf.get("topk_group") or groups,
-            "load_balancing_weight": float(hf.get("aux_loss_alpha") or 0.0),
-            "load_balancing_scope": "sequence" if hf.get("seq_aux") else "micro_batch", "capacity_factor": None}
+            "num_groups": groups, "group_topk": hf.get("topk_group") or groups, **deepseek_balancing(hf)}
+
+
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def deepseek_v2_router(hf: Raw, num_moe: int) -> Raw:
+    """DeepseekV2TopkRouter: softmax in fp32 over all experts, the top-k (greedy) or the top-k within the
+    topk_group groups of largest maximum score (group_limited_greedy), times routed_scaling_factor, never
+    renormalised (transformers 5 reads no norm_topk_prob for V2: a config with it true is refused)."""
+    method = hf.get("topk_method") or "greedy"
+    if method not in V2_TOPK_METHODS:
+        raise UserError(f"config.json: topk_method = {method!r} (deepseek_v2) has no moep_ds counterpart "
+                        f"(supported: {', '.join(V2_TOPK_METHODS)})")
+    groups = (hf.get("n_group") or 1) if method == "group_limited_greedy" else 1
+    grouping = {"num_groups": groups, "group_topk": hf.get("topk_group") or groups, "group_score": "max"}
+    return {"type": "topk", "k": hf["num_experts_per_tok"], "score": "softmax", "renormalize": False,
+            "scaling_factor": float(hf.get("routed_scaling_factor", 1.0)), **(grouping if groups > 1 else {}),
+            **deepseek_balancing(hf)}
+
+
+def deepseek_shared(hf: Raw) -> Raw | None:
+    return ({"hidden_size": hf["moe_intermediate_size"] * hf["n_shared_experts"], "gate": "none"}
+            if hf.get("n_shared_experts") else None)
+
+
+def first_k_dense(hf: Raw) -> list[bool]:
+    return [i >= (hf.get("first_k_dense_replace") or 0) for i in range(hf["num_hidden_layers"])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +405,7 @@ def olmoe_hf(model: Any) -> Raw:
             "attention_bias": p.attention.bias, "clip_qkv": None}
 
 
-def deepseek_hf(model: Any) -> Raw:
+def deepseek_hf(model: Any, version: int = 3) -> Raw:
     p = parts_of(model)
     att, router = p.attention, p.moe.router if p.moe is not None else None
     out = {**common_hf(p, "mla"), **moe_hf(p, "n_routed_experts", "moe_intermediate_size")}
@@ -379,11 +414,16 @@ def deepseek_hf(model: Any) -> Raw:
     shared = p.moe.shared_expert
     out.update(num_key_value_heads=att.num_heads, q_lora_rank=att.q_lora_rank, kv_lora_rank=att.kv_lora_rank,
                qk_nope_head_dim=att.qk_nope_head_dim, qk_rope_head_dim=att.qk_rope_head_dim,
-               v_head_dim=att.v_head_dim, rope_interleave=True, first_k_dense_replace=dense,
+               v_head_dim=att.v_head_dim, first_k_dense_replace=dense,
                n_group=router.num_groups, topk_group=router.kept_groups(),
                routed_scaling_factor=router.scaling_factor,
                n_shared_experts=shared.hidden_size // p.moe.expert.hidden_size if shared is not None else 0,
-               attention_bias=False, num_nextn_predict_layers=0)
+               attention_bias=False)
+    if version == 3:
+        out.update(rope_interleave=True, num_nextn_predict_layers=0)
+    else:  # no group limit is "greedy"; V2 has no norm_topk_prob of its own (the round trip compares renormalize)
+        out.update(topk_method="group_limited_greedy" if router.num_groups > 1 else "greedy",
+                   scoring_func="softmax", norm_topk_prob=False)
     if "intermediate_size" not in out:  # every layer an MoE: the (unused) dense size of the config's default
         out["intermediate_size"] = p.moe.expert.hidden_size
     return out
@@ -419,16 +459,21 @@ MOE_ARCHITECTURES = {
     "deepseek_v3": MoEArchitecture(
         "deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "shared_experts",
         {"attention_bias": False, "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
-        lambda hf: [i >= (hf.get("first_k_dense_replace") or 0) for i in range(hf["num_hidden_layers"])],
-        lambda hf: mla_attention(hf, "deepseek_v3"), deepseek_router,
-        lambda hf: ({"hidden_size": hf["moe_intermediate_size"] * hf["n_shared_experts"], "gate": "none"}
-                    if hf.get("n_shared_experts") else None),
+        first_k_dense, lambda hf: mla_attention(hf, "deepseek_v3"), deepseek_router, deepseek_shared,
         "moe_intermediate_size", deepseek_hf),
+    "deepseek_v2": MoEArchitecture(
+        "deepseek_v2", "DeepseekV2ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "shared_experts",
+        {"attention_bias": False, "mlp_bias": False, "moe_layer_freq": 1, "scoring_func": "softmax",
+         "norm_topk_prob": False}, first_k_dense, lambda hf: mla_attention(hf, "deepseek_v2"), deepseek_v2_router,
+        deepseek_shared, "moe_intermediate_size", lambda m: deepseek_hf(m, version=2)),
 }
 
 
 def interleaved(arch: MoEArchitecture, hf: Raw) -> bool:
-    """Whether the checkpoint's rotary rows are interleaved (DeepSeek's rope_interleave, default true)."""
+    """Whether the checkpoint's rotary rows are interleaved (DeepSeek-V3's rope_interleave, default true;
+    DeepSeek-V2 always: it rotates complex pairs)."""
+    if arch.model_type == "deepseek_v2":
+        return True
     return arch.model_type == "deepseek_v3" and bool(hf.get("rope_interleave", True))
 
 

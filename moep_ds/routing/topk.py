@@ -11,7 +11,8 @@ experts.
     choice c = s + b  with b the loss-free balancing bias (routing/balancing.py; selection only, DeepSeek-V3
                eq. 16), 0 without it
     group-limited (num_groups G > 1, DeepSeek-V3's node-limited routing): each group's score is the sum of its
-               two largest c; a token keeps its top-M groups (group_topk) and chooses among their experts only
+               two largest c (group_score: top2_sum, DeepSeek-V3) or its largest c (max, DeepSeek-V2's
+               group_limited_greedy); a token keeps its top-M groups (group_topk) and chooses among their experts only
     each token takes the K largest c; weights g = s of the chosen (unbiased), optionally renormalised over the K
                (g / sum g), times scaling_factor (DeepSeek-V3's routed_scaling_factor)
     load balancing (Switch eq. 4):  alpha * E * sum_i f_i P_i,
@@ -57,6 +58,7 @@ class TopKConfig:
     bias_update_rate: NonNegativeFloat | None = None  # u of loss-free balancing; null: no selection bias
     num_groups: PositiveInt = 1  # G: group-limited routing when > 1
     group_topk: PositiveInt | None = None  # M groups each token may use; null: all G
+    group_score: Literal["top2_sum", "max"] = "top2_sum"  # a group's score: DeepSeek-V3's, or DeepSeek-V2's
     load_balancing_weight: NonNegativeFloat = 0.01  # alpha
     load_balancing_scope: Literal["micro_batch", "sequence", "global"] = "micro_batch"
     z_loss_weight: NonNegativeFloat = 0.0  # beta
@@ -110,13 +112,17 @@ def score_distribution(scores_TE: torch.Tensor, score: str) -> torch.Tensor:
     return scores_TE if score == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
 
 
-def group_limited_mask(choice_TE: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:
+def group_limited_mask(choice_TE: torch.Tensor, num_groups: int, group_topk: int,
+                       group_score: str = "top2_sum") -> torch.Tensor:
     """[T, E] bool: the experts of each token's top-M groups, a group scored by the sum of its two largest
-    choice scores (its one score if it has one expert), as DeepSeek-V3."""
+    choice scores (its one score if it has one expert), as DeepSeek-V3, or by its largest (`max`, DeepSeek-V2)."""
     T, E = choice_TE.shape
     per_group = E // num_groups
     group_TGN = choice_TE.view(T, num_groups, per_group)
-    group_score_TG = group_TGN.topk(min(2, per_group), dim=-1).values.sum(-1)
+    if group_score == "max":
+        group_score_TG = group_TGN.amax(dim=-1)
+    else:
+        group_score_TG = group_TGN.topk(min(2, per_group), dim=-1).values.sum(-1)
     kept_TM = group_score_TG.topk(group_topk, dim=-1).indices
     keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, kept_TM, True)
     return keep_TG.unsqueeze(-1).expand(T, num_groups, per_group).reshape(T, E)
@@ -128,11 +134,12 @@ def select_experts(
     bias_E: torch.Tensor | None = None,
     num_groups: int = 1,
     group_topk: int | None = None,
+    group_score: str = "top2_sum",
 ) -> torch.Tensor:
     """experts_TK: each token's K largest choice scores s + b, within its top-M groups when grouped."""
     choice_TE = scores_TE.detach() if bias_E is None else scores_TE.detach() + bias_E.to(scores_TE.dtype)
     if num_groups > 1 and group_topk is not None and group_topk < num_groups:
-        keep_TE = group_limited_mask(choice_TE, num_groups, group_topk)
+        keep_TE = group_limited_mask(choice_TE, num_groups, group_topk, group_score)
         choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
     return choice_TE.topk(k, dim=-1).indices
 
@@ -266,7 +273,7 @@ class TopKRouter(Router):
         cfg, T, E = self.cfg, logits_TE.shape[0], self.num_experts
         scores_TE = router_scores(logits_TE, cfg.score)
         bias_E = None if self.balancer is None else self.balancer.bias_E
-        experts_TK = select_experts(scores_TE, cfg.k, bias_E, cfg.num_groups, cfg.group_topk)
+        experts_TK = select_experts(scores_TE, cfg.k, bias_E, cfg.num_groups, cfg.group_topk, cfg.group_score)
         weights_TK = topk_weights(scores_TE, experts_TK, cfg.renormalize, cfg.scaling_factor)
         capacity = None
         if cfg.capacity_factor is not None:

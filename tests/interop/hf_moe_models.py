@@ -1,5 +1,5 @@
-"""Small randomly initialised transformers MoE models of the five architectures (and DeepSeek-V3 without a low-rank
-query), every weight moved off its initial value and DeepSeek's selection bias non-zero, and the experts each
+"""Small randomly initialised transformers MoE models of the six architectures (DeepSeek-V3 also without a
+low-rank query, DeepSeek-V2 also as V2-Lite: greedy routing, a full-rank query), every weight moved off its initial value and DeepSeek's selection bias non-zero, and the experts each
 one's routers choose.
 
 # B batch, T tokens, V vocabulary, E experts, L layers
@@ -45,12 +45,25 @@ def hf_config(case: str) -> Any:
             n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=16 if q_lora else None,
             kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True,
             rope_parameters=dict(YARN) if q_lora else {"rope_type": "default", "rope_theta": 1e4})
+    if case == "deepseek_v2":  # DeepSeek-V2's group-limited greedy routing (softmax), low-rank query, YaRN
+        return transformers.DeepseekV2Config(
+            **COMMON, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3, num_key_value_heads=4,
+            n_routed_experts=E, num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+            first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=2.0, q_lora_rank=16, kv_lora_rank=12,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_parameters=dict(YARN))
+    if case == "deepseek_v2_lite":  # DeepSeek-V2-Lite's shape: greedy top-k, a full-rank query, no dense layer
+        return transformers.DeepseekV2Config(
+            **COMMON, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=2, num_key_value_heads=4,
+            n_routed_experts=E, num_experts_per_tok=2, topk_method="greedy", first_k_dense_replace=0,
+            n_shared_experts=1, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+            v_head_dim=6, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     raise KeyError(case)
 
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-           "deepseek_v3_no_q_lora": "DeepseekV3ForCausalLM"}
+           "deepseek_v3_no_q_lora": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+           "deepseek_v2_lite": "DeepseekV2ForCausalLM"}
 CASES = list(CLASSES)
 
 

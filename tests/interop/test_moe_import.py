@@ -69,7 +69,7 @@ def test_import_without_a_recipe_equals_transformers(imported):
     assert len(our_chosen) == len(hf_chosen)
     for layer, (ours, theirs) in enumerate(zip(our_chosen, hf_chosen)):
         assert torch.equal(ours, theirs), f"MoE layer {layer}"
-    if imported.case.startswith("deepseek"):  # the selection bias arrived as our loss-free balancing bias
+    if imported.case.startswith("deepseek_v3"):  # the selection bias arrived as our loss-free balancing bias
         bias = [m.balancer.bias_E for m in model.modules() if getattr(m, "balancer", None) is not None]
         assert bias and all(float(b.abs().sum()) > 0 for b in bias)
 
@@ -179,8 +179,8 @@ def edit_config(folder: Path, **changes) -> None:
 def test_bad_sources_fail_in_one_line(damaged, tmp_path, capsys):
     edit_config(damaged, model_type="jamba")
     assert refused(damaged, tmp_path, capsys) == (
-        f"error: SRC ({str(damaged)!r}): config.json has model_type 'jamba'; moep-import reads deepseek_v3, gemma, "
-        "gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe")
+        f"error: SRC ({str(damaged)!r}): config.json has model_type 'jamba'; moep-import reads deepseek_v2, deepseek_v3, "
+        "gemma, gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe")
     edit_config(damaged, model_type="olmoe", clip_qkv=8.0)  # OLMoE clamps q, k and v: a function we do not compute
     assert refused(damaged, tmp_path, capsys) == (
         "error: config.json: clip_qkv = 8.0 (olmoe) has no moep_ds counterpart (supported: None)")
@@ -189,6 +189,19 @@ def test_bad_sources_fail_in_one_line(damaged, tmp_path, capsys):
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     assert refused(damaged, tmp_path, capsys).startswith(
         f"error: {str(weights)!r} cannot be read as safetensors (")
+
+
+@pytest.mark.parametrize("imported", ["deepseek_v2"], indirect=True)
+def test_deepseek_v2_routing_we_do_not_compute_is_refused(damaged, tmp_path, capsys):
+    """transformers' V2 router renormalises never and knows two top-k methods; a config saying otherwise is
+    refused, naming the field."""
+    edit_config(damaged, norm_topk_prob=True)
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: norm_topk_prob = True (deepseek_v2) has no moep_ds counterpart (supported: False)")
+    edit_config(damaged, norm_topk_prob=False, topk_method="noaux_tc")
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: topk_method = 'noaux_tc' (deepseek_v2) has no moep_ds counterpart (supported: greedy, "
+        "group_limited_greedy)")
 
 
 @pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)

@@ -51,7 +51,8 @@ PUBLISHED = {
         "rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                                                 "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
                                                 "mscale_all_dim": 0.707},
-        "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "moe_layer_freq": 1,
+        "norm_topk_prob": False, "routed_scaling_factor": 1.0, "aux_loss_alpha": 0.001, "seq_aux": True,
         "tie_word_embeddings": False, "hidden_act": "silu"},
 }
 
@@ -94,3 +95,23 @@ def test_quick_start_recipes_have_a_native_format(name):
                 "olmoe_tiny": "OlmoeForCausalLM", "qwen3_moe_tiny": "Qwen3MoeForCausalLM",
                 "deepseek_v3_tiny": "DeepseekV3ForCausalLM"}[name]
     assert native_format(load_config(CONFIGS / f"{name}.yaml").model).hf_class == expected
+
+
+def test_a_router_that_keeps_all_its_groups_compares_as_one_without_groups():
+    """num_groups G with group_topk G (or null) limits nothing, nor does a group_score with one group: the same
+    model however written (a DeepSeek-V2 greedy config reads without groups, an export may write n_group 8 of 8);
+    a real limit, or another group score under one, still differs (both MoE blocks: layers 1 and 2)."""
+    def with_router(**fields):
+        return load_config(CONFIGS / "deepseek_v3_tiny.yaml",
+                           [f"model.layers[1].moe.router.{k}={v}" for k, v in fields.items()]).model
+
+    base = with_router(num_groups=1, group_topk="null")
+    assert model_differences(base, with_router(num_groups=4, group_topk=4)) == []
+    assert model_differences(base, with_router(num_groups=4, group_topk="null", group_score="max")) == []
+    assert model_differences(base, with_router(num_groups=1, group_topk=1, group_score="max")) == []
+    assert model_differences(base, with_router(num_groups=4, group_topk=2)) == [
+        f"model.layers[{i}].moe.router.{key}: {a} in SRC, {b} in the recipe" for i in (1, 2)
+        for key, a, b in (("group_score", None, "'top2_sum'"), ("group_topk", None, 2), ("num_groups", 1, 4))]
+    assert model_differences(with_router(num_groups=4, group_topk=2),
+                             with_router(num_groups=4, group_topk=2, group_score="max")) == [
+        f"model.layers[{i}].moe.router.group_score: 'top2_sum' in SRC, 'max' in the recipe" for i in (1, 2)]

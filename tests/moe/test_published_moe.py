@@ -1,6 +1,6 @@
 """Our MoE layer against the published implementations it names, float32, same weights copied in: transformers'
 DeepseekV3MoE (sigmoid scores, e_score_correction_bias as our loss-free balancing bias, n_group / topk_group,
-norm_topk_prob, routed_scaling_factor, shared experts) and Qwen2MoeSparseMoeBlock (softmax top-k with and without
+norm_topk_prob, routed_scaling_factor, shared experts), DeepseekV2Moe (softmax, greedy and group-limited greedy) and Qwen2MoeSparseMoeBlock (softmax top-k with and without
 norm_topk_prob, sigmoid-gated shared expert): outputs and router choices; DeepSpeed's MoE(use_residual=True)
 against shared_expert.gate residual_mix on the same weights and routing."""
 from __future__ import annotations
@@ -96,6 +96,33 @@ def test_deepseek_v3_moe(norm_topk_prob):
     assert torch.equal(chosen, as_mask(hf_idx, E))
     unbiased = as_mask(torch.sigmoid(x.reshape(-1, D) @ hf.gate.weight.t()).topk(K, dim=-1).indices, E)
     assert not torch.equal(chosen, unbiased)  # the bias and the group limit decided some choices
+    torch.testing.assert_close(ours(x).y, hf(x), **TOL)
+
+
+@pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_moe(topk_method):
+    """Softmax scores, the top-k of all experts or of the topk_group groups of largest maximum score
+    (group_score: max), never renormalised, times routed_scaling_factor; shared experts."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+
+    E, K, G, M, shared = 16, 3, 4, 2, 2
+    hf_cfg = DeepseekV2Config(hidden_size=D, moe_intermediate_size=F_EXPERT, n_routed_experts=E, num_experts_per_tok=K,
+                              topk_method=topk_method, n_group=G, topk_group=M, routed_scaling_factor=16.0,
+                              n_shared_experts=shared, hidden_act="silu", num_attention_heads=2)
+    torch.manual_seed(2)
+    hf = DeepseekV2Moe(hf_cfg).float().eval()
+    perturb(hf)
+    grouped = dict(num_groups=G, group_topk=M, group_score="max") if topk_method == "group_limited_greedy" else {}
+    router = TopKConfig(k=K, score="softmax", renormalize=False, scaling_factor=16.0, load_balancing_weight=0.0,
+                        **grouped)
+    ours = our_copy(hf, router, E, SharedExpertConfig(hidden_size=F_EXPERT * shared, gate="none"), hf.shared_experts)
+    x = torch.randn(3, 10, D)
+    _, _, hf_idx = hf.gate(x)
+    chosen = our_choices(ours, x)
+    assert torch.equal(chosen, as_mask(hf_idx, E))
+    unlimited = as_mask(torch.softmax(x.reshape(-1, D) @ hf.gate.weight.t(), -1).topk(K, dim=-1).indices, E)
+    assert torch.equal(chosen, unlimited) == (topk_method == "greedy")  # the group limit decided some choices
     torch.testing.assert_close(ours(x).y, hf(x), **TOL)
 
 

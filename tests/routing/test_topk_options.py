@@ -49,7 +49,8 @@ def naive_routes(r: TopKRouter, x_BTD: torch.Tensor) -> dict[int, dict[int, floa
         allowed = list(range(E))
         if cfg.num_groups > 1 and cfg.group_topk is not None:
             n = E // cfg.num_groups
-            group_score = [sum(sorted(c[g * n:(g + 1) * n], reverse=True)[:2]) for g in range(cfg.num_groups)]
+            take = 1 if cfg.group_score == "max" else 2  # the largest, or the sum of the two largest
+            group_score = [sum(sorted(c[g * n:(g + 1) * n], reverse=True)[:take]) for g in range(cfg.num_groups)]
             kept = sorted(range(cfg.num_groups), key=lambda g: -group_score[g])[:cfg.group_topk]
             allowed = [e for e in range(E) if e // n in kept]
         chosen = sorted(allowed, key=lambda e: -c[e])[:cfg.k]
@@ -98,6 +99,18 @@ def test_group_limited_choice(groups, group_topk, k):
     assert_same_routes(got, naive_routes(r, x))
     n = 16 // groups
     assert max(len({e // n for e in chosen}) for chosen in got.values()) <= group_topk
+
+
+def test_groups_scored_by_their_largest_score_choose_otherwise():
+    """group_score max (DeepSeek-V2's group_limited_greedy, softmax scores) by the definition, and on these tokens
+    a choice other than the sum of each group's two largest makes."""
+    common = dict(k=3, score="softmax", num_groups=4, group_topk=2, scaling_factor=2.0)
+    r = make_router(16, seed=5, group_score="max", **common)
+    x = torch.randn(8, 6, D, dtype=torch.float64)
+    got = routes(r(x))
+    assert_same_routes(got, naive_routes(r, x))
+    top2 = make_router(16, seed=5, **common)
+    assert torch.equal(top2.weight, r.weight) and routes(top2(x)) != got
 
 
 def test_loss_free_bias_update_formula_and_state():
