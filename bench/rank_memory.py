@@ -27,7 +27,8 @@ measure two ways), as the peak resident memory a step adds to a rank over its le
                              expert_parallel_size = ranks (its experts' tensors only); also the bytes a rank holds
                              once imported, and its peak over them
 
-Prints one markdown table with the model's fp32 size for scale; `--json` writes the rows.
+Prints one markdown table with the model's fp32 size for scale; `--json` writes the rows; `--import_only` measures
+the import row alone.
 
     python bench/rank_memory.py --train [--ranks 1 2] [--config configs/msit_babylm.yaml] [--set ...]
 
@@ -364,6 +365,7 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[])
     p.add_argument("--import_config", type=pathlib.Path, default=REPO / "configs/mixtral_tiny.yaml")
     p.add_argument("--import_set", nargs="*", default=["model.d_model=512", "model.layers[0].moe.expert.hidden_size=1792"])
+    p.add_argument("--import_only", action="store_true", help="measure the import row alone")
     p.add_argument("--json", type=pathlib.Path)
     p.add_argument("--worker", choices=["build", "checkpoint", "export", "eval", "import", "train"],
                    help=argparse.SUPPRESS)
@@ -383,6 +385,9 @@ def main() -> None:
     args.ranks = args.ranks[0]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
+        if args.import_only:
+            rows, imported = import_rows(args, tmp)
+            return print_rows(args, rows, imported)
         source = tmp / "ckpt"
         run([sys.executable, __file__, "--worker", "checkpoint", "--out", str(source), *common(args)])
         params = json.loads((tmp / "size.json").read_text())["params"]
@@ -396,11 +401,20 @@ def main() -> None:
         whole = measure_eval(args, "whole", tmp, source)
         rows += [(f"evaluate, ZeRO-3, {args.ranks} ranks", whole, measure_eval(args, "partitioned", tmp, source)),
                  (f"evaluate, expert parallel {args.ranks}", whole, measure_eval(args, "ep", tmp, source))]
-        hf = hf_source(args, tmp)
-        imported = {way: measure_import(args, way, tmp, hf) for way in ("whole", "ep")}
-        rows.append((f"import, expert parallel {args.ranks}", imported["whole"]["added"], imported["ep"]["added"]))
+        import_row, imported = import_rows(args, tmp)
+        rows += import_row
     print(f"# rank_memory: {args.config.name} {' '.join(args.set)}: {params:,} parameters, "
           f"{params * 4 / MiB:,.0f} MiB in fp32")
+    print_rows(args, rows, imported)
+
+
+def import_rows(args, tmp: pathlib.Path) -> tuple[list, dict]:
+    hf = hf_source(args, tmp)
+    imported = {way: measure_import(args, way, tmp, hf) for way in ("whole", "ep")}
+    return [(f"import, expert parallel {args.ranks}", imported["whole"]["added"], imported["ep"]["added"])], imported
+
+
+def print_rows(args, rows: list, imported: dict) -> None:
     print("| step | whole model MiB | sharded / streamed MiB | sharded / whole |")
     print("|---|---:|---:|---:|")
     for name, before, now in rows:

@@ -107,17 +107,19 @@ def check_dense_attention(att: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """Our tensor `ours` from the HF tensors `theirs` (`to_ours`), and back (`to_theirs`, in the order of `theirs`).
-    `stacked`: row e of ours comes from theirs[e] alone (an expert stack), so rows are read from their tensors only."""
+    `stacked`: row e of ours comes from theirs[e] alone (an expert stack), so rows are read from their tensors only;
+    `rowwise`: ours is theirs[0] as it is, so any rows of ours are those rows of theirs, read alone."""
 
     ours: str
     theirs: tuple[str, ...]
     to_ours: Callable[[list[torch.Tensor]], torch.Tensor]
     to_theirs: Callable[[torch.Tensor], list[torch.Tensor]]
     stacked: bool = False
+    rowwise: bool = False
 
 
 def same(ours: str, theirs: str) -> Rule:
-    return Rule(ours, (theirs,), lambda ts: ts[0], lambda t: [t])
+    return Rule(ours, (theirs,), lambda ts: ts[0], lambda t: [t], rowwise=True)
 
 
 def transposed(ours: str, theirs: str) -> Rule:

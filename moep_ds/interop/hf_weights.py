@@ -7,8 +7,9 @@ The dense architectures are mapped in hf_layout.py, the MoE ones in moe_layout.p
 
 safetensors files are read through `safe_open` (memory-mapped, one tensor at a time); .bin files through
 `torch.load(weights_only=True, mmap=True)`, which maps the file and runs no code from it. Either way only the
-tensors of the one weight being read are in memory, and of an expert stack only the experts asked for (a process
-under expert parallelism reads its own experts' tensors, from whichever shards hold them).
+tensors of the one weight being read are in memory, of an expert stack only the experts asked for (a process
+under expert parallelism reads its own experts' tensors, from whichever shards hold them), and of a tensor stored
+as we hold it (an embedding, a head) only the rows being copied (weights.py copies in chunks of rows).
 """
 from __future__ import annotations
 
@@ -105,6 +106,14 @@ class TensorFiles:
             with safetensors_file(file) as f:
                 return f.get_tensor(key).float()
         return load_bin(file)[key].float()
+
+    def read_rows(self, key: str, first: int, end: int) -> torch.Tensor:
+        """Rows [first, end) of the tensor in fp32, only their bytes read from the file."""
+        file = self.files[key]
+        if file.suffix == ".safetensors":
+            with safetensors_file(file) as f:
+                return f.get_slice(key)[first:end].float()
+        return load_bin(file)[key][first:end].float()
 
 
 @contextlib.contextmanager
@@ -227,6 +236,8 @@ def weight_of(rule: Rule, files: TensorFiles, keys: dict[str, str]) -> Weight:
     read_rows = None
     if rule.stacked:  # an expert stack: experts [first, end) from their own tensors only
         read_rows = lambda first, end: rule.to_ours([files.read(keys[k]) for k in rule.theirs[first:end]])  # noqa: E731
+    elif rule.rowwise and len(shape) >= 2:  # the tensor as stored: its rows alone
+        read_rows = lambda first, end: files.read_rows(keys[rule.theirs[0]], first, end)  # noqa: E731
     return Weight(shape, lambda: rule.to_ours([files.read(keys[k]) for k in rule.theirs]), read_rows)
 
 

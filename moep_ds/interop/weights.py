@@ -1,7 +1,7 @@
 """Weights by our canonical names, each read only when it is needed, and copied into what a process holds.
 
     weights = source_weights(source, model_cfg)     # {canonical name: Weight}: checked against the recipe
-    fill_pieces(module_pieces(model, ep), weights)  # each piece: only the rows that hold it
+    fill_pieces(module_pieces(model, ep), weights)  # each piece: only the rows that hold it, a chunk at a time
 
 A `Weight` reads one tensor of the full (global) model in fp32: from a Hugging Face checkpoint (hf_weights.py,
 through the architecture's map), from a moep_ds checkpoint or model directory, or an upcycled expert stack
@@ -23,6 +23,7 @@ from moep_ds.checkpointing.sharded import MODEL_PREFIX, FlatShard
 from moep_ds.errors import UserError
 
 log = logging.getLogger(__name__)
+CHUNK_BYTES = 4 << 20  # fp32 bytes of one weight read at once, in whole rows (copy_in_chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,25 @@ def fill_pieces(pieces: dict[str, FlatShard], weights: dict[str, Weight], keep: 
             if math.prod(weight.shape) != piece.numel:
                 raise UserError(f"{source}: tensor {name!r} has shape {list(weight.shape)} there, {piece.numel} "
                                 "elements in the model the recipe builds")
-            piece.local.copy_(flat_range(weight, piece.offset, piece.local.numel()))
+            copy_in_chunks(piece, weight)
+
+
+def copy_in_chunks(piece: FlatShard, weight: Weight) -> None:
+    """piece.local <- its range of `weight`. A weight that reads rows alone is copied CHUNK_BYTES of whole rows at a
+    time (chunk edges at multiples of that many rows of the full tensor), so that no more than a chunk of it is
+    read at once: an embedding is never whole in memory twice. Other weights are read whole (they are small, or
+    computed from several tensors)."""
+    n = piece.local.numel()
+    if weight.read_rows is None or len(weight.shape) < 2 or n == 0:
+        piece.local.copy_(flat_range(weight, piece.offset, n))
+        return
+    row = math.prod(weight.shape[1:])
+    step = max(1, CHUNK_BYTES // (4 * row)) * row  # fp32 elements: whole rows
+    start, end = piece.offset, piece.offset + n
+    while start < end:
+        stop = min(end, (start // step + 1) * step)
+        piece.local[start - piece.offset:stop - piece.offset].copy_(flat_range(weight, start, stop - start))
+        start = stop
 
 
 def check_names(wanted: set[str], weights: dict[str, Weight], keep: set[str], source: str) -> None:
