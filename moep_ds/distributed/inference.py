@@ -38,16 +38,13 @@ def inference_ds_config(dtype: str) -> dict[str, Any]:
     return ds
 
 
-def split_model(cfg: Any, model_dir: Path, dtype: str, expert_parallel: bool) -> tuple[torch.nn.Module, Any]:
-    """(this rank's part of the model of recipe `cfg` with the weights of `model_dir`, in eval mode; the
-    DeepSpeed engine whose hooks gather a ZeRO-3 model's parameters while it runs: keep it as long as the model,
-    None for expert parallelism). Joins the launcher's process group."""
-    import deepspeed
-
-    from moep_ds.checkpointing.model_dir import load_weights
+def build_split(cfg: Any, dtype: str, expert_parallel: bool) -> tuple[torch.nn.Module, Any, dict[str, Any], Any]:
+    """(this rank's part of the model of recipe `cfg`, built without initialising it: every weight comes from
+    elsewhere; its expert-parallel plan; the ZeRO-3 config it was built under; the device). Joins the launcher's
+    process group."""
     from moep_ds.models.causal_lm import build_model
     from moep_ds.distributed.process_group import init_distributed, setup_logging
-    from moep_ds.distributed.expert_parallel import expert_parallel_plan, routed_module_classes, setup_expert_parallel
+    from moep_ds.distributed.expert_parallel import expert_parallel_plan, setup_expert_parallel
     from moep_ds.distributed.zero3 import check_partitioned, partitioned_construction
 
     ds = inference_ds_config(dtype)
@@ -56,10 +53,24 @@ def split_model(cfg: Any, model_dir: Path, dtype: str, expert_parallel: bool) ->
     world = dist.get_world_size()
     plan = expert_parallel_plan(cfg.model, world if expert_parallel else 1)
     with nullcontext() if expert_parallel else partitioned_construction(ds):
-        model = build_model(cfg.model, plan=plan, initialise=False)  # every weight comes from the checkpoint
+        model = build_model(cfg.model, plan=plan, initialise=False)
     if not expert_parallel:
         check_partitioned(model)
     setup_expert_parallel(model, plan)
+    return model, plan, ds, device
+
+
+def split_model(cfg: Any, model_dir: Path, dtype: str, expert_parallel: bool) -> tuple[torch.nn.Module, Any]:
+    """(this rank's part of the model of recipe `cfg` with the weights of `model_dir`, in eval mode; the
+    DeepSpeed engine whose hooks gather a ZeRO-3 model's parameters while it runs: keep it as long as the model,
+    None for expert parallelism). Joins the launcher's process group."""
+    import deepspeed
+
+    from moep_ds.checkpointing.model_dir import load_weights
+    from moep_ds.distributed.expert_parallel import routed_module_classes
+
+    model, plan, ds, device = build_split(cfg, dtype, expert_parallel)
+    world = dist.get_world_size()
     error = None
     try:
         load_weights(model, model_dir, partitions=not expert_parallel, ep=plan)
@@ -92,4 +103,4 @@ def stop_together(error: UserError | None, what: str) -> None:
     raise UserError(str(error)) from None  # reported by this rank, not only by rank 0
 
 
-__all__ = ["inference_ds_config", "split_model", "stop_together"]
+__all__ = ["build_split", "inference_ds_config", "split_model", "stop_together"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moep_ds.checkpointing import model_state
+from moep_ds.checkpointing import model_state, sharded
 from moep_ds.checkpointing.model_state import canonical_name, is_expert_param
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, OPTIM_PREFIX, FlatShard
 from moep_ds.distributed import deepspeed_adapter
@@ -62,6 +62,28 @@ def owned_pieces(optimizer, model, ep: ExpertParallelPlan, for_load: bool) -> di
         for start, views in local_pieces(p, optimizer, whole_replicas=for_load):
             for key, view in views.items():
                 out[piece_name(name, key)] = FlatShard(view, base + start, numel, shape)
+    return out
+
+
+def written_model_pieces(model, ep: ExpertParallelPlan) -> dict[str, FlatShard]:
+    """What this rank writes of a model split over the ranks without an optimizer (moep-import under a launcher):
+    its ZeRO-3 partitions and its experts, and of a parameter it holds as a whole copy its even share among the
+    ranks holding the same copy; buffers and extra state from rank 0. Together the ranks write every element once."""
+    held = model_state.module_pieces(model, ep, partitions=True)
+    out = {}
+    for name, p in model.named_parameters():
+        key = MODEL_PREFIX + canonical_name(name)
+        if hasattr(p, "ds_id"):  # this rank's partition (none when it holds only padding)
+            if key in held:
+                out[key] = held[key]
+            continue
+        piece = held[key]
+        start, stop = replica_share(p.numel(), *replica_position(p))
+        if stop > start:
+            out[key] = FlatShard(piece.local[start:stop], piece.offset + start, piece.numel, piece.shape)
+    if dist.get_rank() == 0:
+        out.update({MODEL_PREFIX + n: sharded.whole(b) for n, b in model_state.buffers(model).items()})
+        out.update({MODEL_PREFIX + n: v for n, v in model_state.extra_states(model).items()})
     return out
 
 

@@ -9,9 +9,17 @@
 N is the revision's step (`@stepN`, Pythia's checkpoints), else 0. moep-eval, moep-export and moep-generate read
 the run directory as they read a trained one; training starts from it with `model.init_from: RUN_DIR` (it has no
 optimizer state to `--resume`). RUN_DIR appears whole or not at all.
+
+Under a launcher (`torchrun --nproc_per_node N -m moep_ds.cli.import_model ...`, WORLD_SIZE > 1) no process holds
+the whole model (`import_split`): the model is split over the ranks as moep-eval splits it (distributed/inference.py),
+ZeRO-3 partitions by default or, with `expert_parallel`, 1/N of every routed stage's experts per rank and the rest
+whole; each rank reads only what it holds from SRC (its experts' own tensors, its partitions' rows) and writes it,
+tensors held whole by every rank in even shares (distributed/owned_state.py). The checkpoint is the one a single
+process writes, tensor for tensor.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
@@ -20,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moep_ds.checkpointing import layout, model_state
+from moep_ds.checkpointing import layout, model_state, sharded
 from moep_ds.checkpointing.model_dir import write_recipe_files
 from moep_ds.errors import UserError
 from moep_ds.interop.sources import source_weights
@@ -68,6 +76,72 @@ def import_checkpoint(src: str, cfg: Any, out: str | Path) -> Path:
     return layout.checkpoint_root(out) / tag
 
 
+def import_split(src: str, cfg: Any, out: str | Path, expert_parallel: bool = False) -> Path | None:
+    """`import_checkpoint` on every rank of a launch, each rank holding and writing only its part (module
+    docstring); returns the checkpoint's folder on rank 0, None on the others."""
+    import torch.distributed as dist
+
+    from moep_ds.distributed.inference import build_split, stop_together
+    from moep_ds.distributed.owned_state import written_model_pieces
+    from moep_ds.distributed.rank_errors import agreed
+    from moep_ds.errors import SharedUserError
+
+    out = Path(out)
+    if cfg.model.upcycle is not None:  # the seeded routers would be initialised per rank's part
+        raise SharedUserError("moep-import under a launcher reads a model's own weights; upcycling (model.upcycle) "
+                              "runs in one process, or in training from the dense source (model.init_from)")
+    model, plan, _, _ = build_split(cfg, "float32", expert_parallel)
+    rank = dist.get_rank()
+    agreed(check_out_dir, out, run=rank == 0)
+    weights, _, source = agreed(source_weights, src, cfg.model, cfg.data.tokenizer)
+    agreed(fill_pieces, model_state.module_pieces(model, plan, partitions=True), weights, set(), f"SRC ({src!r})")
+    step = source.step or 0
+    stored = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None))
+    tokenizer_dir = source_tokenizer(source.folder) if rank == 0 else None
+    meta = {"step": step, "tokens": imported_tokens(step, cfg), **source.describe(), "upcycled": False}
+    tag = layout.checkpoint_tag(step)
+    pieces = written_model_pieces(model, plan)
+    aliases = model_state.tied_names(model)
+    with contextlib.ExitStack() as stack:  # RUN_DIR appears whole or not at all: rank 0 writes a temporary sibling
+        tmp = [agreed(writing, out, lambda: str(stack.enter_context(layout.output_dir(out))), run=rank == 0)]
+        dist.broadcast_object_list(tmp, src=0)
+        path = layout.checkpoint_root(Path(tmp[0])) / tag
+        agreed(writing, out, lambda: path.mkdir(parents=True), run=rank == 0)
+        error = None
+        try:
+            sharded.save(pieces, path, aliases=aliases)
+        except (Exception, sharded.DCPError) as err:  # DCP raises the same exception on every rank
+            error = SharedUserError(f"writing {str(out)!r} failed: {sharded.first_line(err)}")
+        agreed(writing, out, lambda: finish(error, model, stored, path, tokenizer_dir, meta), run=rank == 0)
+        stop_together(error, f"--out ({str(out)!r})")
+    dist.barrier()  # rank 0 has moved RUN_DIR into place
+    held = "of the experts, the rest whole" if expert_parallel else "of the model (ZeRO-3)"
+    if rank == 0:
+        log.info("imported %s into %s (step %d) on %d ranks, each holding 1/%d %s; its recipe: %s", src, out, step,
+                 dist.get_world_size(), dist.get_world_size(), held,
+                 layout.checkpoint_root(out) / tag / "config.yaml")
+        return layout.checkpoint_root(out) / tag
+    return None
+
+
+def writing(out: Path, fn: Any) -> Any:
+    """fn(), a failed write one line naming RUN_DIR."""
+    try:
+        return fn()
+    except OSError as err:
+        raise UserError(f"writing {str(out)!r} failed: {err}") from None
+
+
+def finish(error: UserError | None, model: torch.nn.Module, cfg: Any, path: Path, tokenizer_dir: Path | None,
+           meta: dict[str, Any]) -> None:
+    """On rank 0 once every rank wrote its tensors: what a single process writes beside them, and COMPLETE."""
+    if error is not None:
+        return
+    sharded.save_json(model_state.extra_states(model), path / model_state.EXTRA_STATE_FILE)
+    write_recipe_files(cfg, path, tokenizer_dir, meta)
+    (path / layout.COMPLETE).touch()
+
+
 def imported_tokens(step: int, cfg: Any) -> int | None:
     """The tokens a checkpoint of step N was trained on, as a run of the recipe counts them: N x the recipe's
     train.global_batch_size x data.seq_len (Pythia's step 13000: 13000 x 1024 x 2048), so that its evaluation
@@ -111,4 +185,4 @@ def source_tokenizer(folder: Path) -> Path | None:
     return folder
 
 
-__all__ = ["build_imported", "import_checkpoint", "write_model_checkpoint"]
+__all__ = ["build_imported", "import_checkpoint", "import_split", "write_model_checkpoint"]

@@ -215,3 +215,77 @@ def test_a_shard_the_index_names_is_missing(imported, tmp_path, capsys):
     assert refused(tmp_path / "hf", tmp_path, capsys) == (
         f"error: {str(tmp_path / 'hf' / 'model.safetensors.index.json')!r} names shard {shard!r} (holding {key!r}), "
         f"which is missing from {str(tmp_path / 'hf')!r}")
+
+
+def import_on_rank(src: str, out: str, way: str) -> tuple[int, list[int]]:
+    """One rank of a 2-process `moep-import` (ZeRO-3, or --expert_parallel): its exit status and the experts whose
+    tensors it read."""
+    from moep_ds.cli.import_model import main as import_cli
+    from moep_ds.interop.hf_weights import TensorFiles
+
+    read: list[str] = []
+    original = TensorFiles.read
+    TensorFiles.read = lambda self, key: read.append(key) or original(self, key)
+    code = import_cli([src, "--out", out, *(["--expert_parallel"] if way == "expert_parallel" else [])])
+    return code, sorted({int(key.split(".experts.")[1].split(".")[0]) for key in read if ".experts." in key})
+
+
+def score_on_rank(run: str, way: str) -> dict:
+    """The run directory split over 2 ranks as moep-eval splits it: the logits and the experts every MoE layer
+    chose."""
+    from hf_moe_models import our_choices
+    from moep_ds.evaluation.partitioned import load_partitioned_model_dir
+
+    model, _, _, _, engine = load_partitioned_model_dir(run, expert_parallel=way == "expert_parallel")
+    logits, chosen = our_choices(model, tokens())
+    del engine
+    return {"logits": logits, "chosen": chosen}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("imported,way", [("deepseek_v3", "expert_parallel"), ("deepseek_v3", "zero3"),
+                                          ("olmoe", "expert_parallel")], indirect=["imported"])
+def test_an_import_on_two_processes_is_the_one_process_import(imported, way, tmp_path):
+    """`moep-import` on 2 ranks, no rank holding the whole model (each its experts and the rest whole, or its ZeRO-3
+    partitions): the run directory a single process writes, tensor for tensor and recipe for recipe (so its export
+    and re-import are as tested above); the model split over the 2 ranks gives transformers' logits (1e-5) and
+    chooses the experts transformers' routers choose."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ranks import run_ranks
+
+    out = tmp_path / "run"
+    # each rank read its own half of the experts (under ZeRO-3 the halves of each stack's flat partitions)
+    assert [r.result for r in run_ranks(2, import_on_rank, str(imported.folder / "hf"), str(out), way)] == [
+        (0, [0, 1, 2, 3]), (0, [4, 5, 6, 7])]
+    one, two = stored(imported.folder / "run1"), stored(out)
+    assert one.keys() == two.keys()
+    for name in one:
+        assert torch.equal(one[name], two[name]), name
+    ckpt = next((out / "checkpoints").iterdir())
+    assert (ckpt / "COMPLETE").is_file() and not list(tmp_path.glob(".*"))
+    single = next((imported.folder / "run1" / "checkpoints").iterdir())
+    assert (ckpt / "config.yaml").read_text() == (single / "config.yaml").read_text()
+    expected_BTV, hf_chosen = hf_choices(imported.reference, tokens())
+    for rank in run_ranks(2, score_on_rank, str(out), way):
+        torch.testing.assert_close(rank.result["logits"], expected_BTV, **TOLERANCE)
+        assert all(torch.equal(ours, theirs) for ours, theirs in zip(rank.result["chosen"], hf_chosen, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("imported", ["olmoe"], indirect=True)
+def test_an_import_on_two_processes_into_a_used_directory_fails_in_one_line(imported, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ranks import joined, run_ranks
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = joined(run_ranks(2, import_on_rank, str(imported.folder / "hf"), str(out), "zero3", check=False))
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert errors == [f"error: --out ({str(out)!r}) exists and is not empty: moep-import writes a new run directory"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and [p.name for p in out.iterdir()] == ["notes.txt"]
