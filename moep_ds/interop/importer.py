@@ -63,17 +63,23 @@ def import_checkpoint(src: str, cfg: Any, out: str | Path) -> Path:
     out = Path(out)
     check_out_dir(out)
     model, source = build_imported(src, cfg)
-    step = source.step or 0
-    stored = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None, upcycle=None))
+    stored, meta, tag = checkpoint_record(cfg, source)
     tokenizer_dir = source_tokenizer(source.folder)
-    meta = {"step": step, "tokens": imported_tokens(step, cfg), **source.describe(),
-            "upcycled": cfg.model.upcycle is not None}
-    tag = layout.checkpoint_tag(step)
     with layout.output_dir(out) as tmp:
         write_model_checkpoint(model, stored, layout.checkpoint_root(tmp) / tag, tokenizer_dir, meta)
-    log.info("imported %s into %s (step %d); its recipe: %s", src, out, step,
+    log.info("imported %s into %s (step %d); its recipe: %s", src, out, meta["step"],
              layout.checkpoint_root(out) / tag / "config.yaml")
     return layout.checkpoint_root(out) / tag
+
+
+def checkpoint_record(cfg: Any, source: Any) -> tuple[Any, dict[str, Any], str]:
+    """(the recipe stored with the weights: init_from and upcycle cleared, as the weights are in it; meta.json;
+    the checkpoint's tag), for the source's step."""
+    step = source.step or 0
+    stored = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None, upcycle=None))
+    meta = {"step": step, "tokens": imported_tokens(step, cfg), **source.describe(),
+            "upcycled": cfg.model.upcycle is not None}
+    return stored, meta, layout.checkpoint_tag(step)
 
 
 def import_split(src: str, cfg: Any, out: str | Path, expert_parallel: bool = False) -> Path | None:
@@ -95,11 +101,8 @@ def import_split(src: str, cfg: Any, out: str | Path, expert_parallel: bool = Fa
     agreed(check_out_dir, out, run=rank == 0)
     weights, _, source = agreed(source_weights, src, cfg.model, cfg.data.tokenizer)
     agreed(fill_pieces, model_state.module_pieces(model, plan, partitions=True), weights, set(), f"SRC ({src!r})")
-    step = source.step or 0
-    stored = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None))
+    stored, meta, tag = checkpoint_record(cfg, source)
     tokenizer_dir = source_tokenizer(source.folder) if rank == 0 else None
-    meta = {"step": step, "tokens": imported_tokens(step, cfg), **source.describe(), "upcycled": False}
-    tag = layout.checkpoint_tag(step)
     pieces = written_model_pieces(model, plan)
     aliases = model_state.tied_names(model)
     with contextlib.ExitStack() as stack:  # RUN_DIR appears whole or not at all: rank 0 writes a temporary sibling
@@ -117,7 +120,8 @@ def import_split(src: str, cfg: Any, out: str | Path, expert_parallel: bool = Fa
     dist.barrier()  # rank 0 has moved RUN_DIR into place
     held = "of the experts, the rest whole" if expert_parallel else "of the model (ZeRO-3)"
     if rank == 0:
-        log.info("imported %s into %s (step %d) on %d ranks, each holding 1/%d %s; its recipe: %s", src, out, step,
+        log.info("imported %s into %s (step %d) on %d ranks, each holding 1/%d %s; its recipe: %s", src, out,
+                 meta["step"],
                  dist.get_world_size(), dist.get_world_size(), held,
                  layout.checkpoint_root(out) / tag / "config.yaml")
         return layout.checkpoint_root(out) / tag
