@@ -24,7 +24,7 @@ def tiny(flavour: str, **model):
 
 
 def small_enough(recipe: str):
-    """The recipe itself if it is small; otherwise the same architecture with one layer per entry and a
+    """The recipe itself if it is small; otherwise the same architecture with one layer per entry, short paths and a
     small vocabulary (the 1B recipes), so causality is still checked on every recipe's block types."""
     cfg = load_config(CONFIGS / f"{recipe}.yaml")
     if meta_param_report(cfg.model).params_total <= 60_000_000:
@@ -37,6 +37,8 @@ def small_enough(recipe: str):
             shrink.append(f"model.layers[{i}].moe.expert.hidden_size=16")
             if layer.moe.shared_expert is not None:
                 shrink.append(f"model.layers[{i}].moe.shared_expert.hidden_size=16")
+        if layer.type == "paths":  # MoEP paths of 2 layers, narrow FFNs (the 1B paths recipe: 810M parameters else)
+            shrink += [f"model.layers[{i}].path_depth=2", f"model.layers[{i}].path_ffn.hidden_size=16"]
     return load_config(CONFIGS / f"{recipe}.yaml", shrink).model
 
 
