@@ -217,7 +217,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moep_ds.evaluation.partitioned import run_split
+    from moep_ds.distributed.commands import run_split
 
     return run_split(run_command, _main, parser().parse_args(argv))
 

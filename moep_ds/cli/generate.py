@@ -16,7 +16,8 @@ import torch.distributed as dist
 from moep_ds.distributed.commands import ArgumentParser, run_command
 from moep_ds.errors import SharedUserError, UserError
 from moep_ds.evaluation.generate import DTYPES, generate_sliding, parse_device, place_model
-from moep_ds.evaluation.partitioned import load_eval_model, run_split
+from moep_ds.distributed.commands import run_split
+from moep_ds.evaluation.partitioned import load_eval_model
 
 log = logging.getLogger(__name__)
 

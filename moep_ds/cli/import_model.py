@@ -23,7 +23,7 @@ import argparse
 import logging
 import sys
 
-from moep_ds.distributed.commands import ArgumentParser, run_command
+from moep_ds.distributed.commands import ArgumentParser, run_command, run_split
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
 def _main(args: argparse.Namespace) -> int:
     from moep_ds.config import config_from_dict
     from moep_ds.recipe_yaml import read_yaml
-    from moep_ds.evaluation.partitioned import launched_world_size
+    from moep_ds.distributed.launcher import launched_world_size
     from moep_ds.interop.importer import import_checkpoint, import_split
     from moep_ds.interop.sources import source_recipe
 
@@ -65,8 +65,6 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moep_ds.evaluation.partitioned import run_split
-
     return run_split(run_command, _main, parser().parse_args(argv))
 
 

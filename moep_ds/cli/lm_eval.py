@@ -13,10 +13,9 @@ import re
 import sys
 
 import moep_ds.evaluation.harness  # noqa: F401 - registers the model under the name moep_ds
-from moep_ds.distributed.commands import run_guarded
-from moep_ds.distributed.launcher import launcher_rank
+from moep_ds.distributed.commands import run_guarded, run_split
+from moep_ds.distributed.launcher import launched_world_size, launcher_rank
 from moep_ds.errors import SharedUserError, UserError
-from moep_ds.evaluation.partitioned import launched_world_size, run_split
 
 OUTPUT_FLAGS = ("--output_path", "-o")
 CACHE_FLAGS = ("--use_cache", "-c")

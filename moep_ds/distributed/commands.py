@@ -119,3 +119,22 @@ def run_command(body, args: argparse.Namespace) -> int:
     """Entry point of a console script: INFO logging to stderr, then `body(args)` with one-line errors."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     return run_guarded(body, args)
+
+
+def run_split(body, *args) -> int:
+    """The exit status of a command on the ranks of a model split over them (moep-eval, moep-generate,
+    lm_eval_cli, moep-import under a launcher): the largest status the ranks returned, after which every rank leaves
+    the process group together. A rank whose `body(*args)` raises leaves at once instead (`exit_joined`; the
+    interpreter for an unexpected error): the others may be in a collective it will not join, and the launcher stops
+    them, so one rank failing fails the command everywhere. Errors that every rank meets alike (a checkpoint one
+    rank cannot read: `stop_together`) are raised by all."""
+    import torch.distributed as dist
+
+    from moep_ds.checkpointing.sharded import all_reduce_value
+    from moep_ds.distributed.process_group import leave_process_group
+
+    code = body(*args)
+    if dist.is_initialized():
+        code = int(all_reduce_value(code, dist.ReduceOp.MAX))
+        leave_process_group()
+    return code

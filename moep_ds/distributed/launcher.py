@@ -20,6 +20,11 @@ def launcher_rank() -> int:
     return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or first_env(MPI_RANK_VARS) or 0)
 
 
+def launched_world_size() -> int:
+    """Processes started by a launcher (torchrun, deepspeed, srun via env); 1 for a plain process."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def mpi_world_size() -> int:
     """The size of the MPI job this process was started in (1 when none)."""
     return int(first_env(MPI_SIZE_VARS) or 1)

@@ -22,22 +22,14 @@ gathered, and generation decodes in lockstep with rank 0's tokens (evaluation/ha
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from moep_ds.checkpointing.sharded import all_reduce_value
 from moep_ds.errors import SharedUserError
-from moep_ds.distributed.process_group import leave_process_group
+from moep_ds.distributed.launcher import launched_world_size
 
 log = logging.getLogger(__name__)
-
-def launched_world_size() -> int:
-    """Processes started by a launcher (torchrun, deepspeed, srun via env); 1 for a plain process."""
-    return int(os.environ.get("WORLD_SIZE", 1))
-
 
 def load_partitioned_model_dir(path: str, overrides: list[str] | None = None, dtype: str = "float32",
                                expert_parallel: bool = False) -> tuple[Any, Any, Any, dict[str, Any], Any]:
@@ -95,18 +87,5 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return p.ds_tensor.device if hasattr(p, "ds_id") else p.device
 
 
-def run_split(body, *args: Any) -> int:
-    """An evaluation command's exit status on the ranks of a split model: the largest status the ranks returned,
-    after which every rank leaves the process group together. A rank whose `body(*args)` raises leaves at once
-    instead (cli.exit_joined; the interpreter for an unexpected error): the others may be in a collective of the
-    forward pass it will not join, and the launcher stops them, so one rank failing fails the command everywhere.
-    Errors that every rank meets alike (a checkpoint one rank cannot read: `stop_together`) are raised by all."""
-    code = body(*args)
-    if dist.is_initialized():
-        code = int(all_reduce_value(code, dist.ReduceOp.MAX))
-        leave_process_group()
-    return code
-
-
-__all__ = ["experts_sharded", "is_partitioned", "launched_world_size", "load_eval_model", "load_partitioned_model_dir",
-           "model_device", "run_split", "split_over_ranks"]
+__all__ = ["experts_sharded", "is_partitioned", "load_eval_model", "load_partitioned_model_dir", "model_device",
+           "split_over_ranks"]
