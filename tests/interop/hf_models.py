@@ -71,13 +71,18 @@ def recipe(case: str, **model: Any) -> dict[str, Any]:
 
 
 def hf_model(case: str, seed: int = 0) -> torch.nn.Module:
+    return perturbed(CLASSES[case], hf_config(case), seed)
+
+
+def perturbed(class_name: str, config, seed: int, scale=lambda name: 0.05) -> torch.nn.Module:
+    """transformers' `class_name` of `config` (eager attention, float32, eval) with every parameter moved off its
+    initial value by scale(name) x N(0, 1)."""
     torch.manual_seed(seed)
-    config = hf_config(case)
     config._attn_implementation = "eager"
-    model = getattr(transformers, CLASSES[case])(config).float().eval()
+    model = getattr(transformers, class_name)(config).float().eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+        for name, p in model.named_parameters():
+            p.add_(scale(name) * torch.randn_like(p))
     return model
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from hf_models import perturbed
+
 transformers = __import__("pytest").importorskip("transformers")
 
 V, D, T, E = 300, 32, 16, 8
@@ -68,14 +70,9 @@ CASES = list(CLASSES)
 
 
 def hf_model(case: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = hf_config(case)
-    config._attn_implementation = "eager"
-    model = getattr(transformers, CLASSES[case])(config).float().eval()
+    # routers far from uniform (clear choices), everything else moved off its initial value
+    model = perturbed(CLASSES[case], hf_config(case), seed, lambda name: 1.0 if name.endswith("gate.weight") else 0.05)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            # routers far from uniform (clear choices), everything else moved off its initial value
-            p.add_((1.0 if name.endswith("gate.weight") else 0.05) * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn_like(b))
