@@ -41,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--expert_parallel", action="store_true",
                    help="under a launcher: each rank holds 1/N of the experts (the rest whole) instead of ZeRO-3 "
                         "partitions")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 
 
