@@ -55,7 +55,7 @@ def native_format(model_cfg: Any) -> NativeFormat:
 
 def moe_format(model_cfg: Any) -> NativeFormat:
     from moep_ds.interop.compare import model_differences
-    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES, Inexpressible, interleaved
+    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES, Inexpressible
 
     misses = []
     for arch in MOE_ARCHITECTURES.values():
@@ -68,7 +68,7 @@ def moe_format(model_cfg: Any) -> NativeFormat:
             misses.append((INEXPRESSIBLE, arch.hf_class, [str(err)]))
             continue
         if not lines:
-            return NativeFormat(arch.hf_class, config, arch.rules(model_cfg, interleaved(arch, config)))
+            return NativeFormat(arch.hf_class, config, arch.rules(model_cfg, config))
         misses.append((len(lines), arch.hf_class, lines))
     count, name, lines = min(misses, key=lambda m: m[0])
     extra = f" ({count} setting(s) differ)" if count < INEXPRESSIBLE else ""

@@ -175,14 +175,14 @@ def architecture_names() -> list[str]:
 def hf_weights(folder: Path, model_cfg: Any, source: str) -> dict[str, Weight]:
     """The weights of a Hugging Face folder under our names, after checking config.json against the recipe's
     model (every mismatch one line) and the tensors against the architecture's map (none missing, none unknown)."""
-    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES, interleaved
+    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES
 
     hf = read_config(folder)
     kind = hf.get("model_type")
     if kind in MOE_ARCHITECTURES:
         arch = MOE_ARCHITECTURES[kind]
         check_moe_against_recipe(arch, hf, model_cfg, source)
-        rules, ignored = arch.rules(model_cfg, interleaved(arch, hf)), arch.ignored(hf)
+        rules, ignored = arch.rules(model_cfg, hf), arch.ignored(hf)
     elif kind in ARCHITECTURES:
         arch = ARCHITECTURES[kind]
         spec = spec_of(model_cfg)

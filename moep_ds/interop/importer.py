@@ -115,14 +115,13 @@ def import_split(src: str, cfg: Any, out: str | Path, expert_parallel: bool = Fa
             sharded.save(pieces, path, aliases=aliases)
         except (Exception, sharded.DCPError) as err:  # DCP raises the same exception on every rank
             error = SharedUserError(f"writing {str(out)!r} failed: {sharded.first_line(err)}")
-        agreed(writing, out, lambda: finish(error, model, stored, path, tokenizer_dir, meta), run=rank == 0)
+        agreed(writing, out, lambda: finish(model, stored, path, tokenizer_dir, meta), run=rank == 0 and not error)
         stop_together(error, f"--out ({str(out)!r})")
     dist.barrier()  # rank 0 has moved RUN_DIR into place
-    held = "of the experts, the rest whole" if expert_parallel else "of the model (ZeRO-3)"
     if rank == 0:
+        held = "of the experts, the rest whole" if expert_parallel else "of the model (ZeRO-3)"
         log.info("imported %s into %s (step %d) on %d ranks, each holding 1/%d %s; its recipe: %s", src, out,
-                 meta["step"],
-                 dist.get_world_size(), dist.get_world_size(), held,
+                 meta["step"], dist.get_world_size(), dist.get_world_size(), held,
                  layout.checkpoint_root(out) / tag / "config.yaml")
         return layout.checkpoint_root(out) / tag
     return None
@@ -136,11 +135,8 @@ def writing(out: Path, fn: Any) -> Any:
         raise UserError(f"writing {str(out)!r} failed: {err}") from None
 
 
-def finish(error: UserError | None, model: torch.nn.Module, cfg: Any, path: Path, tokenizer_dir: Path | None,
-           meta: dict[str, Any]) -> None:
+def finish(model: torch.nn.Module, cfg: Any, path: Path, tokenizer_dir: Path | None, meta: dict[str, Any]) -> None:
     """On rank 0 once every rank wrote its tensors: what a single process writes beside them, and COMPLETE."""
-    if error is not None:
-        return
     sharded.save_json(model_state.extra_states(model), path / model_state.EXTRA_STATE_FILE)
     write_recipe_files(cfg, path, tokenizer_dir, meta)
     (path / layout.COMPLETE).touch()

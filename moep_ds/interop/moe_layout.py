@@ -169,6 +169,7 @@ class MoEArchitecture:
     to_hf: Callable[[Any], Raw]  # a model -> this architecture's own config.json keys
     base_prefix: str = "model."
     head_keys: tuple[str, ...] = ("lm_head.weight",)
+    rope_interleaved: Callable[[Raw], bool] = lambda hf: False  # rotary rows stored in pairs 2i, 2i + 1 (DeepSeek)
 
     def recipe(self, hf: Raw) -> Raw:
         """The model section of the recipe that builds the model config.json describes."""
@@ -201,7 +202,9 @@ class MoEArchitecture:
         return re.compile(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq" +
                           (rf"|model\.layers\.({mtp})\..*" if mtp else ""))
 
-    def rules(self, model: Any, interleaved: bool) -> list[Rule]:
+    def rules(self, model: Any, hf: Raw) -> list[Rule]:
+        """Our tensors from those of a checkpoint of config.json `hf` (its rotary row order), and back."""
+        interleaved = self.rope_interleaved(hf)
         out = [same("embed.weight", "model.embed_tokens.weight"), same("norm.weight", "model.norm.weight")]
         if not model.tie_embeddings:
             out.append(same("head.weight", self.head_keys[0]))
@@ -460,21 +463,14 @@ MOE_ARCHITECTURES = {
         "deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "shared_experts",
         {"attention_bias": False, "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
         first_k_dense, lambda hf: mla_attention(hf, "deepseek_v3"), deepseek_router, deepseek_shared,
-        "moe_intermediate_size", deepseek_hf),
+        "moe_intermediate_size", deepseek_hf, rope_interleaved=lambda hf: bool(hf.get("rope_interleave", True))),
     "deepseek_v2": MoEArchitecture(
         "deepseek_v2", "DeepseekV2ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "shared_experts",
         {"attention_bias": False, "mlp_bias": False, "moe_layer_freq": 1, "scoring_func": "softmax",
          "norm_topk_prob": False}, first_k_dense, lambda hf: mla_attention(hf, "deepseek_v2"), deepseek_v2_router,
-        deepseek_shared, "moe_intermediate_size", lambda m: deepseek_hf(m, version=2)),
+        deepseek_shared, "moe_intermediate_size", lambda m: deepseek_hf(m, version=2),
+        rope_interleaved=lambda hf: True),  # V2 rotates complex pairs
 }
 
 
-def interleaved(arch: MoEArchitecture, hf: Raw) -> bool:
-    """Whether the checkpoint's rotary rows are interleaved (DeepSeek-V3's rope_interleave, default true;
-    DeepSeek-V2 always: it rotates complex pairs)."""
-    if arch.model_type == "deepseek_v2":
-        return True
-    return arch.model_type == "deepseek_v3" and bool(hf.get("rope_interleave", True))
-
-
-__all__ = ["Inexpressible", "MOE_ARCHITECTURES", "MoEArchitecture", "interleaved", "parts_of", "repeated"]
+__all__ = ["Inexpressible", "MOE_ARCHITECTURES", "MoEArchitecture", "parts_of", "repeated"]

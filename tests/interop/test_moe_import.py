@@ -50,6 +50,11 @@ def stored(run: Path) -> dict[str, torch.Tensor]:
     return {e.name: e.read() for e in entries}
 
 
+def experts_of(keys: list[str]) -> list[int]:
+    """The experts whose tensors `keys` name (model.layers.1.mlp.experts.5.up_proj.weight: 5)."""
+    return sorted({int(key.split(".experts.")[1].split(".")[0]) for key in keys if ".experts." in key})
+
+
 def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in folder.glob("*.safetensors"):
@@ -146,8 +151,7 @@ def test_an_expert_parallel_rank_reads_only_its_own_experts(imported, tmp_path, 
             p.allreduce = False  # DeepSpeed's mark of an expert parameter, as the engine sets it
     weights, keep, _ = source_weights(str(tmp_path / "hf"), cfg.model)
     fill_pieces(model_state.module_pieces(model, plan), weights, keep)
-    experts_read = {int(key.split(".experts.")[1].split(".")[0]) for key in read if ".experts." in key}
-    assert experts_read == {4, 5, 6, 7}
+    assert experts_of(read) == [4, 5, 6, 7]
     assert sum(".experts." in key for key in read) == 2 * 4 * 3  # 2 MoE layers, 4 experts, gate / up / down
     full = stored(imported.folder / "run1")
     for name, p in model.named_parameters():
@@ -227,7 +231,7 @@ def import_on_rank(src: str, out: str, way: str) -> tuple[int, list[int]]:
     original = TensorFiles.read
     TensorFiles.read = lambda self, key: read.append(key) or original(self, key)
     code = import_cli([src, "--out", out, *(["--expert_parallel"] if way == "expert_parallel" else [])])
-    return code, sorted({int(key.split(".experts.")[1].split(".")[0]) for key in read if ".experts." in key})
+    return code, experts_of(read)
 
 
 def score_on_rank(run: str, way: str) -> dict:
