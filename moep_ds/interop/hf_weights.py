@@ -17,7 +17,7 @@ import contextlib
 import functools
 import json
 import logging
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 import torch
@@ -68,7 +68,7 @@ class TensorFiles:
             if (folder / index).is_file():
                 try:
                     weight_map = json.loads((folder / index).read_text(encoding="utf-8"))["weight_map"]
-                    files = {k: folder / v for k, v in weight_map.items()}
+                    files = {k: folder / inside(v, k, folder / index) for k, v in weight_map.items()}
                 except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
                     raise UserError(f"{str(folder / index)!r} is not a weights index: {err}") from None
                 missing = sorted({(f.name, k) for k, f in files.items() if not f.is_file()})
@@ -114,6 +114,19 @@ class TensorFiles:
             with safetensors_file(file) as f:
                 return f.get_slice(key)[first:end].float()
         return load_bin(file)[key][first:end].float()
+
+
+def inside(name: Any, key: str, index: Path) -> str:
+    """A shard name of a weights index, refused where it leads out of the index's folder: an absolute path or a `..`
+    component (a downloaded index must not make the import read other files of the machine). Checked on the name as
+    written, not where links lead: huggingface_hub's cache links every file of a snapshot to ../../blobs/."""
+    if not isinstance(name, str):
+        raise TypeError(f"shard of {key!r} is {name!r}, not a file name")
+    path = PurePosixPath(name.replace("\\", "/"))
+    if path.is_absolute() or ".." in path.parts:
+        raise UserError(f"{str(index)!r} names shard {name!r} (holding {key!r}), a path outside {str(index.parent)!r}: "
+                        "an index names files of its own folder")
+    return name
 
 
 @contextlib.contextmanager

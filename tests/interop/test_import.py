@@ -264,6 +264,39 @@ def test_hub_errors_offline_say_what_a_command_line_user_can_do(tmp_path, monkey
         "HF_HUB_OFFLINE")
 
 
+def test_a_weights_index_naming_files_outside_its_folder_is_refused(tmp_path):
+    """Issue 46 item 5: a model.safetensors.index.json whose weight_map named `../../x.safetensors` or an absolute
+    path made the import read that file. The names are checked as written: links inside the folder stay readable
+    (huggingface_hub's cache links snapshots/<rev>/<file> to ../../blobs/<sha>, test below)."""
+    src = save(hf_model("gpt2"), tmp_path / "hf", "sharded")
+    index = src / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    key, shard = next(iter(raw["weight_map"].items()))
+    (tmp_path / "elsewhere").mkdir()
+    outside = tmp_path / "elsewhere" / shard
+    outside.write_bytes((src / shard).read_bytes())  # a readable shard: only the path gives it away
+    for name in (f"../elsewhere/{shard}", str(outside), f"sub/../../elsewhere/{shard}"):
+        index.write_text(json.dumps({**raw, "weight_map": {**raw["weight_map"], key: name}}))
+        assert import_error(tmp_path, "gpt2", recipe("gpt2"), src) == (
+            f"{str(index)!r} names shard {name!r} (holding {key!r}), a path outside {str(src)!r}: an index names "
+            "files of its own folder")
+
+
+def test_weights_linked_from_elsewhere_as_in_the_hub_cache_import(tmp_path):
+    """huggingface_hub's cache: every file of snapshots/<rev>/ is a link to ../../blobs/<sha> (item 5 keeps it)."""
+    reference = hf_model("gpt2")
+    src = save(reference, tmp_path / "saved", "sharded")
+    snapshot, blobs = tmp_path / "models--o--n" / "snapshots" / "abc", tmp_path / "models--o--n" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(src.iterdir())):
+        (blobs / f"sha{i}").write_bytes(f.read_bytes())
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", f"sha{i}"))
+    import_checkpoint(str(snapshot), config_from_dict(recipe("gpt2")), tmp_path / "run")
+    with torch.no_grad():
+        torch.testing.assert_close(imported_logits(tmp_path / "run"), reference(tokens()).logits, **TOLERANCE)
+
+
 def test_checkpoint_of_another_architecture_is_refused(tmp_path):
     text = import_error(tmp_path, "gpt2", recipe("gpt_neox"))
     assert text.splitlines()[0].endswith("(GPT2LMHeadModel) does not match the recipe's model:")
