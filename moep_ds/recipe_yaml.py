@@ -71,6 +71,8 @@ def read_yaml(path: str | pathlib.Path, what: str = "config file") -> dict[str, 
     """The recipe at `path` as plain data; errors name it as `what` (a command's option, e.g. "--config")."""
     name = f"{what} {str(path)!r}"
     path = pathlib.Path(path)
+    if path.is_dir():  # `--config configs`: the folder exists, so "does not exist" would mislead
+        raise ConfigError(f"{name} is a folder, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"{name} does not exist")
     if path.suffix not in (".yaml", ".yml"):

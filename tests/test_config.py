@@ -123,6 +123,8 @@ def test_non_yaml_files_are_rejected(tmp_path, capsys):
     assert "must hold a mapping of sections, got str" in capsys.readouterr().err
     assert pretrain_main(["--config", str(tmp_path / "missing.yaml"), "--dry_run"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert pretrain_main(["--config", str(tmp_path), "--dry_run"]) == 2  # a folder exists: it is not "missing"
+    assert capsys.readouterr().err == f"error: config file '{tmp_path}' is a folder, not a YAML file\n"
 
 
 @pytest.mark.parametrize("text,where", [
