@@ -10,7 +10,8 @@ import json
 import pathlib
 import sys
 
-from moep_ds.distributed.commands import Parser, positive_int, run_command
+from moep_ds.distributed.commands import Parser, run_command
+from moep_ds.errors import UserError
 
 EPILOG = """\
 examples:
@@ -26,10 +27,11 @@ def plan_parser() -> Parser:
                "on a cluster shape.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="YAML recipe (configs/*.yaml)")
     p.add_argument("--ds_config", required=True, help="DeepSpeed JSON config (ds_configs/*.json)")
-    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs in all")
-    p.add_argument("--gpus_per_node", type=positive_int, default=None, help="GPUs per node (default: 8, or --gpus "
+    # counts are checked in `body`, so that a bad one is one line (argparse's type errors print the usage block)
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    p.add_argument("--gpus_per_node", type=int, default=None, help="GPUs per node (default: 8, or --gpus "
                    "when fewer)")
-    p.add_argument("--gpu", default="h100", help="h100, h200, a100 or mi300x (default h100)")
+    p.add_argument("--gpu", default="h100", help="h100, h200, a100 or mi300x, any case (default h100)")
     p.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="recipe overrides, e.g. train.expert_parallel_size=8 train.micro_batch_size=4")
     p.add_argument("--hardware", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
@@ -49,12 +51,17 @@ def plan_parser() -> Parser:
 def body(args: argparse.Namespace) -> int:
     from moep_ds.config import load_config
     from moep_ds.planning import report
-    from moep_ds.planning.hardware import assumptions, hardware
+    from moep_ds.planning.hardware import assumptions, check_reserve, hardware
     from moep_ds.planning.layout import Cluster
     from moep_ds.planning.plan import plan_run
     from moep_ds.training.ds_config import read_ds_config
 
+    for flag in ("gpus", "gpus_per_node"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag} ({value}) must be a positive integer")
     gpu, assumed = hardware(args.gpu, args.hardware), assumptions(args.assume)
+    check_reserve(gpu, assumed)
     cluster = Cluster(args.gpus, args.gpus_per_node or min(8, args.gpus))
     cfg = load_config(args.recipe, args.set)
     ds = read_ds_config(args.ds_config)
@@ -72,7 +79,6 @@ def body(args: argparse.Namespace) -> int:
 
 
 def searched(cfg, ds, cluster, gpu, assumed, args: argparse.Namespace) -> int:
-    from moep_ds.errors import UserError
     from moep_ds.planning import report
     from moep_ds.planning.plan import recipe_global_batch, search
 

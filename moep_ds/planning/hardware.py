@@ -72,9 +72,10 @@ def key_values(items: list[str], flag: str, known: dict[str, Any], zero_ok: tupl
 
 
 def hardware(name: str, overrides: list[str] = ()) -> Accelerator:
-    if name not in ACCELERATORS:
+    """The accelerator named `name` (any case: `--gpu H100` as the data sheets write it), with `overrides`."""
+    if name.lower() not in ACCELERATORS:
         raise UserError(f"--gpu ({name!r}) must be one of {', '.join(ACCELERATORS)}")
-    base = ACCELERATORS[name]
+    base = ACCELERATORS[name.lower()]
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "name"}
     return dataclasses.replace(base, **key_values(list(overrides), "--hardware", fields))
 
@@ -88,4 +89,11 @@ def assumptions(overrides: list[str] = ()) -> Assumptions:
     return dataclasses.replace(base, **values)
 
 
-__all__ = ["ACCELERATORS", "Accelerator", "Assumptions", "GB", "GIB", "assumptions", "hardware"]
+def check_reserve(gpu: Accelerator, assumed: Assumptions) -> None:
+    """The reserve must leave memory to plan with: a plan against no (or negative) usable memory says nothing."""
+    if assumed.reserve_gib >= gpu.memory_gib:
+        raise UserError(f"--assume reserve_gib ({assumed.reserve_gib:g}) must be less than the {gpu.memory_gib:g} GiB "
+                        f"of {gpu.name}: it would leave {gpu.memory_gib - assumed.reserve_gib:g} GiB to plan with")
+
+
+__all__ = ["ACCELERATORS", "Accelerator", "Assumptions", "GB", "GIB", "assumptions", "check_reserve", "hardware"]

@@ -62,10 +62,11 @@ def test_search_lists_fitting_layouts_and_draws_them(recipe, tmp_path, capsys):
 
 
 def test_a_layout_that_does_not_fit_exits_1_saying_by_how_much(recipe, capsys):
-    assert plan(recipe, "--gpus", "2", "--hardware", "memory_gib=3", "--assume", "reserve_gib=3") == 1
+    # 1 MiB usable (a reserve of all the memory is refused: test_bad_input_is_one_line_and_exit_2)
+    assert plan(recipe, "--gpus", "2", "--hardware", "memory_gib=3", "--assume", "reserve_gib=2.999") == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moep-plan: does not fit: ")
-    assert "GiB over the 0 GiB usable of h100 (3 GiB less 3 reserved); largest item: " in err[0]
+    assert "GiB over the 0 GiB usable of h100 (3 GiB less 2.999 reserved); largest item: " in err[0]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -78,12 +79,27 @@ def test_a_layout_that_does_not_fit_exits_1_saying_by_how_much(recipe, capsys):
                                               "memory_gib, bf16_tflops, fp32_tflops, hbm_gbps, intra_node_gbps, "
                                               "inter_node_gbps"),
     (["--gpus", "4", "--assume", "overlap=2"], "error: --assume overlap (2) must be <= 1"),
+    # a reserve of the whole memory or more leaves nothing (it reported "-20 GiB usable") (issue #46 item 8)
+    (["--gpus", "4", "--assume", "reserve_gib=100"],
+     "error: --assume reserve_gib (100) must be less than the 80 GiB of h100: it would leave -20 GiB to plan with"),
+    (["--gpus", "4", "--gpu", "A100", "--hardware", "memory_gib=3", "--assume", "reserve_gib=3"],
+     "error: --assume reserve_gib (3) must be less than the 3 GiB of a100: it would leave 0 GiB to plan with"),
+    # counts: one line, not argparse's usage block
+    (["--gpus", "0"], "error: --gpus (0) must be a positive integer"),
+    (["--gpus", "4", "--gpus_per_node", "-1"], "error: --gpus_per_node (-1) must be a positive integer"),
     (["--gpus", "3"], "error: ds_config train_batch_size (32) is not a multiple of train_micro_batch_size_per_gpu "
                       "(4) x data-parallel size (3)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(recipe, capsys, args, message):
     assert plan(recipe, *args) == 2
     assert capsys.readouterr().err.strip().splitlines() == [message]
+
+
+def test_gpu_names_are_case_insensitive(recipe, capsys):
+    assert plan(recipe, "--gpus", "2", "--gpu", "H100", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["gpu"]["name"] == "h100"
+    assert plan(recipe, "--gpus", "2", "--gpu", "Mi300X", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["gpu"]["name"] == "mi300x"
 
 
 def test_a_missing_ds_config_is_one_line(recipe, capsys):
