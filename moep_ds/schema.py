@@ -3,16 +3,17 @@
 Every error names the dotted path and the offending value, e.g.
 `model.layers[3].attention.num_heads (6) must divide d_model (256)`.
 
-Field types understood: bool, int, float, str, `X | None`, `Literal[...]`, `list[X]`, `dict[str, X]`,
-nested dataclasses, `Annotated[X, Check(...)]` for range checks, and `Annotated[Any, OneOf(REGISTRY)]`
-for polymorphic components selected by their `type:` key (a bare string is shorthand for `{type: name}`).
-A dataclass may define `validate(self, path)` for checks across its fields, and a classmethod
-`preprocess(raw, path)` that fills defaults into the raw mapping before parsing (e.g. flavour presets).
+Field types understood: bool, int, float (finite: YAML's .inf, -.inf and .nan are refused), str, `X | None`,
+`Literal[...]`, `list[X]`, `dict[str, X]`, nested dataclasses, `Annotated[X, Check(...)]` for range checks, and
+`Annotated[Any, OneOf(REGISTRY)]` for polymorphic components selected by their `type:` key (a bare string is
+shorthand for `{type: name}`). A dataclass may define `validate(self, path)` for checks across its fields, and a
+classmethod `preprocess(raw, path)` that fills defaults into the raw mapping before parsing (e.g. flavour presets).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Annotated, Any, Callable, Literal, Union
@@ -131,6 +132,9 @@ def parse_scalar(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(path, value, "must be a number")
+        # YAML's .inf / -.inf / .nan: no setting means them, and range checks let some through (inf > 0)
+        if not math.isfinite(value):
+            fail(path, value, "must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -1,5 +1,6 @@
 """Strict config loading: overrides, repeat/groups, flavours, and one-line errors for bad recipes."""
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import yaml
 from moep_ds.cli.pretrain import main as pretrain_main
 from moep_ds.distributed.commands import run_guarded
 from moep_ds.config import config_from_dict, load_config
+from moep_ds import schema
 from moep_ds.errors import UserError
+from moep_ds.recipe_yaml import read_yaml
 from moep_ds.schema import ConfigError
 
 from repo_paths import CONFIGS, REPO
@@ -294,6 +297,48 @@ def test_yaml_exponent_floats():
 @pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_every_recipe_loads(recipe):
     load_config(CONFIGS / recipe)
+
+
+def floats_parsed(raw: dict, monkeypatch) -> list[str]:
+    """The dotted path of every float the schema parses in the recipe `raw`."""
+    paths: list[str] = []
+    real = schema.parse_scalar
+
+    def spy(tp, value, path):
+        if tp is float:
+            paths.append(path)
+        return real(tp, value, path)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(schema, "parse_scalar", spy)
+        config_from_dict(copy.deepcopy(raw))
+    return list(dict.fromkeys(paths))
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_float_setting_refuses_inf_and_nan(recipe, monkeypatch):
+    """YAML reads .inf, -.inf and .nan as floats, and range checks let some through (an lr of .inf is > 0: it trained
+    on at `loss nan lr inf`): the schema refuses them for every float of every recipe, naming the path."""
+    raw = json.loads(json.dumps(read_yaml(CONFIGS / recipe)))  # no anchored nodes: an override changes one place
+    paths = floats_parsed(raw, monkeypatch)
+    assert paths
+    for path in paths:
+        for text, shown in ((".inf", "inf"), ("-.inf", "-inf"), (".nan", "nan")):
+            with pytest.raises(ConfigError) as info:
+                config_from_dict(copy.deepcopy(raw), [f"{path}={text}"])
+            assert str(info.value) == f"{path} ({shown}) must be a finite number"
+
+
+@pytest.mark.parametrize("value,shown", [(".inf", "inf"), ("-.inf", "-inf"), (".nan", "nan")])
+def test_pretrain_refuses_a_non_finite_lr_in_one_line_also_with_dry_run(value, shown, tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    run = f"train.output_dir={tmp_path / 'run'}"
+    for argv in (["--dry_run"], ["--ds_config", str(tmp_path / "absent.json")]):  # refused before either is read
+        assert pretrain_main(["--config", str(path), *argv, "--set", f"train.optimizer.lr={value}", run]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err == f"error: train.optimizer.lr ({shown}) must be a finite number\n"
+    assert os.listdir(tmp_path) == ["recipe.yaml"]
 
 
 @pytest.mark.parametrize("recipe,sets,message", [
