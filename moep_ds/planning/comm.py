@@ -8,8 +8,11 @@ Sizes are NCCL's tests' `size`: the whole buffer of the collective (all-reduce: 
 input of all ranks' shards; all-gather: the output; all-to-all: what this rank sends, its own share included).
   ZeRO-0     gradient all-reduce at the step (p N; expert gradients over their group)
   ZeRO-1/2   gradient all-reduce of every gradient (DeepSpeed reduces the buckets by all-reduce, each rank keeping its
-             slice: `use_multi_rank_bucket_allreduce`), once per step (ZeRO-1) or per micro-batch (ZeRO-2); all-gather
-             of the updated flat groups after the step; one fp32 norm per optimizer group
+             slice: `use_multi_rank_bucket_allreduce`, the default), once per step (ZeRO-1) or per micro-batch (ZeRO-2);
+             with `use_multi_rank_bucket_allreduce: false` (and contiguous_gradients and reduce_scatter, the path that
+             reads it: stage_1_and_2.py average_tensor) a reduce of each slice to the rank that owns it instead, the
+             same size in all but half the bytes on the wire; all-gather of the updated flat groups after the step;
+             one fp32 norm per optimizer group
   ZeRO-3     all-gather of every parameter per micro-batch (again in backward for units the reuse distance lets go;
              persistent parameters after the step instead), reduce-scatter of every gradient per micro-batch, each
              parameter padded to a multiple of g; one fp64 norm per optimizer group
@@ -37,7 +40,7 @@ from moep_ds.planning.layout import Layout
 from moep_ds.planning.memory import ALIGN, padded, zero3_gathered
 from moep_ds.planning.trace import StepTrace
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+KINDS = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,15 @@ def group_size(layout: Layout, expert: bool) -> int:
     return layout.expert_data_parallel if expert else layout.gpus
 
 
+def zero12_reduction(layout: Layout) -> str:
+    """The collective ZeRO-1/2 reduces gradients with. DeepSpeed's contiguous, reduce-scattered path (average_tensor)
+    all-reduces each bucket unless `use_multi_rank_bucket_allreduce` is false: then each rank's slices are reduced to
+    it alone (dist.reduce). Without that path (buffered_reduce_fallback, gradient_reduction_w_predivide) every
+    gradient is all-reduced whatever the flag says."""
+    contiguous = layout.zero_setting("contiguous_gradients") and layout.zero_setting("reduce_scatter")
+    return "reduce" if contiguous and not layout.zero_setting("use_multi_rank_bucket_allreduce") else "all_reduce"
+
+
 def gradient_collectives(inv: Inventory, layout: Layout) -> list[Collective]:
     """DeepSpeed's gradient reduction and parameter gathering at the layout's ZeRO stage."""
     p, A, stage = layout.param_bytes, layout.grad_accum, layout.zero_stage
@@ -93,7 +105,8 @@ def gradient_collectives(inv: Inventory, layout: Layout) -> list[Collective]:
         if stage in (0, 1, 2):
             numel = sum(gr.numel for gr in groups)
             calls = A if stage == 2 else 1
-            out.append(Collective(f"{name}gradients", "all_reduce", numel * p, g, calls, overlap and stage == 2, span))
+            out.append(Collective(f"{name}gradients", zero12_reduction(layout) if stage else "all_reduce", numel * p, g,
+                                  calls, overlap and stage == 2, span))
         if stage in (1, 2):
             flat = sum(padded(gr.numel, ALIGN * g) for gr in groups)
             out.append(Collective(f"{name}parameters after the step", "all_gather", flat * p, g, 1, False, span))

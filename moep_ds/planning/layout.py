@@ -28,6 +28,8 @@ ZERO_DEFAULTS = {
     "allgather_bucket_size": int(5e8),
     "overlap_comm": None,  # None: DeepSpeed's default, true at stage 3 and false below
     "contiguous_gradients": True,
+    "reduce_scatter": True,
+    "use_multi_rank_bucket_allreduce": True,
     "stage3_prefetch_bucket_size": int(5e7),
     "stage3_param_persistence_threshold": int(1e5),
     "stage3_model_persistence_threshold": 2**63 - 1,

@@ -1,8 +1,8 @@
 """Communication per step as moep-plan predicts it equals what a real 2-process run moves: every torch.distributed
 collective wrapped and its bytes counted (scripts/count_collectives.py) over one steady-state step, per kind of
 collective and group size, for ZeRO-2 and ZeRO-3, expert parallelism 1 and 2, top-k and expert choice (and ZeRO-0/1,
-bf16, accumulation, activation checkpointing, MSIT's positions, ZeRO-3 persistence and padding). All layouts train in
-one launch."""
+bf16, accumulation, activation checkpointing, MSIT's positions, ZeRO-3 persistence and padding, gradients reduced to
+their owner only with use_multi_rank_bucket_allreduce false). All layouts train in one launch."""
 import json
 import pathlib
 import sys
@@ -40,7 +40,11 @@ LAYOUTS = {
     # DeepSpeed's ZeRO-3 defaults (tiny parameters persistent), a vocabulary that pads the partitions
     "expert_choice_zero3_defaults_bf16": ("nova_moe", "zero3_defaults_bf16", {},
                                           ["model.vocab_size=509", "data.tokenizer.vocab_size=509"]),
+    # use_multi_rank_bucket_allreduce false: each gradient slice reduced to its owner only (issue #46 item 8)
+    "topk_zero2_ep1_reduce_to_owner": ("top2", "zero2_reduce_to_owner", {}, []),
+    "topk_zero1_ep1_bf16_reduce_to_owner": ("top2", "zero1_bf16_reduce_to_owner", {}, []),
 }
+TO_OWNER = {"contiguous_gradients": True, "use_multi_rank_bucket_allreduce": False}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +52,9 @@ def counted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("collectives")
     (tmp / "zero3_defaults_bf16.json").write_text(json.dumps({"zero_optimization": {"stage": 3},
                                                               "bf16": {"enabled": True}}))
+    (tmp / "zero2_reduce_to_owner.json").write_text(json.dumps({"zero_optimization": {"stage": 2, **TO_OWNER}}))
+    (tmp / "zero1_bf16_reduce_to_owner.json").write_text(json.dumps({"zero_optimization": {"stage": 1, **TO_OWNER},
+                                                                     "bf16": {"enabled": True}}))
     jobs = []
     for name, (layers, ds, train, overrides) in LAYOUTS.items():
         recipe = write_recipe(tmp / f"{name}.yaml", layers, tmp / name, max_steps=STEPS, **train)
@@ -69,3 +76,5 @@ def test_predicted_bytes_per_collective_equal_the_counted(counted, name):
     assert run.comm.by_kind_and_group() == measured
     if LAYOUTS[name][2].get("expert_parallel_size") == 2:
         assert measured["all_to_all/2"] > 0
+    if name.endswith("reduce_to_owner"):
+        assert measured["reduce/2"] > 0 and "all_reduce/2" in measured  # the trainer's and the norm's remain

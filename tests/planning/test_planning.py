@@ -17,6 +17,7 @@ from moep_ds.errors import UserError  # noqa: E402
 from moep_ds.models.causal_lm import build_model  # noqa: E402
 from moep_ds.models.plan import plan_for  # noqa: E402
 from moep_ds.moe.dispatch import ExpertStage  # noqa: E402
+from moep_ds.planning.comm import link_bytes  # noqa: E402
 from moep_ds.planning.hardware import GIB, assumptions, hardware  # noqa: E402
 from moep_ds.planning.inventory import inventory  # noqa: E402
 from moep_ds.planning.layout import Cluster, LayoutError, make_layout  # noqa: E402
@@ -130,6 +131,23 @@ def test_memory_by_hand_zero2_contiguous_gradients():
     got = items(run)
     assert got["gradient partition (bf16)"] == 2 * part and got["reduce bucket (contiguous gradients)"] == 2 * 1000
     assert got["gradients kept after backward"] == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradients_go_to_their_owner_only_without_multi_rank_bucket_allreduce(stage):
+    """DeepSpeed 0.19 reads `use_multi_rank_bucket_allreduce` on its contiguous, reduce-scattered path only
+    (stage_1_and_2.py average_tensor): false reduces each slice to the rank that owns it, the same size as the
+    all-reduce but half its bytes on the links; without contiguous gradients every gradient is all-reduced anyway
+    (counted against real runs: tests/planning/test_plan_comm.py)."""
+    base = plan_tiny(stage, contiguous_gradients=True)[1]
+    owner = plan_tiny(stage, contiguous_gradients=True, use_multi_rank_bucket_allreduce=False)[1]
+    grads = [c for c in base.comm.collectives if c.what == "gradients"]
+    to_owner = [c for c in owner.comm.collectives if c.what == "gradients"]
+    assert [c.kind for c in grads] == ["all_reduce"] and [c.kind for c in to_owner] == ["reduce"]
+    assert to_owner[0].total == grads[0].total > 0
+    assert link_bytes(to_owner[0], owner.layout).intra == link_bytes(grads[0], base.layout).intra / 2
+    fallback = plan_tiny(stage, contiguous_gradients=False, use_multi_rank_bucket_allreduce=False)[1]
+    assert [c.kind for c in fallback.comm.collectives if c.what == "gradients"] == ["all_reduce"]
 
 
 def test_memory_by_hand_zero3_fp32():
