@@ -16,10 +16,12 @@ import logging
 import pathlib
 from typing import Any
 
+from moep_ds.checkpointing.sharded import CheckpointError, DamagedCheckpoint
 from moep_ds.errors import SharedUserError
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.config import TrainConfig
 from moep_ds.training.ds_config import DeepSpeedConfigError, reconcile
+from moep_ds.training.trainer_state import TrainerState
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +37,22 @@ def saved_global_batch(state: dict[str, Any]) -> int | None:
 
 def resume_state(resume: str | None, run_dir: pathlib.Path) -> tuple[pathlib.Path, dict[str, Any]] | None:
     """(checkpoint, trainer state) of the checkpoint a resume would start from, read before the engine exists;
-    None for a fresh start or a state that cannot be read here (the resume's own checks name the damage)."""
+    None for a fresh start or a state that cannot be read or used here (the resume's own checks name the damage).
+    The state is checked as the resume will read it (TrainerState: versions and field types), so that what
+    reads it here never meets a field of the wrong type."""
     try:
         candidates = ckpt_io.resume_candidates(resume, run_dir)
     except ckpt_io.CheckpointError:
         return None
     for ckpt in candidates:
         try:
-            return ckpt, json.loads((ckpt / ckpt_io.TRAINER_STATE_FILE).read_text())
-        except (OSError, ValueError):
+            raw = json.loads((ckpt / ckpt_io.TRAINER_STATE_FILE).read_text())
+            TrainerState.from_state_dict(raw, str(ckpt))
+        except (OSError, ValueError, DamagedCheckpoint):
             continue  # damaged: --resume auto goes on to an older one, as the resume will
+        except CheckpointError:
+            return None  # of a newer version: the resume refuses it
+        return ckpt, raw
     return None
 
 

@@ -6,14 +6,20 @@ Version 1 is the dict the trainer wrote before this class existed (no `version` 
 `tokens`: training/resume_data.py); version 3 adds `callbacks` (each named callback's `state_dict`) and keeps
 Adam's step as `optimizer_step` (versions 1-2 wrote it beside the rest). All
 three read; a newer version is refused before anything is restored. Unknown keys are kept in `extra` so that a
-state read and written again loses nothing.
+state read and written again loses nothing. A field of the wrong type (`"step": "abc"`: an edited or corrupted
+file that still parses) makes the checkpoint damaged, as a truncated file does: `--resume auto` skips it.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import types
+import typing
 from typing import Any
 
-from moep_ds.checkpointing.sharded import CheckpointError
+from moep_ds.checkpointing.sharded import CheckpointError, DamagedCheckpoint
+
+FILE = "trainer_state.json"
 
 VERSION = 3
 
@@ -44,21 +50,28 @@ class TrainerState:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], where: str = "the checkpoint") -> TrainerState:
+        """The state `state` (a checkpoint's FILE as read; `where`: the checkpoint, for the errors)."""
         if not isinstance(state, dict):
-            raise CheckpointError(f"{where}: trainer state is not a mapping ({type(state).__name__})")
+            raise DamagedCheckpoint(f"{where}: trainer state is not a mapping ({type(state).__name__})")
         version = state.get("version", 1)
+        if not conforms(version, int):
+            raise damaged(where, "version", version, "an integer")
         if version not in range(1, VERSION + 1):
             raise CheckpointError(f"{where}: trainer state version {version!r} is newer than this moep_ds reads "
                                   f"(1 to {VERSION})")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         missing = [k for k in ("step", "global_samples", "data") if k not in state]
         if missing:
-            raise CheckpointError(f"{where}: trainer state lacks {', '.join(missing)}")
+            raise DamagedCheckpoint(f"{where}: trainer state lacks {', '.join(missing)}")
         known = {k: v for k, v in state.items() if k in names}
         if known.get("skipped_steps") is None:
             known["skipped_steps"] = 0
         if known.get("callbacks") is None:
             known["callbacks"] = {}
+        hints = typing.get_type_hints(cls)
+        for key, value in known.items():
+            if not conforms(value, hints[key]):
+                raise damaged(where, key, value, type_text(hints[key]))
         extra = {k: v for k, v in state.items() if k not in names and k != "version"}
         return cls(**known, extra=extra)
 
@@ -66,3 +79,42 @@ class TrainerState:
         other = self.from_state_dict(state)
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(other, f.name))
+
+
+def damaged(where: str, key: str, value: Any, expected: str) -> DamagedCheckpoint:
+    head = f"checkpoint {where!r}" if where != "the checkpoint" else where
+    path = f"{where}/{FILE}" if where != "the checkpoint" else FILE
+    return DamagedCheckpoint(f"{head} is damaged: {path!r} field {key} ({shown(value)}) must be {expected}")
+
+
+def shown(value: Any) -> str:
+    """As the file has it (JSON), cut to 60 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def conforms(value: Any, hint: Any) -> bool:
+    """Whether JSON data `value` has the annotated type `hint` (int, str, None, Any, unions and dict[K, V] of them;
+    a bool is not an int here, though Python counts it as one)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(conforms(value, arg) for arg in typing.get_args(hint))
+    if hint is Any:
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    if origin is dict:
+        key_hint, value_hint = typing.get_args(hint)
+        return isinstance(value, dict) and all(conforms(k, key_hint) and conforms(v, value_hint)
+                                               for k, v in value.items())
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def type_text(hint: Any) -> str:
+    """`int | None` -> "an integer or null", as the JSON file would spell it."""
+    names = {int: "an integer", str: "a string", type(None): "null"}
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return " or ".join(names.get(a) or ("an object of objects" if typing.get_args(a)[1] is not Any else "an object")
+                       for a in args)
