@@ -14,7 +14,9 @@
                                                       `--expert_parallel`: 1/N of the experts, the rest whole)
 
 Writes results.json (scores, lm-eval's results, parameters, tokens, FLOPs, routing eval mode) and
-results.md (a table), and prints the table.
+results.md (a table), and prints the table. A results.json already in the output folder is merged with, per task:
+`--tasks grammar_pairs` then `--tasks wsc` keeps both; a task evaluated again takes the newest scores, and the
+record keeps, for each task, what produced its numbers (checkpoint step, routing eval mode, limit, ...).
 """
 from __future__ import annotations
 
@@ -88,6 +90,22 @@ def check_eval_args(args: argparse.Namespace) -> None:
         parse_device(args.device)
     if args.output or Path(args.checkpoint).is_dir():  # else the checkpoint's own error says more
         layout.check_dir_target("--output", output_dir(args))
+        previous_record(output_dir(args))  # one that cannot be merged with fails before the evaluation
+
+
+def previous_record(out_dir: Path) -> dict[str, Any] | None:
+    """The record already in `out_dir` that this evaluation's merges into (None: none there)."""
+    from moep_ds.errors import UserError
+    from moep_ds.evaluation.report import load_records
+
+    path = out_dir / "results.json"
+    if not path.exists():
+        return None
+    try:
+        return load_records([path])[0]
+    except UserError as err:  # every rank reads the same file
+        raise SharedUserError(f"{err}; this evaluation's results merge into it: move it away, or pass --output "
+                              "another folder") from None
 
 
 def output_dir(args: argparse.Namespace) -> Path:
@@ -181,15 +199,24 @@ def build_record(results: dict[str, Any], lm: Any, cfg: Any, meta: dict[str, Any
 
 
 def write_record(record: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    """`record` merged into the one in `out_dir` (evaluation/report.py merge_records), each file replaced whole."""
     from lm_eval.utils import handle_non_serializable
 
-    from moep_ds.evaluation.report import results_markdown
+    from moep_ds.evaluation.report import merge_records, results_markdown
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    record = merge_records(previous_record(out_dir), record)
     json_path, md_path = out_dir / "results.json", out_dir / "results.md"
-    json_path.write_text(json.dumps(record, indent=2, default=handle_non_serializable) + "\n", encoding="utf-8")
-    md_path.write_text(results_markdown(record), encoding="utf-8")
+    replace_text(json_path, json.dumps(record, indent=2, default=handle_non_serializable) + "\n")
+    replace_text(md_path, results_markdown(record))
     return json_path, md_path
+
+
+def replace_text(path: Path, text: str) -> None:
+    """`path` holds `text` or what it held before, never a part: an interrupted write would lose earlier tasks."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _main(args: argparse.Namespace) -> int:

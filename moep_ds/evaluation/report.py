@@ -2,7 +2,10 @@
 
 A record (what `moep-eval` writes as results.json):
     {"name", "moep": {model dir, step, tokens, params, FLOPs, routing eval mode, tasks, data dir, ...},
-     "scores": {task: {metric: value}}, "lm_eval": lm-eval's results/groups/versions/n-shot/config}
+     "scores": {task: {metric: value}}, "lm_eval": lm-eval's results/groups/versions/n-shot/config,
+     "evaluations": {task: the "moep" settings (and lm-eval's config) of the evaluation that produced its scores}}
+A second `moep-eval` into the same folder merges into the record there (`merge_records`): per task the newest
+evaluation wins, the other tasks keep their scores and what produced them.
 `eval/compare.py` reads records and eval/reference/pythia-1b.json (same `scores` layout) and writes a
 markdown report and a PNG bar chart.
 """
@@ -77,7 +80,83 @@ def results_markdown(record: dict[str, Any]) -> str:
             err = metrics.get(f"{metric}_stderr")
             stderr = fmt(err, metric) if err is not None else "–"
             lines.append(f"| {task} | {metric} | {fmt(value, metric)} | {stderr} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + provenance_markdown(record)) + "\n"
+
+
+# ---- one record over several evaluations ----------------------------------------------------------------
+
+# lm-eval's sections keyed by task (the others, "config", are of the whole evaluation)
+TASK_SECTIONS = ("results", "groups", "group_subtasks", "versions", "n-shot", "higher_is_better", "n-samples")
+
+
+def requested_tasks(record: dict[str, Any]) -> list[str]:
+    """The tasks (or groups) an evaluation was asked for; a record without the list: every task it scored."""
+    return list(record.get("moep", {}).get("tasks") or record["scores"])
+
+
+def task_keys(record: dict[str, Any], task: str) -> set[str]:
+    """The score keys of `task` in `record`: the task and its sub-tasks (lm-eval's group_subtasks, nested)."""
+    subtasks = record.get("lm_eval", {}).get("group_subtasks") or {}
+    keys, todo = set(), [task]
+    while todo:
+        t = todo.pop()
+        if t not in keys:
+            keys.add(t)
+            todo += subtasks.get(t) or []
+    return keys
+
+
+def evaluation_of(record: dict[str, Any]) -> dict[str, Any]:
+    """What produced a record's numbers: its settings (checkpoint, step, routing eval mode, limit, batch size, dtype,
+    overrides, ...) and lm-eval's config."""
+    out = {k: v for k, v in record.get("moep", {}).items() if k != "tasks"}
+    if "config" in record.get("lm_eval", {}):
+        out["lm_eval_config"] = record["lm_eval"]["config"]
+    return out
+
+
+def evaluations(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{task: what produced its scores}; a record written before merging existed: its one evaluation for all."""
+    return record.get("evaluations") or {t: evaluation_of(record) for t in requested_tasks(record)}
+
+
+def merge_records(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """`new` (an evaluation just run) over `old` (the record already in its output folder, or None). Per task the
+    newest wins: `new`'s tasks replace their scores (a group's sub-tasks with it) and what produced them; `old`'s
+    other tasks stay with their own. The top-level settings are `new`'s, with routing_eval_mode "mixed" where the
+    tasks were scored under different ones."""
+    fresh = {t: evaluation_of(new) for t in requested_tasks(new)}
+    if old is None:
+        return {**new, "evaluations": fresh}
+    replaced = set(new["scores"]) | {k for t in fresh for k in task_keys(old, t)}
+    before = evaluations(old)
+    kept = [t for t in requested_tasks(old) if t not in fresh and not task_keys(old, t) <= replaced]
+    produced = {**{t: before[t] for t in kept if t in before}, **fresh}
+    lm_eval = {**old.get("lm_eval", {}), **new.get("lm_eval", {})}
+    for section in TASK_SECTIONS:
+        old_part, new_part = old.get("lm_eval", {}).get(section), new.get("lm_eval", {}).get(section)
+        if isinstance(old_part, dict):
+            lm_eval[section] = {**{k: v for k, v in old_part.items() if k not in replaced}, **(new_part or {})}
+    moep = {**new.get("moep", {}), "tasks": kept + list(fresh)}
+    if len({json.dumps(e.get("routing_eval_mode")) for e in produced.values()}) > 1:
+        moep["routing_eval_mode"] = "mixed"
+    scores = {**{k: v for k, v in old["scores"].items() if k not in replaced}, **new["scores"]}
+    return {**new, "moep": moep, "scores": scores, "lm_eval": lm_eval, "evaluations": produced}
+
+
+# what results.md shows of each evaluation when the tasks of a record come from more than one
+PROVENANCE = ("step", "routing_eval_mode", "limit", "batch_size", "dtype", "num_fewshot", "overrides")
+
+
+def provenance_markdown(record: dict[str, Any]) -> list[str]:
+    produced = record.get("evaluations") or {}
+    if len({json.dumps(e, sort_keys=True, default=str) for e in produced.values()}) < 2:
+        return []
+    lines = ["", "Tasks evaluated separately, each by:", "", "| task | " + " | ".join(PROVENANCE) + " |",
+             "|---|" + "---|" * len(PROVENANCE)]
+    for task, e in produced.items():
+        lines.append(f"| {task} | " + " | ".join(str(e.get(k, "–")) for k in PROVENANCE) + " |")
+    return lines
 
 
 # ---- comparison of runs ------------------------------------------------------------------------------

@@ -252,6 +252,39 @@ def test_moep_eval_writes_results_with_routing_mode(tmp_path, tokenizer, tokeniz
 
 
 @pytest.mark.slow
+def test_a_second_moep_eval_keeps_the_first_ones_tasks(tmp_path, tokenizer, tokenizer_dir, capsys):
+    """Two evaluations of one run, of different tasks and under different routing eval modes, end in one record
+    with both tasks, each beside what produced it; the second replaced the first's results (issue #46 item 7). A
+    results.json that cannot be merged with is refused before the model is loaded."""
+    from moep_ds.cli.eval import main as eval_main
+
+    model, cfg = tiny_model("ffn_moe_nova", vocab_size=tokenizer.vocab_size)
+    ckpt = save_model_dir(model, cfg, tmp_path / "run" / "checkpoints" / "step_5", tokenizer_dir=tokenizer_dir,
+                          meta={"step": 5, "tokens": 5000})
+    (ckpt / "COMPLETE").touch()
+    data_dir = write_blimp_dir(tmp_path / "data", pairs_per_file=2)
+    first, second = "blimp_filtered_anaphor_number_agreement", "blimp_filtered_anaphor_gender_agreement"
+    common = [str(tmp_path / "run"), "--data_dir", str(data_dir), "--batch_size", "4", "--bootstrap_iters", "0"]
+    assert eval_main([*common, "--tasks", first]) == 0
+    assert eval_main([*common, "--tasks", second, "--set", "model.layers[1].moe.router.eval_mode=topk"]) == 0
+    out = tmp_path / "run" / "eval"
+    record = json.loads((out / "results.json").read_text())
+    assert record["moep"]["tasks"] == [first, second] and set(record["scores"]) == {first, second}
+    assert {t: e["routing_eval_mode"] for t, e in record["evaluations"].items()} == {first: "threshold",
+                                                                                     second: "topk"}
+    assert record["moep"]["routing_eval_mode"] == "mixed"
+    table = capsys.readouterr().out  # the second's last, with what produced each task
+    assert table.endswith((out / "results.md").read_text() + "\n")
+    assert f"| {first} | acc |" in table and f"| {first} | 5 | threshold |" in table and f"| {second} | 5 | topk |" in table
+    (out / "results.json").write_text("{")
+    assert eval_main([*common, "--tasks", first]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: results file '{out / 'results.json'}' is not valid JSON (Expecting property name enclosed in double "
+        "quotes: line 1 column 2); this evaluation's results merge into it: move it away, or pass --output another "
+        "folder")
+
+
+@pytest.mark.slow
 def test_real_blimp_subset_from_shared_data(shared_data, tmp_path, tokenizer):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from moep_ds.evaluation.report import (
-    comparison_markdown, flat_scores, load_records, load_reference, results_markdown,
+    comparison_markdown, flat_scores, load_records, load_reference, merge_records, record_problem, results_markdown,
 )
 
 from repo_paths import REPO
@@ -63,6 +63,47 @@ def test_results_markdown_lists_every_metric_with_the_routing_mode():
     assert "routing eval mode: threshold" in md
     assert "| lambada_openai | perplexity | 40.50 | 2.00 |" in md
     assert "| piqa | acc_norm | 60.00 | – |" in md
+
+
+def evaluation(tasks, scores, mode, step=5, subtasks=None):
+    """A moep-eval record of `tasks` scored `scores` ({task: acc}), under routing eval mode `mode`."""
+    lm_eval = {"results": {t: {"acc,none": a} for t, a in scores.items()}, "group_subtasks": subtasks or {},
+               "versions": {t: 1 for t in scores}, "config": {"routing_eval_mode": mode}}
+    return {"name": "run", "scores": flat_scores(lm_eval),
+            "moep": {"tasks": tasks, "routing_eval_mode": mode, "step": step, "limit": None, "model_dir": "m"},
+            "lm_eval": lm_eval}
+
+
+def test_a_second_evaluation_merges_per_task_and_the_newest_wins():
+    """`moep-eval --tasks grammar_pairs` then `--tasks wsc` into one folder kept only wsc (issue #46 item 7)."""
+    first = merge_records(None, evaluation(["grammar_pairs"], {"grammar_pairs": 0.6, "grammar_pairs_a": 0.5,
+                                                               "grammar_pairs_b": 0.7}, "threshold",
+                                           subtasks={"grammar_pairs": ["grammar_pairs_a", "grammar_pairs_b"]}))
+    assert first["evaluations"] == {"grammar_pairs": {"routing_eval_mode": "threshold", "step": 5, "limit": None,
+                                                      "model_dir": "m",
+                                                      "lm_eval_config": {"routing_eval_mode": "threshold"}}}
+    both = merge_records(first, evaluation(["wsc"], {"wsc": 0.4}, "topk", step=6))
+    assert both["moep"]["tasks"] == ["grammar_pairs", "wsc"] and record_problem(both) is None
+    assert {t: m["acc"] for t, m in both["scores"].items()} == {"grammar_pairs": 0.6, "grammar_pairs_a": 0.5,
+                                                                "grammar_pairs_b": 0.7, "wsc": 0.4}
+    # what produced each task's number stays with it; the record's own mode says they differ
+    assert both["evaluations"]["grammar_pairs"]["routing_eval_mode"] == "threshold"
+    assert (both["evaluations"]["wsc"]["routing_eval_mode"], both["evaluations"]["wsc"]["step"]) == ("topk", 6)
+    assert both["moep"]["routing_eval_mode"] == "mixed" and both["moep"]["step"] == 6
+    assert set(both["lm_eval"]["results"]) == set(both["scores"]) and both["lm_eval"]["versions"]["grammar_pairs"] == 1
+    md = results_markdown(both)
+    assert "| grammar_pairs | 5 | threshold |" in md and "| wsc | 6 | topk |" in md
+    # grammar_pairs again, now with one sub-task only: the group's old sub-tasks go with it
+    again = merge_records(both, evaluation(["grammar_pairs"], {"grammar_pairs": 0.9, "grammar_pairs_a": 0.9},
+                                           "topk", step=7, subtasks={"grammar_pairs": ["grammar_pairs_a"]}))
+    assert {t: m["acc"] for t, m in again["scores"].items()} == {"wsc": 0.4, "grammar_pairs": 0.9,
+                                                                 "grammar_pairs_a": 0.9}
+    assert again["moep"]["tasks"] == ["wsc", "grammar_pairs"] and again["moep"]["routing_eval_mode"] == "topk"
+    assert [again["evaluations"][t]["step"] for t in ("wsc", "grammar_pairs")] == [6, 7]
+    assert again["lm_eval"]["group_subtasks"] == {"grammar_pairs": ["grammar_pairs_a"]}
+    # a sub-task evaluated alone, then its group: the group's evaluation covers it
+    alone = merge_records(None, evaluation(["grammar_pairs_b"], {"grammar_pairs_b": 0.1}, "topk"))
+    assert merge_records(alone, first)["moep"]["tasks"] == ["grammar_pairs"]
 
 
 def test_comparison_puts_runs_beside_references_and_against_the_baseline(tmp_path):
