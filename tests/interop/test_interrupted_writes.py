@@ -123,3 +123,27 @@ def test_a_full_disk_while_exporting_is_one_line(tmp_path, hf_dir, monkeypatch, 
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: disk full (No space left on device) writing {str(out)!r}, 3 MiB free there")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_while_downloading_is_not_a_missing_revision(tmp_path, monkeypatch):
+    """huggingface_hub's OSError of a download into a full cache was reported as a revision not on the hub."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from moep_ds.errors import UserError
+    from moep_ds.interop.hub import resolve
+
+    cache = tmp_path / "hub"
+    blob = cache / "models--o--n" / "blobs" / "abc.incomplete"
+
+    def full_cache(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(blob))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", full_cache)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(fsutil, "free_bytes", lambda path: 3 << 20)
+    with pytest.raises(UserError) as err:
+        resolve("hf:o/n@main", "SRC")
+    assert str(err.value) == ("SRC ('hf:o/n@main'): downloading o/n@main into the Hugging Face cache failed: disk full "
+                              f"(No space left on device) writing {str(cache)!r}, 3 MiB free there")
