@@ -22,6 +22,13 @@ stopping and resuming:
   --resume auto                continues from the newest complete checkpoint in train.output_dir; a run started
                                without it in a folder that holds another run is refused (--overwrite replaces that
                                run; --allow_batch_change resumes with another global batch size)
+  --resume RUN_DIR/checkpoints/step_N
+                               an older checkpoint of the run starts a new branch: the later checkpoints and the
+                               logs after step N move to RUN_DIR/branches/after_step_N-<time>/ (kept, never
+                               deleted); --resume auto then continues the new branch
+  one run at a time            a run holds RUN_DIR/.lock while it runs: a second run into the folder is refused,
+                               naming the holder (host, pid, start); a requeued SLURM job waits for its earlier
+                               start (MOEP_RUN_LOCK_WAIT seconds, default 180), then takes over
 
   SIGTERM to the `deepspeed` runner process kills only the runner (DeepSpeed's launcher does not pass it
   on; the runner exits 143): the trainers go on, orphaned. They check every 5 s whether their launcher is

@@ -39,7 +39,7 @@ from moep_ds.training.monitor import drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
 from moep_ds.training.resume_batch import reconcile_resumed, resume_state, saved_global_batch
 from moep_ds.training.resume_data import check_same_data
-from moep_ds.training.run_dir import claim_run_dir
+from moep_ds.training.run_dir import claim_run_dir, start_branch
 from moep_ds.training.startup import build_rank_model, check_output_dir, peak_flops, set_aside, total_steps
 from moep_ds.training.train_module import TrainModule
 from moep_ds.training.trainer_state import TrainerState
@@ -201,6 +201,7 @@ def assemble(cfg: Config, ds_config_path: str | dict | None, resume: str | None,
     if rank == 0:
         ckpt_io.warn_length_change(state, max_steps, resume_from)
         ckpt_io.warn_model_changes(cfg.model, resume_from)
-        drop_rows_after(run_dir, state.step)
+        if start_branch(run_dir, resume_from, state.step) is None:  # an older checkpoint: a new branch
+            drop_rows_after(run_dir, state.step)
     return dataclasses.replace(parts, resume_from=resume_from, resumed=state,
                                saved_global_batch=saved_global_batch(state.state_dict()))

@@ -69,25 +69,69 @@ def tensorboard_events(metrics: dict[str, float], scalars: dict[str, float],
 
 
 LOG_FILES = ("metrics.jsonl", "expert_utilization.jsonl")
+TENSORBOARD_DIR = "tensorboard"  # DeepSpeed's job_name for the run's events (training/assemble.py)
 
 
-def drop_rows_after(run_dir: pathlib.Path, step: int) -> None:
-    """Logs follow the checkpoint: rows of steps after a resumed `step` were trained again (or never will be).
-    A cut-off last line (the interrupted run's unfinished write) goes too, so that new rows start on a line of
-    their own; a malformed line elsewhere is kept as it is (moep-analyze names it)."""
+def drop_rows_after(run_dir: pathlib.Path, step: int, aside: pathlib.Path | None = None) -> None:
+    """Logs follow the checkpoint: rows of steps after a resumed `step` were trained again (or never will be). They
+    are dropped, or, given `aside` (the folder of an abandoned branch, training/run_dir.py), appended to the file of
+    the same name there; TensorBoard's events alike (split_events). A cut-off last line (the interrupted run's
+    unfinished write) goes too, so that new rows start on a line of their own; a malformed line elsewhere is kept as
+    it is (moep-analyze names it)."""
     for name in LOG_FILES:
         path = run_dir / name
         if not path.is_file():
             continue
         lines = path.read_text().splitlines(keepends=True)
-        kept = [line for i, line in enumerate(lines) if keep_row(line, step, path, i + 1, last=i == len(lines) - 1)]
+        keep = [keep_row(line, step, path, i + 1, last=i == len(lines) - 1) for i, line in enumerate(lines)]
+        kept = [line for line, k in zip(lines, keep) if k]
         if kept and not kept[-1].endswith("\n"):  # the next row must start a line of its own
             kept[-1] += "\n"
-        if kept != lines:
-            tmp = path.with_name(f".{name}.tmp")
-            tmp.write_text("".join(kept))
-            tmp.replace(path)
-            log.info("dropped %d rows after step %d from %s", len(lines) - len(kept), step, path)
+        if kept == lines:
+            continue
+        if aside is not None:  # first: a crash in between leaves the rows twice, never nowhere
+            aside.mkdir(parents=True, exist_ok=True)
+            with open(aside / name, "a") as f:
+                f.write("".join(line if line.endswith("\n") else line + "\n" for line, k in zip(lines, keep) if not k))
+        tmp = path.with_name(f".{name}.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+        log.info("%s %d rows after step %d from %s", "moved" if aside else "dropped", len(lines) - len(kept), step,
+                 path)
+    split_events(run_dir / TENSORBOARD_DIR, step, aside / TENSORBOARD_DIR if aside is not None else None)
+
+
+def split_events(tb_dir: pathlib.Path, step: int, aside: pathlib.Path | None) -> None:
+    """TensorBoard event files under `tb_dir` without their events after `step`: those go into a file of the same
+    name under `aside` (after the file's header record), or are dropped. A file with nothing after `step`, such as
+    the one this run's writer has just opened, is left as it is."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    for path in sorted(tb_dir.rglob("events.out.tfevents.*")) if tb_dir.is_dir() else []:
+        raws = list(RawEventFileLoader(str(path)).Load())
+        events = [Event.FromString(raw) for raw in raws]
+        header = [raw for raw, event in zip(raws, events) if event.HasField("file_version")]
+        later = [event.step > step and not event.HasField("file_version") for event in events]
+        if not any(later):
+            continue
+        if aside is not None:  # first: a crash in between leaves the events twice, never nowhere
+            write_records(aside / path.relative_to(tb_dir), header + [r for r, x in zip(raws, later) if x])
+        tmp = path.with_name(f".{path.name}.tmp")
+        write_records(tmp, [raw for raw, x in zip(raws, later) if not x])
+        tmp.replace(path)
+        log.info("%s %d TensorBoard events after step %d from %s", "moved" if aside else "dropped", sum(later), step,
+                 path)
+
+
+def write_records(path: pathlib.Path, raws: list[bytes]) -> None:
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        writer = RecordWriter(f)
+        for raw in raws:
+            writer.write(raw)
 
 
 def keep_row(line: str, step: int, path: pathlib.Path, number: int, last: bool) -> bool:

@@ -14,9 +14,21 @@ which the next --overwrite deletes); files the trainer does not write (a user's 
 `--resume PATH` of a checkpoint of another run directory starts a new run from it: that is a new run for this
 contract (the folder must be free of runs, or --overwrite given). `--resume auto` in a folder without a complete
 checkpoint starts at step 0: the logs a run killed before its first checkpoint left are emptied, not appended to.
+
+One running job per folder: rank 0 takes the folder's lock (training/run_lock.py) before it looks, and holds it for
+the life of its process; a second run into a folder another live run holds is refused in one line naming the holder
+(host, pid, start time, SLURM job), and removes nothing (RunDirInUse). A requeued SLURM job waits for its own earlier
+start, then takes over.
+
+Resuming an older checkpoint of the run (`--resume RUN/checkpoints/step_40` where 50 and 60 exist) starts a new
+branch: the later checkpoints, and the rows and TensorBoard events of the steps after the resumed one, are moved into
+`RUN/branches/after_step_00000040-<UTC time>/` (same names inside: checkpoints/, metrics.jsonl, ...), never deleted,
+and one warning line says where. `--resume auto` then continues the new branch, the only one left in checkpoints/;
+to go back to an abandoned one, resume from its checkpoint into a new train.output_dir.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import pathlib
 import secrets
@@ -26,15 +38,22 @@ import torch.distributed as dist
 
 from moep_ds.checkpointing import layout
 from moep_ds.errors import SharedUserError
-from moep_ds.training.monitor import LOG_FILES, drop_rows_after
+from moep_ds.training.monitor import LOG_FILES, TENSORBOARD_DIR, drop_rows_after
+from moep_ds.training.run_lock import lock_run_dir
 
 log = logging.getLogger(__name__)
 
 # `touch RUN_DIR/STOP`: the trainers checkpoint and stop at the next step (StopRequest); removed when a run starts
 STOP_FILE = "STOP"
+BRANCHES = "branches"  # abandoned branches of the run (start_branch)
 # what a run writes in its directory (the DeepSpeed TensorBoard job is `tensorboard`; moep-analyze `analysis/`)
-RUN_FILES = (layout.CHECKPOINTS, *LOG_FILES, "tensorboard", "analysis", STOP_FILE)
+RUN_FILES = (layout.CHECKPOINTS, *LOG_FILES, TENSORBOARD_DIR, "analysis", BRANCHES, STOP_FILE)
 OVERWRITTEN_PREFIX = ".overwritten-"
+
+
+class RunDirInUse(SharedUserError):
+    """Another live run holds the run directory: this start must leave the folder as it found it (training/trainer.py
+    build_trainer removes a folder a failed start created, which here is the other run's)."""
 
 
 def run_contents(run_dir: pathlib.Path) -> list[str]:
@@ -76,12 +95,12 @@ def decide(run_dir: pathlib.Path, resume: str | None, overwrite: bool) -> tuple[
 def claim_run_dir(run_dir: pathlib.Path, resume: str | None, overwrite: bool) -> None:
     """Apply the contract on every rank (collective): rank 0 looks and acts, the others follow its decision."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    decision = [decide(run_dir, resume, overwrite) if rank == 0 else None]
+    decision = [look(run_dir, resume, overwrite) if rank == 0 else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(decision, src=0)
     action, error = decision[0]
     if error is not None:
-        raise SharedUserError(error)
+        raise (RunDirInUse if action == "busy" else SharedUserError)(error)
     if rank == 0 and (run_dir / STOP_FILE).exists() and action != "overwrite":
         log.warning("removing %s left by an earlier stop request", run_dir / STOP_FILE)
         (run_dir / STOP_FILE).unlink()
@@ -92,6 +111,41 @@ def claim_run_dir(run_dir: pathlib.Path, resume: str | None, overwrite: bool) ->
         drop_rows_after(run_dir, 0)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()  # nobody writes into the folder before rank 0 has cleared it
+
+
+def look(run_dir: pathlib.Path, resume: str | None, overwrite: bool) -> tuple[str, str | None]:
+    """Rank 0: take the folder's lock, then decide; ("busy", the refusal) when another run holds it."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        busy = lock_run_dir(run_dir)
+    except OSError as err:  # as a decision: the other ranks wait for it in the broadcast
+        return "new", f"train.output_dir ({str(run_dir)!r}): its lock file could not be taken: {err}"
+    return ("busy", busy) if busy else decide(run_dir, resume, overwrite)
+
+
+def start_branch(run_dir: pathlib.Path, resumed: pathlib.Path, step: int) -> pathlib.Path | None:
+    """Rank 0, resuming checkpoint `resumed` (of `step`): where it is an older checkpoint of this run, move its later
+    checkpoints and the log rows and events after `step` into a new folder under RUN/branches (module docstring) and
+    return that folder; None (nothing moved) where no complete checkpoint of the run is newer."""
+    root = layout.checkpoint_root(run_dir)
+    if resumed.resolve().parent != root.resolve():
+        return None
+    newer = sorted((d for d in root.iterdir() if layout.step_of(d) > step), key=layout.step_of)
+    if not any(layout.is_complete(d) for d in newer):
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    aside = run_dir / BRANCHES / f"after_{layout.checkpoint_tag(step)}-{stamp}"
+    n = 1
+    while aside.exists():  # two rollbacks within a second
+        n += 1
+        aside = aside.with_name(f"after_{layout.checkpoint_tag(step)}-{stamp}-{n}")
+    (aside / layout.CHECKPOINTS).mkdir(parents=True)
+    for ckpt in newer:
+        ckpt.rename(aside / layout.CHECKPOINTS / ckpt.name)
+    drop_rows_after(run_dir, step, aside=aside)
+    log.warning("resuming %s starts a new branch: the later checkpoints (%s) and the logs of steps after %d are "
+                "moved to %s", resumed.name, ", ".join(c.name for c in newer), step, aside)
+    return aside
 
 
 def overwrite_run(run_dir: pathlib.Path) -> None:

@@ -18,6 +18,7 @@ from moep_ds.training.callbacks import (
     CALLBACKS, Callback, EndEvent, ErrorEvent, LoadEvent, SaveEvent, StepEvent, build_callback, ordered,
 )
 from moep_ds.training.callbacks.builtin import BUILTIN
+from moep_ds.training.run_dir import RunDirInUse
 from moep_ds.training.startup import total_steps  # noqa: F401 - re-exported
 from moep_ds.training.stop import StopRequest, launcher_chain, launcher_generations  # noqa: F401 - re-exported
 from moep_ds.training.trainer_state import TrainerState
@@ -170,6 +171,8 @@ def build_trainer(cfg: Config, ds_config_path: str | dict | None = None, resume:
     try:
         return Trainer(assemble(cfg, ds_config_path, resume, overwrite=overwrite,
                                 allow_batch_change=allow_batch_change), callbacks)
+    except RunDirInUse:  # the folder is another live run's, created by it at the same time
+        raise
     except BaseException:
         layout.remove_new_dir(cfg.train.output_dir, created)
         raise

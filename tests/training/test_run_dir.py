@@ -10,8 +10,9 @@ from moep_ds.checkpointing import layout
 from moep_ds.errors import SharedUserError
 from moep_ds.training.config import TrainConfig
 from moep_ds.training.resume_batch import reconcile_resumed, resume_state, saved_global_batch
+from moep_ds.training.monitor import drop_rows_after
 from moep_ds.training.resume_data import check_same_data, tokens_read
-from moep_ds.training.run_dir import claim_run_dir, decide
+from moep_ds.training.run_dir import BRANCHES, claim_run_dir, decide, start_branch
 
 from tiny import DS_CONFIGS, REPO, losses, metrics, run_pretrain, write_recipe
 
@@ -48,7 +49,7 @@ def test_overwrite_deletes_only_what_a_run_writes(tmp_path):
     (tmp_path / "tensorboard").mkdir()
     (tmp_path / "notes.txt").write_text("mine")
     claim_run_dir(tmp_path, None, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "notes.txt"]  # the lock stays (run_lock.py)
 
 
 def test_resume_auto_without_a_checkpoint_empties_the_logs_it_would_append_to(tmp_path):
@@ -57,6 +58,54 @@ def test_resume_auto_without_a_checkpoint_empties_the_logs_it_would_append_to(tm
     claim_run_dir(tmp_path, "auto", overwrite=False)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     assert not (tmp_path / "STOP").exists()  # an old stop request would stop the new run at once
+
+
+def tensorboard_steps(tb_dir: pathlib.Path, tag: str = "train/loss") -> list[int]:
+    """The steps of `tag` in the TensorBoard event files under `tb_dir`, in file order."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [event.step for path in sorted(tb_dir.rglob("events.out.tfevents.*"))
+            for event in EventFileLoader(str(path)).Load() if any(v.tag == tag for v in event.summary.value)]
+
+
+def test_resuming_an_older_checkpoint_moves_the_later_ones_and_their_logs_into_a_branch(tmp_path, caplog,
+                                                                                        monkeypatch):
+    """Issue 46 item 2: checkpoints 2, 4, 6 and the logs of steps 1-6; resuming step 2 moves 4 and 6, the rows and
+    the TensorBoard events of steps 3-6 into RUN/branches/after_step_00000002-<time>/; the newest, another run's
+    checkpoint, or no later complete checkpoint moves nothing."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)
+    fake_run(tmp_path, steps=(2, 4, 6))
+    rows = "".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in range(1, 7))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    (tmp_path / "expert_utilization.jsonl").write_text(rows.replace("loss", "layers.0.entropy"))
+    writer = SummaryWriter(tmp_path / "tensorboard")
+    for step in range(1, 7):
+        writer.add_scalar("train/loss", 10.0 - step, step)
+    writer.close()
+    root = layout.checkpoint_root(tmp_path)
+    (root / "step_00000008").mkdir()  # a later incomplete one (no COMPLETE) goes with them
+    assert start_branch(tmp_path, root / "step_00000008", 8) is None  # the newest: no rollback
+    assert start_branch(tmp_path, tmp_path / "other" / "checkpoints" / "step_00000002", 2) is None
+    with caplog.at_level("WARNING", logger="moep_ds"):
+        aside = start_branch(tmp_path, root / "step_00000002", 2)
+    assert aside.parent == tmp_path / BRANCHES and aside.name.startswith("after_step_00000002-")
+    assert [c.name for c in layout.complete_checkpoints(tmp_path)] == ["step_00000002"]
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_00000004", "step_00000006",
+                                                                         "step_00000008"]
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
+    assert [m["step"] for m in metrics(aside)] == [3, 4, 5, 6]
+    assert [json.loads(line)["step"] for line in (aside / "expert_utilization.jsonl").read_text().splitlines()] == \
+        [3, 4, 5, 6]
+    assert tensorboard_steps(tmp_path / "tensorboard") == [1, 2]
+    assert tensorboard_steps(aside / "tensorboard") == [3, 4, 5, 6]
+    assert (f"resuming step_00000002 starts a new branch: the later checkpoints (step_00000004, step_00000006, "
+            f"step_00000008) and the logs of steps after 2 are moved to {aside}") in caplog.text
+    assert start_branch(tmp_path, root / "step_00000002", 2) is None  # done: nothing later is left
+    drop_rows_after(tmp_path, 1)  # a plain resume (of a step 1): what is after it is dropped, TensorBoard's too
+    assert [m["step"] for m in metrics(tmp_path)] == [1] and tensorboard_steps(tmp_path / "tensorboard") == [1]
+    assert tensorboard_steps(aside / "tensorboard") == [3, 4, 5, 6]
 
 
 def test_resume_keeps_the_saved_global_batch_unless_fixed(tmp_path):
@@ -204,3 +253,36 @@ def test_two_process_checkpoint_resumed_on_one_keeps_global_batch_and_sample(tmp
     # tokens read: 32 samples x 32 tokens, then 8 per step (not step x 8 x 32: 768 at step 3)
     assert [m["tokens"] for m in metrics(changed) if "loss" in m] == [1280, 1536]
     assert (state["seq_len"], state["tokens"]) == (32, 1536)
+
+
+@pytest.mark.slow
+def test_a_rollback_through_pretrain_starts_a_branch_that_resume_auto_continues(tmp_path):
+    """Issue 46 item 2 end to end: train to 6 with checkpoints 2/4/6; resume step_2 with another lr to 4; then
+    `--resume auto` continues the new branch to 6 (it resumed the abandoned step 6 and ended at once). The abandoned
+    4 and 6 and their logs are under RUN/branches/, never deleted."""
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=6,
+                          checkpoint={"every_steps": 2, "keep_last": 5, "at_end": True})
+    args = ["--config", str(recipe), "--ds_config", str(DS_CONFIGS / "quickstart.json")]
+    run_pretrain(1, *args)
+    first = losses(out)
+    rollback = pretrain(*args, "--resume", str(out / "checkpoints" / "step_00000002"), "--set",
+                        "train.optimizer.lr=3e-3", "train.exit_at_step=4")
+    assert rollback.exitcode == 0, rollback.stderr[-3000:]
+    [aside] = (out / BRANCHES).iterdir()
+    assert f"the later checkpoints (step_00000004, step_00000006) and the logs of steps after 2 are moved to " \
+           f"{aside}" in rollback.stderr
+    assert [c.name for c in layout.complete_checkpoints(aside)] == ["step_00000004", "step_00000006"]
+    assert losses(aside) == {s: first[s] for s in (3, 4, 5, 6)}
+    assert tensorboard_steps(aside / "tensorboard") == [3, 4, 5, 6]
+    resumed = pretrain(*args, "--resume", "auto", "--set", "train.optimizer.lr=3e-3")
+    assert resumed.exitcode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "step_00000004" in resumed.stderr
+    rows = [m for m in metrics(out) if "loss" in m]
+    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6]
+    assert [m["loss"] for m in rows[:2]] == [first[1], first[2]]
+    abandoned = metrics(aside)
+    assert rows[2]["lr"] != abandoned[0]["lr"] and rows[3]["loss"] != first[4]  # the new branch: its lr from step 3
+    assert [c.name for c in layout.complete_checkpoints(out)] == ["step_00000002", "step_00000004", "step_00000006"]
+    assert sorted(tensorboard_steps(out / "tensorboard")) == [1, 2, 3, 4, 5, 6]
+    assert [p.name for p in (out / BRANCHES).iterdir()] == [aside.name]  # --resume auto moved nothing

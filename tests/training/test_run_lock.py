@@ -1,0 +1,139 @@
+"""One running job per run directory (training/run_lock.py, training/run_dir.py): the lock rank 0 holds for the life
+of its process, the refusal naming the holder, a dead holder's lock taken, a requeued SLURM job waiting for its own
+earlier start; and two real pretrain.py processes started together into one folder (issue 46 item 1)."""
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moep_ds.checkpointing import layout
+from moep_ds.training import run_lock
+from moep_ds.training.run_dir import RunDirInUse, claim_run_dir
+from moep_ds.training.run_lock import LOCK_FILE, lock_run_dir
+
+from test_run_dir import fake_run
+from tiny import DS_CONFIGS, REPO, env, metrics, write_recipe
+
+
+def hold(run_dir, environ=None, exit_after=None) -> int:
+    """A forked process that takes the folder's lock and keeps it until killed (or for `exit_after` seconds)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no return
+        try:
+            os.environ.update(environ or {})
+            assert lock_run_dir(run_dir) is None
+            os.write(write, b"1")
+            time.sleep(exit_after if exit_after is not None else 600)
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    return pid
+
+
+def end(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os.waitpid(pid, 0)
+
+
+@pytest.fixture
+def slurm(monkeypatch):
+    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "MOEP_SLURM_JOB_ID", "MOEP_SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
+    return monkeypatch
+
+
+def test_a_folder_a_live_run_holds_is_refused_naming_it_and_a_dead_runs_lock_is_taken(tmp_path, slurm):
+    fake_run(tmp_path, steps=(2,))
+    holder = hold(tmp_path)
+    try:
+        record = json.loads((tmp_path / LOCK_FILE).read_text())
+        with pytest.raises(RunDirInUse) as err:
+            claim_run_dir(tmp_path, "auto", overwrite=False)
+        assert str(err.value) == (
+            f"train.output_dir ({str(tmp_path)!r}) is in use by another run (host {socket.gethostname()}, pid "
+            f"{holder}, started {record['started']}): wait for it to end, stop it (touch {tmp_path / 'STOP'}), or "
+            "start this run in another train.output_dir")
+        with pytest.raises(RunDirInUse):  # --overwrite included: it would delete the live run's files
+            claim_run_dir(tmp_path, None, overwrite=True)
+        assert layout.complete_checkpoints(tmp_path)  # nothing touched
+    finally:
+        end(holder)
+    claim_run_dir(tmp_path, "auto", overwrite=False)  # the holder died: its lock went with it
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    claim_run_dir(tmp_path, "auto", overwrite=False)  # a second run in this process keeps its lock
+
+
+def test_a_requeued_slurm_job_waits_for_its_earlier_start_then_takes_over(tmp_path, slurm, caplog):
+    """A requeue keeps SLURM_JOB_ID and counts SLURM_RESTART_COUNT up: the new start waits for the old one (which
+    checkpoints on the requeue's signal) up to MOEP_RUN_LOCK_WAIT seconds, then takes the lock over; any other job
+    is refused at once."""
+    first, second, third = tmp_path / "ends", tmp_path / "hangs", tmp_path / "other"
+    for folder in (first, second, third):
+        folder.mkdir()
+    old = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"}
+    ends = hold(first, old, exit_after=1.0)
+    hangs = hold(second, old)
+    other = hold(third, {"SLURM_JOB_ID": "78"})
+    try:
+        slurm.setenv("SLURM_JOB_ID", "77")
+        slurm.setenv("SLURM_RESTART_COUNT", "1")
+        slurm.setenv(run_lock.WAIT_ENV, "30")
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="moep_ds"):
+            assert lock_run_dir(first) is None  # its earlier start ended meanwhile
+            assert time.monotonic() - started < 20
+            assert "taking it over" not in caplog.text
+            slurm.setenv(run_lock.WAIT_ENV, "1")
+            assert lock_run_dir(second) is None
+        assert "still holds the lock after 1 s; taking it over" in caplog.text
+        assert f"pid {hangs}, started" in caplog.text and "SLURM job 77 (restart 0)" in caplog.text
+        taken = json.loads((second / LOCK_FILE).read_text())
+        assert (taken["pid"], taken["slurm_job_id"], taken["slurm_restart_count"]) == (os.getpid(), "77", 1)
+        assert lock_run_dir(second) is None  # still this process's
+        started = time.monotonic()
+        refused = lock_run_dir(third)
+        assert time.monotonic() - started < 5 and f"pid {other}" in refused and "SLURM job 78 (restart 0)" in refused
+    finally:
+        for pid in (ends, hangs, other):
+            end(pid)
+
+
+@pytest.mark.slow
+def test_two_pretrain_processes_started_together_into_one_folder_one_trains(tmp_path):
+    """Issue 46 item 1: two `python pretrain.py` of one tiny recipe into one train.output_dir, started together:
+    exactly one trains, the other exits 2 with one line naming the holder's host, pid and start time; the folder
+    holds one loss curve and one TensorBoard event file."""
+    out = tmp_path / "dup"
+    # long enough (a few seconds) for the later of the two to reach the lock while the first trains
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=200,
+                          checkpoint={"every_steps": 100, "keep_last": 3, "at_end": True})
+    cmd = [sys.executable, str(REPO / "pretrain.py"), "--config", str(recipe), "--ds_config",
+           str(DS_CONFIGS / "quickstart.json")]
+    procs = [subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.pid, *p.communicate(timeout=600), p.returncode) for p in procs]
+    codes = sorted(code for *_, code in results)
+    assert codes == [0, 2], "\n".join(err[-3000:] for _, _, err, _ in results)
+    [(winner, *_)] = [r for r in results if r[3] == 0]
+    [(_, _, stderr, _)] = [r for r in results if r[3] == 2]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    started = json.loads((out / LOCK_FILE).read_text())["started"]
+    assert errors[0].startswith(f"error: train.output_dir ({str(out)!r}) is in use by another run (host "
+                                f"{socket.gethostname()}, pid {winner}, started {started})"), errors[0]
+    assert [m["step"] for m in metrics(out) if "loss" in m] == list(range(1, 201))
+    assert len(list((out / "tensorboard").rglob("events.out.tfevents.*"))) == 1
+    assert [c.name for c in layout.complete_checkpoints(out)] == ["step_00000100", "step_00000200"]
