@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -87,13 +88,15 @@ def atomic_dir(final: str | os.PathLike, *, tmp: Path | None = None,
                publish: Callable[[Path, Path], None] | None = None) -> Iterator[Path]:
     """Yield a temporary sibling of `final` to write into; on success it becomes `final` in one rename (with
     umask modes; `publish(tmp, final)` instead of `replace_dir` where the caller puts it in place its own way);
-    on any error it is removed, as are the parent folders made for it, and `final` is left as it was."""
+    on any error it is removed, as are the parent folders made for it, and `final` is left as it was. A process
+    killed meanwhile (SIGKILL) cannot remove it: the next atomic_dir for `final` does (remove_stale_temporaries)."""
     final = Path(final)
     created = [p for p in final.parents if not p.exists()]  # deepest first
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         if tmp is None:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+            remove_stale_temporaries(final)
+            tmp = temporary_dir(final)
         else:
             tmp.mkdir(parents=True)
     except BaseException:
@@ -109,6 +112,41 @@ def atomic_dir(final: str | os.PathLike, *, tmp: Path | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         if not done:
             remove_empty_dirs(created)  # after tmp is gone, or its parent is not empty
+
+
+def temporary_dir(final: Path) -> Path:
+    """A new hidden sibling of `final`, `.NAME.HOST-PID-XXXXXXXX.tmp`: the host and process that write it are in its
+    name, so that a later process can tell one whose writer is dead (remove_stale_temporaries)."""
+    prefix = f".{final.name}.{HOST_CHARS.sub('', socket.gethostname())}-{os.getpid()}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=final.parent))
+
+
+HOST_CHARS = re.compile(r"[^A-Za-z0-9-]")  # what a temporary's name keeps of the host name
+
+
+def remove_stale_temporaries(final: Path) -> None:
+    """Remove the temporaries of `final` (temporary_dir) that a process of this host left when it was killed before
+    it could (SIGKILL, a node's out-of-memory killer): its pid is no longer running. One of another host, or of a
+    running pid (perhaps reused), is left alone: it may be being written."""
+    pattern = re.compile(rf"\.{re.escape(final.name)}\.([A-Za-z0-9-]*)-(\d+)-[a-z0-9_]{{8}}\.tmp")
+    host = HOST_CHARS.sub("", socket.gethostname())
+    for path in sorted(final.parent.iterdir()) if final.parent.is_dir() else []:
+        found = pattern.fullmatch(path.name)
+        if found and found.group(1) == host and not path.is_symlink() and path.is_dir() \
+                and not pid_running(int(found.group(2))):
+            log.warning("removing %s: a temporary of %s that a process killed before it finished (pid %s) left",
+                        path, final.name, found.group(2))
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def is_empty_dir(path: Path) -> bool:
@@ -172,10 +210,15 @@ def check_writable(directory: str | os.PathLike, field: str) -> Path:
         finally:
             probe.unlink(missing_ok=True)
     except OSError as err:
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise UserError(f"{field} ({str(path)!r}): {disk_full(path)}") from None
-        raise UserError(f"{field} ({str(path)!r}) is not writable: {err.strerror or err}") from None
+        raise UserError(write_error(field, path, err)) from None
     return path
+
+
+def write_error(field: str, path: Path, err: OSError) -> str:
+    """The line for an OSError met writing in `path`, named as `field`: a full disk with the space left there."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{field} ({str(path)!r}): {disk_full(path)}"
+    return f"{field} ({str(path)!r}) is not writable: {err.strerror or err}"
 
 
 PROBE_BYTES = 1 << 20
@@ -185,6 +228,56 @@ def disk_full(where: Path, free: int | None = None) -> str:
     """What a write that found no space says: the path and the space left on its file system (`free` bytes)."""
     free = free_bytes(where) if free is None else free
     return f"disk full (No space left on device) writing {str(where)!r}, {free >> 20} MiB free there"
+
+
+def disk_full_reason(err: BaseException, where: Path) -> str | None:
+    """`disk_full` where `err` is a write that found no space, whatever wrapped the OSError (the cause chain, DCP's
+    CheckpointException with each rank's exception, torch.save's stream writer turning a short write into
+    "[enforce fail at inline_container.cc] unexpected pos N vs M"); None for any other error. The path named is
+    `where` (the output being written, not its temporary), or the file the OSError names where that lies elsewhere
+    (a library's cache)."""
+    causes = list(exception_chain(err))
+    full = [e for e in causes if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)]
+    if not full and not (any("unexpected pos" in str(e) or "No space left" in str(e) for e in causes)
+                         and free_bytes(where) < DISK_FULL_BYTES):
+        return None
+    named = next((Path(e.filename).absolute() for e in full if isinstance(e.filename, str)), None)
+    if named is not None and not named.is_relative_to(Path(where).absolute().parent):
+        where = named
+    return disk_full(where)
+
+
+DISK_FULL_BYTES = 64 << 20  # a short write with less than this left on the file system is taken for a full disk
+
+
+def exception_chain(err: BaseException) -> Iterator[BaseException]:
+    """`err`, its causes and contexts, and the per-rank exceptions of a DCP CheckpointException."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+
+
+@contextlib.contextmanager
+def writing_to(where: str | os.PathLike) -> Iterator[None]:
+    """A command's write of `where`: a full disk met anywhere inside is one UserError line naming `where` and the
+    space left there (disk_full_reason), not the OSError (or wrapper) of whichever library wrote the bytes."""
+    try:
+        yield
+    except BaseException as err:
+        # not `except Exception`: DCP's CheckpointException is a BaseException
+        stopped = isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit))
+        reason = None if stopped else disk_full_reason(err, Path(where))
+        if reason is None:
+            raise
+        raise UserError(reason) from None
 
 
 def free_bytes(path: Path) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 from moep_ds.checkpointing import layout
 from moep_ds.distributed.commands import Parser, run_command
 from moep_ds.errors import UserError
+from moep_ds.fsutil import writing_to
 from moep_ds.evaluation.export import check_export_dir, check_outside_runs, checked_tokenizer, export_hf_weights
 
 log = logging.getLogger(__name__)
@@ -44,17 +45,18 @@ def _main(args: argparse.Namespace) -> int:
     check_export_dir(out, args.force)  # before the weights are read
     tokenizer_dir = checked_tokenizer(source)
     meta = {**read_meta(source), "exported_from": str(source.resolve())}
-    if args.native:
-        export_native(source, cfg, out, args, tokenizer_dir, meta)
-    elif args.hf:
-        entries, _ = stored_weights(source, cfg, prefix="model.")
-        export_hf_weights(entries, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=args.force)
-    else:
-        entries, extra = stored_weights(source, cfg)
-        # not save_weights_dir, which writes into an existing folder file by file: --force replaces the whole
-        # folder, and only once the new export is complete
-        with layout.output_dir(out) as tmp:
-            write_model_files(entries, extra, cfg, tmp, tokenizer_dir, meta)
+    with writing_to(out):  # a full disk: one line naming --out and the space left there
+        if args.native:
+            export_native(source, cfg, out, args, tokenizer_dir, meta)
+        elif args.hf:
+            entries, _ = stored_weights(source, cfg, prefix="model.")
+            export_hf_weights(entries, cfg, out, tokenizer_dir=tokenizer_dir, meta=meta, overwrite=args.force)
+        else:
+            entries, extra = stored_weights(source, cfg)
+            # not save_weights_dir, which writes into an existing folder file by file: --force replaces the whole
+            # folder, and only once the new export is complete
+            with layout.output_dir(out) as tmp:
+                write_model_files(entries, extra, cfg, tmp, tokenizer_dir, meta)
     log.info("wrote %s", out)
     return 0
 

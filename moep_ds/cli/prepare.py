@@ -16,7 +16,7 @@ from typing import Any
 from moep_ds.data.config import DataConfig
 from moep_ds.data.errors import DataError
 from moep_ds.data.prepare import MEGATRON_SUMMARY, META, SUMMARY, check_meta, prepare
-from moep_ds.distributed.commands import Parser
+from moep_ds.distributed.commands import Parser, run_guarded
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -80,10 +80,12 @@ def config_from_args(args: argparse.Namespace) -> DataConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moep_ds.schema import ConfigError
-
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_guarded(_main, args)  # one-line errors (status 2); SIGINT / SIGTERM remove the partial output
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if args.check:
             if not args.prepared_dir or args.vocab_size is None:
@@ -91,11 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             meta = check_meta(args.prepared_dir, vocab_size=args.vocab_size)
             print(json.dumps({"prepared_dir": args.prepared_dir, "ok": True, "vocab_size": meta["vocab_size"]}))
             return 0
-        cfg = config_from_args(args)
-        out = prepare(cfg, force=args.force)
-    except (DataError, ConfigError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        out = prepare(config_from_args(args), force=args.force)
+    except OSError as err:  # a source or output the file system refuses, named by the OSError
+        raise DataError(str(err)) from None
     meta = json.loads((out / META).read_text())
     summary = {k: meta[k] for k in (MEGATRON_SUMMARY if "megatron" in meta else SUMMARY)}
     print(json.dumps({"prepared_dir": str(out), **summary}))

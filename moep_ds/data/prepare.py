@@ -16,6 +16,7 @@ The command line is moep_ds/cli/prepare.py (`moep-prepare`).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from moep_ds.data.errors import DataError
 from moep_ds.data.sources import Part, load_documents, megatron_prefix, resolve_sources, scan_sources
 from moep_ds.data.tokenizer import (TOKENIZER_FILE, HubTokenizerMissing, TextTokenizer, copy_tokenizer, load_tokenizer,
                                     save_tokenizer, tokenizer_file, tokenizer_sha256, train_tokenizer)
-from moep_ds.fsutil import atomic_dir
+from moep_ds.fsutil import atomic_dir, write_error, writing_to
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,7 @@ MEGATRON_SUMMARY = ("vocab_size", "train_sequences", "val_sequences", "train_tok
 def prepare(cfg: DataConfig, *, force: bool = False) -> Path:
     """Prepare (or reuse) the packed corpus described by `cfg`; returns the folder holding train.bin,
     val.bin, meta.json and the tokenizer files."""
-    from filelock import FileLock
-
+    lock_dir()
     if cfg.megatron_prefix is not None:
         return prepare_megatron(cfg, force=force)
     parts = resolve_sources(cfg.sources)
@@ -62,7 +62,7 @@ def prepare(cfg: DataConfig, *, force: bool = False) -> Path:
     scans, val_scans = scan_sources(parts), scan_sources(val_parts) if val_parts else []
     settings = prepare_settings(cfg, scans, val_scans)
     out = Path(cfg.prepared_dir).expanduser() if cfg.prepared_dir else default_prepared_dir(cfg, scans, val_scans)
-    with FileLock(str(lock_path(out))):  # data-parallel ranks may all call prepare(); one builds
+    with output_lock(out):
         meta = None if force else reusable_meta(out, settings)
         if meta is not None:
             check_windows(meta, cfg)
@@ -178,9 +178,39 @@ def default_prepared_dir(cfg: DataConfig, scans: list[dict[str, Any]], val_scans
 
 def lock_path(out: Path) -> Path:
     # kept in the cache, not beside the output, so that a failed run leaves nothing at the output path
+    return lock_dir() / f"{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}.lock"
+
+
+def lock_dir() -> Path:
+    """$MOEP_CACHE_DIR/locks, made if needed: first thing, since every preparation takes a lock there (and a builtin
+    source is written to the cache); a cache that cannot be made is one line naming $MOEP_CACHE_DIR."""
     locks = default_cache_dir() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    return locks / f"{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}.lock"
+    with cache_errors():
+        locks.mkdir(parents=True, exist_ok=True)
+    return locks
+
+
+@contextlib.contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """The lock of `out` (lock_path) held: data-parallel ranks may all call prepare(); one builds."""
+    from filelock import FileLock
+
+    lock = FileLock(str(lock_path(out)))
+    with cache_errors():
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def cache_errors() -> Iterator[None]:
+    """A cache folder that cannot be written (read-only, under a file, full) is one line naming $MOEP_CACHE_DIR."""
+    try:
+        yield
+    except OSError as err:
+        raise DataError(write_error("$MOEP_CACHE_DIR", default_cache_dir(), err)) from None
 
 
 def read_meta(prepared_dir: Path) -> dict[str, Any] | None:
@@ -218,8 +248,6 @@ def reusable_meta(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
 def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
     """A folder with the reused tokenizer and a meta.json that fixes the train and validation sequence ranges
     of a megatron:PREFIX source; the tokens stay where they are (nothing is re-tokenised or copied)."""
-    from filelock import FileLock
-
     from moep_ds.data.megatron import check_sequence_lengths
 
     ranges = megatron_ranges(cfg)
@@ -233,7 +261,7 @@ def prepare_megatron(cfg: DataConfig, *, force: bool = False) -> Path:
     else:
         slug = re.sub(r"[^A-Za-z0-9]+", "_", cfg.megatron_prefix).strip("_")[-40:]
         out = default_cache_dir() / "prepared" / f"megatron_{slug}-{sha256_json(settings)[:12]}"
-    with FileLock(str(lock_path(out))):
+    with output_lock(out):
         meta = None if force else read_meta(out)
         if meta is not None and meta.get("settings_sha256") == sha256_json(settings) and \
                 tokenizer_file(out).is_file() and tokenizer_sha256(out) == meta["tokenizer_sha256"]:
@@ -293,8 +321,9 @@ def megatron_ranges(cfg: DataConfig) -> dict[str, tuple[Any, int, int]]:
 
 def build_atomically(out: Path, build_into: Callable[[Path], Any]) -> None:
     """`build_into(work)` fills a fresh folder beside `out`, which is then published as `out`; nothing is left
-    behind on failure."""
-    with atomic_dir(out, publish=publish) as work:
+    behind on failure. A full disk is named as such, with `out` and the space left there (not as a source that
+    could not be read: the `datasets` cache of the sources is written in `work`)."""
+    with writing_to(out), atomic_dir(out, publish=publish) as work:  # a full disk: one line naming `out`
         build_into(work)
 
 

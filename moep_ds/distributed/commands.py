@@ -4,12 +4,15 @@ leaving the process group on failure. The commands themselves are in moep_ds/cli
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
+import threading
+from typing import Iterator
 
-from moep_ds.distributed.launcher import launcher_rank
+from moep_ds.distributed.launcher import launched_world_size, launcher_rank
 from moep_ds.errors import ReportedElsewhere, SharedUserError, UserError
 from moep_ds.schema import ConfigError
 
@@ -87,15 +90,59 @@ def say(line: str) -> None:
     print(line if rank == 0 else f"[rank {rank}] {line}", file=sys.stderr)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a scheduler's stop) raised in the main thread, as SIGINT raises KeyboardInterrupt:
+    the command's `finally` blocks remove its temporaries (fsutil.atomic_dir) before it exits."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While a command of one process runs, SIGTERM raises Terminated (once: a repeat during the clean-up is
+    ignored). Not for the ranks of a launch: a rank waiting in a collective runs no Python code until the collective
+    returns, so torchrun's SIGTERM to the survivors of a failed rank must end them at once (what one leaves, the next
+    command into the same output removes: fsutil.remove_stale_temporaries)."""
+    if launched_world_size() > 1 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interruption(err: BaseException) -> KeyboardInterrupt | None:
+    """The SIGINT / SIGTERM (KeyboardInterrupt, Terminated) behind `err`: DCP wraps one raised while it writes."""
+    from moep_ds.fsutil import exception_chain
+
+    return next((e for e in exception_chain(err) if isinstance(e, KeyboardInterrupt)), None)
+
+
+def stopped(signal_error: KeyboardInterrupt) -> int:
+    """One line and the shell's status for a command stopped by a signal: 128 + its number."""
+    if isinstance(signal_error, Terminated):
+        say("terminated (SIGTERM)")
+        return exit_joined(128 + signal.SIGTERM)
+    say("interrupted")
+    return exit_joined(128 + signal.SIGINT)
+
+
 def run_guarded(fn, *args) -> int:
-    """Run a command body, turning expected failures into one line on stderr and exit status 2.
+    """Run a command body, turning expected failures into one line on stderr and exit status 2, and SIGINT / SIGTERM
+    into one line and status 130 / 143 (after its temporaries are removed: sigterm_raises).
 
     Every rank of a launcher gets the same command line, recipe and ds_config, so an error in them (ConfigError,
     SharedUserError) is printed by rank 0 only; other bad input (a file one node lacks) may differ between ranks
     and is printed by each, prefixed with its rank. The rank is the launcher's (environment), so this holds before
     and after the process group is joined."""
     try:
-        return fn(*args) or 0
+        with sigterm_raises():
+            return fn(*args) or 0
     except ReportedElsewhere:  # another rank printed the error
         return exit_joined(2)
     except UserError as err:
@@ -106,13 +153,18 @@ def run_guarded(fn, *args) -> int:
         from moep_ds.distributed.rank_errors import lost_rank_error
 
         lost = lost_rank_error(err)
-        if lost is None:
+        if lost is None and interruption(err) is None:
             raise
+        if lost is None:
+            return stopped(interruption(err))
         say(f"error: {lost}")
         return exit_joined(1)
-    except KeyboardInterrupt:  # a second Ctrl-C while the trainer checkpoints, or one before training started
-        say("interrupted")
-        return exit_joined(130)
+    except KeyboardInterrupt as err:  # a second Ctrl-C while the trainer checkpoints, one before training started
+        return stopped(err)
+    except BaseException as err:  # DCP's CheckpointException (a BaseException) around a signal's exception
+        if isinstance(err, (SystemExit, GeneratorExit)) or interruption(err) is None:
+            raise
+        return stopped(interruption(err))
 
 
 def run_command(body, args: argparse.Namespace) -> int:

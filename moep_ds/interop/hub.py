@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 
 from moep_ds.errors import UserError, hub_error_reason
+from moep_ds.fsutil import disk_full_reason
 from moep_ds.models.source_spec import HUB, revision_step, split_hub_spec
 
 WEIGHT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
@@ -66,6 +67,10 @@ def resolve_hub(spec: str, what: str) -> Source:
     except HFValidationError as err:
         raise UserError(f"{what} ({spec!r}): {first_line(err)}") from None
     except (OSError, ValueError) as err:  # not cached offline, no such repository or revision
+        full = disk_full_reason(err, Path(constants.HF_HUB_CACHE))
+        if full is not None:  # the download, not the revision
+            raise UserError(f"{what} ({spec!r}): downloading {repo_id}@{revision} into the Hugging Face cache "
+                            f"failed: {full}") from None
         if constants.HF_HUB_OFFLINE:  # huggingface_hub's advice (local_files_only=False) is for its Python API
             raise UserError(f"{what} ({spec!r}): revision {revision!r} of {repo_id} is not in the Hugging Face cache "
                             f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 forbids downloading it: run "

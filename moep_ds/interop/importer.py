@@ -31,6 +31,7 @@ import torch
 from moep_ds.checkpointing import layout, model_state, sharded
 from moep_ds.checkpointing.model_dir import write_recipe_files
 from moep_ds.errors import UserError
+from moep_ds.fsutil import disk_full_reason, writing_to
 from moep_ds.interop.sources import source_weights
 from moep_ds.interop.weights import fill_pieces
 
@@ -65,7 +66,7 @@ def import_checkpoint(src: str, cfg: Any, out: str | Path) -> Path:
     model, source = build_imported(src, cfg)
     stored, meta, tag = checkpoint_record(cfg, source)
     tokenizer_dir = source_tokenizer(source.folder)
-    with layout.output_dir(out) as tmp:
+    with writing_to(out), layout.output_dir(out) as tmp:  # a full disk: one line naming RUN_DIR and the space left
         write_model_checkpoint(model, stored, layout.checkpoint_root(tmp) / tag, tokenizer_dir, meta)
     log.info("imported %s into %s (step %d); its recipe: %s", src, out, meta["step"],
              layout.checkpoint_root(out) / tag / "config.yaml")
@@ -114,7 +115,8 @@ def import_split(src: str, cfg: Any, out: str | Path, expert_parallel: bool = Fa
         try:
             sharded.save(pieces, path, aliases=aliases)
         except (Exception, sharded.DCPError) as err:  # DCP raises the same exception on every rank
-            error = SharedUserError(f"writing {str(out)!r} failed: {sharded.first_line(err)}")
+            error = SharedUserError(disk_full_reason(err, out) or f"writing {str(out)!r} failed: "
+                                    f"{sharded.first_line(err)}")
         agreed(writing, out, lambda: finish(model, stored, path, tokenizer_dir, meta), run=rank == 0 and not error)
         stop_together(error, f"--out ({str(out)!r})")
     dist.barrier()  # rank 0 has moved RUN_DIR into place
@@ -132,7 +134,7 @@ def writing(out: Path, fn: Any) -> Any:
     try:
         return fn()
     except OSError as err:
-        raise UserError(f"writing {str(out)!r} failed: {err}") from None
+        raise UserError(disk_full_reason(err, out) or f"writing {str(out)!r} failed: {err}") from None
 
 
 def finish(model: torch.nn.Module, cfg: Any, path: Path, tokenizer_dir: Path | None, meta: dict[str, Any]) -> None:

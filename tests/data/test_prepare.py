@@ -436,3 +436,71 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_preparing(tmp_path)
                                         r"\(256\); a reused tokenizer may only be smaller$"):
         check_tokenizer_fits(reused, 256)
     check_tokenizer_fits(reused, 320)  # padded, as Pythia pads 50,277 to 50,304
+
+
+# ---- full disk, unwritable cache, signals (issue 46 item 6) --------------------------------------------------
+
+
+def test_a_full_disk_names_the_output_and_its_space_not_the_source(tmp_path, capsys, corpus_file, monkeypatch):
+    """`datasets` writes its cache of the sources in the temporary output folder: a full disk there was reported as
+    "cannot read <source>: [Errno 28] No space left on device", blaming the source."""
+    import errno
+
+    from moep_ds import fsutil
+    from moep_ds.data import sources
+
+    def full_disk(part, cfg, cache_dir):
+        try:  # as datasets reports it: its own error, the OSError as its cause
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as err:
+            raise RuntimeError("An error occurred while generating the dataset") from err
+
+    monkeypatch.setattr(sources, "_load_part", full_disk)
+    monkeypatch.setattr(fsutil, "free_bytes", lambda path: 3 << 20)
+    out = tmp_path / "out" / "prep"
+    code, _, err = run_cli(capsys, "--source", str(corpus_file), "--seq_len", "16", "--vocab_size", "300",
+                           "--out", str(out))
+    assert code == 2 and err.splitlines()[-1] == (
+        f"error: disk full (No space left on device) writing {str(out)!r}, 3 MiB free there"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unwritable_cache_is_one_line_naming_it(tmp_path, capsys, corpus_file, monkeypatch):
+    """$MOEP_CACHE_DIR (the locks, builtin corpora, default output folders) that cannot be written was OSError's
+    line without the variable, and a traceback under pretrain.py, which prepares its data through prepare(). A cache
+    under a regular file fails also for root, who may write a read-only folder."""
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("MOEP_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    expected = f"$MOEP_CACHE_DIR ({str(tmp_path / 'file' / 'cache')!r}) is not writable: Not a directory"
+    with pytest.raises(DataError) as err:
+        prepare(config(corpus_file, tmp_path / "prep"))
+    assert str(err.value) == expected
+    code, _, err = run_cli(capsys, "--source", "builtin:1", "--seq_len", "16", "--vocab_size", "300")
+    assert code == 2 and err.splitlines()[-1] == f"error: {expected}"
+
+
+def test_sigterm_removes_the_temporary_output(tmp_path, capsys, corpus_file, monkeypatch):
+    """SIGTERM (`kill`, `timeout`) while the bins are written: one line, status 143, nothing left beside --out
+    (before, the process died at once and left its hidden temporary folder)."""
+    import signal
+    import time
+
+    from moep_ds.data import prepare as prepare_module
+
+    def write_bins_then_stop(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises here
+
+    def not_handled(signum, frame):  # what reaches the test when the command handles no SIGTERM (not a dead pytest)
+        raise AssertionError("SIGTERM was not handled by moep-prepare")
+
+    monkeypatch.setattr(prepare_module, "write_bins", write_bins_then_stop)
+    previous = signal.signal(signal.SIGTERM, not_handled)
+    try:
+        code, _, err = run_cli(capsys, "--source", str(corpus_file), "--seq_len", "16", "--vocab_size", "300",
+                               "--out", str(tmp_path / "out" / "prep"))
+        assert signal.getsignal(signal.SIGTERM) == not_handled  # the command's handler is gone with it
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and err.splitlines()[-1] == "terminated (SIGTERM)" and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
