@@ -1,5 +1,6 @@
-"""Error types for bad input: command-line entry points report them as one line and exit with status 2; and the
-helpers those lines share when they describe values read from files."""
+"""Error types for bad input: command-line entry points report them as one line and exit with status 2 (a training
+run that failed on its own, `TrainingFailed`, with status 1); and the helpers those lines share when they describe
+values read from files."""
 from __future__ import annotations
 
 import json
@@ -37,6 +38,12 @@ def hub_error_reason(err: BaseException) -> str:
     first = text.splitlines()[0] if text else type(err).__name__
     sentences = [x for x in re.split(r"(?<=\.) ", first) if "local_files_only" not in x]
     return " ".join(sentences) or type(err).__name__
+
+
+class TrainingFailed(Exception):
+    """Training failed on input it had accepted (a non-finite loss or gradient norm), alike on every rank: the ranks
+    agreed on it in a collective and stopped together. Rank 0 reports it in one line; the command exits with status 1,
+    a failed run, as Megatron's NaN check ends one (an uncaught error), not 2 (bad input)."""
 
 
 class ReportedElsewhere(UserError):

@@ -34,6 +34,11 @@ stopping and resuming:
   on; the runner exits 143): the trainers go on, orphaned. They check every 5 s whether their launcher is
   gone and then checkpoint and exit as on SIGUSR1; signal the trainers themselves to stop without the wait.
   A trainer started without a launcher (python pretrain.py ... &) is not watched: it trains on after its shell exits.
+
+  A loss (on any rank) or gradient norm that is nan or inf stops the run after that step, on every rank, with one
+  line (error: non-finite loss (nan on rank 1) at step N: ...) and exit status 1, a failed run: nothing of step N is
+  saved and the checkpoints before it are kept (--resume auto continues from the newest, e.g. with a lower lr).
+  A step the fp16 loss scaler skips (a gradient overflow; its grad_norm is logged as null) is no such failure.
 """
 
 

@@ -13,7 +13,7 @@ import threading
 from typing import Iterator
 
 from moep_ds.distributed.launcher import launched_world_size, launcher_rank
-from moep_ds.errors import ReportedElsewhere, SharedUserError, UserError
+from moep_ds.errors import ReportedElsewhere, SharedUserError, TrainingFailed, UserError
 from moep_ds.schema import ConfigError
 
 log = logging.getLogger("moep_ds")
@@ -145,6 +145,10 @@ def run_guarded(fn, *args) -> int:
             return fn(*args) or 0
     except ReportedElsewhere:  # another rank printed the error
         return exit_joined(2)
+    except TrainingFailed as err:  # every rank stopped at the same step; rank 0 says why
+        if launcher_rank() == 0:
+            say(f"error: {err}")
+        return exit_joined(1)
     except UserError as err:
         if launcher_rank() == 0 or not isinstance(err, (ConfigError, SharedUserError)):  # every rank hits those alike
             say(f"error: {err}")

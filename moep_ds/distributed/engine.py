@@ -58,10 +58,17 @@ class Engine:
     def grad_norm(self) -> float | None:
         """The norm of the last step's gradient (DeepSpeed's, or ExactClipping's under ZeRO-0 fp32); None when the
         engine keeps none."""
+        norm = self.grad_norm_tensor()
+        return None if norm is None else float(norm)
+
+    def grad_norm_tensor(self) -> torch.Tensor | None:
+        """`grad_norm` where the engine keeps it (on the device, or a float as a CPU tensor), without waiting for it:
+        the same on every rank (DeepSpeed's norm is global). inf after a step the fp16 loss scaler skipped; -1 or NaN
+        where DeepSpeed's group norms met a non-finite gradient."""
         norm = self._engine.get_global_grad_norm()
         if norm is None and self._clipping is not None:
             norm = self._clipping.last_norm
-        return None if norm is None else float(norm)
+        return None if norm is None else torch.as_tensor(norm)
 
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale; None without fp16 loss scaling."""

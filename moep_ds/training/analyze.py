@@ -73,12 +73,13 @@ def row_problem(row: Any) -> str | None:
 
 
 def metrics_problem(row: Any) -> str | None:
-    """metrics.jsonl: {"step": N, "loss": ..., ...}; the losses that the summary and the plot read are numbers."""
+    """metrics.jsonl: {"step": N, "loss": ..., ...}; the losses that the summary and the plot read are numbers, or
+    null: a non-finite value (the step that stopped a run: training/monitor.py json_line)."""
     problem = row_problem(row)
     if problem is not None:
         return problem
     for key in LOSS_KEYS:
-        if key in row and not is_number(row[key]):
+        if key in row and row[key] is not None and not is_number(row[key]):
             return f"{key} ({show(row[key])}) must be a number"
     return None
 
@@ -104,9 +105,11 @@ def stat_problem(key: str, value: Any, num_experts: dict[str, int]) -> str | Non
         if num_experts.setdefault(layer, len(counts)) != len(counts):
             return f"{key} has {len(counts)} experts where the lines before have {num_experts[layer]}"
         return None
-    # statistics the summary does not read may be per-expert vectors too; dropped_fraction is one number
-    vector = stat != "dropped_fraction" and isinstance(value, list) and all(map(is_number, value))
-    return None if is_number(value) or vector else f"{key} ({show(value)}) must be a number"
+    if stat == "dropped_fraction":  # one number, which the summary reads
+        return None if is_number(value) else f"{key} ({show(value)}) must be a number"
+    # the others may be per-expert vectors too, and null where not finite (the entropy of nan logits)
+    values = value if isinstance(value, list) else [value]
+    return None if all(v is None or is_number(v) for v in values) else f"{key} ({show(value)}) must be a number"
 
 
 def utilization_problem(row: Any, num_experts: dict[str, int]) -> str | None:
@@ -176,10 +179,11 @@ def summarize_layer(s: dict[str, Any]) -> dict[str, Any]:
 def summarize(metrics: list[dict[str, Any]], utilization: list[dict[str, Any]],
               series: dict[str, dict[str, Any]]) -> dict[str, Any]:
     train = [m for m in metrics if "loss" in m]
+    finite = [m for m in train if m["loss"] is not None]  # null: the non-finite step that stopped the run
     events = [row["event"] for row in utilization if "event" in row]
     return {
         "steps": train[-1]["step"] if train else 0,
-        "loss": {"first": train[0]["loss"], "final": train[-1]["loss"]} if train else {},
+        "loss": {"first": finite[0]["loss"], "final": finite[-1]["loss"]} if finite else {},
         "val_loss_final": next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None),
         "layers": {name: summarize_layer(s) for name, s in sorted(series.items())},
         "lifecycle_events": len(events),
@@ -218,7 +222,7 @@ def plot(metrics: list[dict[str, Any]], series: dict[str, dict[str, Any]]) -> di
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in LOSS_KEYS:
-        pts = [(m["step"], m[key]) for m in metrics if key in m]
+        pts = [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), label=key, marker="o" if key == "val_loss" else None)
     ax.set_xlabel("step")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pathlib
 from typing import Any
 
@@ -148,6 +149,23 @@ def keep_row(line: str, step: int, path: pathlib.Path, number: int, last: bool) 
     return not isinstance(row, dict) or not isinstance(row.get("step", 0), int) or row.get("step", 0) <= step
 
 
+def json_line(row: dict[str, Any]) -> str:
+    """`row` as one line of strict JSON: a non-finite number (the NaN loss that stops a run, the inf gradient norm of
+    a step the fp16 loss scaler skipped) is written as null, as JSON has no NaN or Infinity (Python's json module
+    writes bare NaN / Infinity, which strict readers refuse). TensorBoard keeps the values themselves."""
+    return json.dumps(finite_or_null(row), allow_nan=False) + "\n"
+
+
+def finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 class Monitor:
     def __init__(self, run_dir: pathlib.Path, engine, enabled: bool):
         self.enabled = enabled
@@ -167,17 +185,17 @@ class Monitor:
         if not self.enabled:
             return
         scalars, vectors = split_stats(stats)
-        self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics.write(json_line({"step": step, **metrics}))
         self.write_events(step, tensorboard_events(metrics, scalars, vectors))
         if vectors or scalars:
-            self.utilization.write(json.dumps({"step": step, **scalars, **vectors}) + "\n")
+            self.utilization.write(json_line({"step": step, **scalars, **vectors}))
 
     def log_events(self, step: int, events: list[dict[str, Any]]) -> None:
         """Discrete events (lifecycle replacements, loss-scale overflows): JSON lines and a TensorBoard counter."""
         if not self.enabled or not events:
             return
         for event in events:
-            self.utilization.write(json.dumps({"step": step, "event": event}) + "\n")
+            self.utilization.write(json_line({"step": step, "event": event}))
         self.write_events(step, {"lifecycle/events": float(len(events))})
 
     def close(self) -> None:

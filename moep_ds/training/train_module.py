@@ -48,12 +48,14 @@ class TrainModule:
         self.resumed: dict[str, Any] | None = None  # the state this module was resumed from
         self.accum = self.ds["gradient_accumulation_steps"]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.step_grad_norm: torch.Tensor | None = None  # the last step's, as reduce_step checks it (train_step)
 
     def train_step(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """One optimizer step over `accum` micro-batches: this rank's losses averaged over its micro-batches and
         the routing statistics, all left on the device (no host sync here)."""
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         stats: dict[str, torch.Tensor] = {}
+        skipped = self.engine.skipped_steps
         for _ in range(self.accum):
             input_ids, labels = self.loader.next_micro_batch()
             out = self.engine(input_ids.to(self.device), labels=labels.to(self.device))
@@ -67,24 +69,53 @@ class TrainModule:
             for name, value in out.stats.items():
                 value = value.detach().float() / self.accum
                 stats[name] = stats[name] + value if name in stats else value
+        # a step the fp16 loss scaler skipped has an inf norm: an overflow the scaler handles (it lowers the scale),
+        # not a failed step; without a loss scaler DeepSpeed's skip of a non-finite gradient is one
+        scaler_skip = self.engine.loss_scale() is not None and self.engine.skipped_steps > skipped
+        self.step_grad_norm = None if scaler_skip else self.engine.grad_norm_tensor()
         return sums, stats
 
     def reduce_step(self, sums: dict[str, torch.Tensor], flags: dict[str, bool]
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, bool]]:
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, bool], str | None]:
         """The step's one collective: losses averaged over ranks, the loss-free balancing counts summed over
-        ranks (then the biases are updated: training/balancing.py), and the callbacks' `flags` (each set when any
-        rank set it). Only the flags come to the host; the losses stay on the device (the caller brings them
-        over on log steps). Every rank must pass the same flag names."""
+        ranks (then the biases are updated: training/balancing.py), the callbacks' `flags` (each set when any
+        rank set it) and the non-finite check (Megatron's --check-for-nan-in-loss-and-grad): the ranks whose loss is
+        not finite, and whether the step's gradient norm (global already) is not. Only the flags and the check come
+        to the host; the losses stay on the device (the caller brings them over on log steps). Every rank must pass
+        the same flag names. Returns the losses, the flags, and what was non-finite in words (None: nothing)."""
         keys, names = sorted(sums), sorted(flags)
         dtype = torch.float64  # balancing counts exact beyond fp32's 2^24; losses summed in float64
         counts = self.balancing.local_counts().to(self.device, dtype)
         local = torch.tensor([float(flags[n]) for n in names], device=self.device, dtype=dtype)
         losses = torch.stack([sums[k] for k in keys]).to(dtype) / self.world if keys else local[:0]
-        packed = torch.cat([losses, counts, local])
-        dist.all_reduce(packed)  # sum: mean losses, global counts, and a flag is set when any rank set it
+        packed = torch.cat([losses, counts, self.local_checks(sums, dtype), local])
+        dist.all_reduce(packed)  # sum: mean losses, global counts, the checks, and a flag is set when any rank set it
         self.balancing.end_step(packed[len(keys):len(keys) + counts.numel()])
-        flagged = packed[len(packed) - len(names):].tolist() if names else []
-        return dict(zip(keys, packed[:len(keys)].float())), {n: v > 0 for n, v in zip(names, flagged)}
+        bad_ranks, rank_sum, bad_norm, *flagged = packed[len(keys) + counts.numel():].tolist()
+        reduced = dict(zip(keys, packed[:len(keys)].float()))
+        return (reduced, {n: v > 0 for n, v in zip(names, flagged)},
+                self.nonfinite(reduced, int(bad_ranks), int(rank_sum), bad_norm > 0))
+
+    def local_checks(self, sums: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's part of the non-finite check, [loss not finite, this rank's number if so, norm not finite];
+        summed over the ranks: how many ranks had a non-finite loss and the sum of their numbers (the rank, where
+        one had). A norm below 0 is DeepSpeed's mark of a non-finite one (its group norms give -1)."""
+        zero = torch.zeros((), device=self.device, dtype=dtype)
+        bad_loss = (~torch.isfinite(sums["loss"])).to(dtype) if "loss" in sums else zero
+        norm = self.step_grad_norm
+        bad_norm = zero if norm is None else (~torch.isfinite(norm) | (norm < 0)).to(self.device, dtype)
+        return torch.stack([bad_loss, bad_loss * self.rank, bad_norm])
+
+    def nonfinite(self, losses: dict[str, torch.Tensor], bad_ranks: int, rank_sum: int, bad_norm: bool) -> str | None:
+        """What the check found, in words: `loss (nan on rank 1)`, `gradient norm (inf)`, both; None: nothing."""
+        found = []
+        if bad_ranks:
+            where = f"rank {rank_sum}" if bad_ranks == 1 else f"{bad_ranks} ranks"
+            found.append(f"loss ({float(losses['loss'])} on {where})")
+        if bad_norm:
+            norm = float(self.step_grad_norm)
+            found.append(f"gradient norm ({norm})" if not norm < 0 else "gradient norm")
+        return " and ".join(found) or None
 
     def metrics(self, step: int, losses: dict[str, float], seconds: float) -> dict[str, float]:
         """What a log step records besides the losses: lr, throughput, tokens, gradient norm, loss scale, MFU."""

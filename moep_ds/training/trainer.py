@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from moep_ds.checkpointing import layout
 from moep_ds.distributed.process_group import leave_process_group
-from moep_ds.errors import UserError
+from moep_ds.errors import TrainingFailed, UserError
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.assemble import RunParts, assemble
 from moep_ds.training.callbacks import (
@@ -93,29 +93,42 @@ class Trainer:
         return TrainerState(**self.state_dict(), **self.module.state_dict(), callbacks=self.callback_states())
 
     def fit(self) -> int:
+        """Train to max_steps or a stop. A non-finite step raises TrainingFailed on every rank alike, after at_end (a
+        save still in flight completes; the logs are closed)."""
         self.module.engine.train()
-        stopped = False
+        event, stopped = None, False
         try:
-            while self.step < self.max_steps:
-                event = StepEvent(self.step + 1, started=time.time())
-                self.fire("before_step", event)
-                sums, event.stats = self.module.train_step()
-                self.step += 1
-                event.losses, event.flags = self.module.reduce_step(sums, self.flags())  # before any callback
-                event.stop = event.flags.get("stop", False) or self.step == self.cfg.train.exit_at_step
-                self.fire("after_optimizer_step", event)
-                self.fire("after_step", event)  # monitoring, then the step's checkpoint, then evaluations
-                if event.stop:
-                    self.fire("on_stop", event)
-                    stopped = True
-                    break
+            while self.step < self.max_steps and not stopped:
+                event = self.run_step()
+                stopped = event.stop
             self.fire("at_end", EndEvent(self.step, stopped), reverse=True)
+            if stopped and event.nonfinite is not None:
+                raise TrainingFailed(f"non-finite {event.nonfinite} at step {event.step}: training stopped without "
+                                     f"saving step {event.step}; the checkpoints before it are kept")
         except BaseException as err:
             self.report_error(err)
             raise
         if self.rank == 0:
             self.log_analysis()
         return 0
+
+    def run_step(self) -> StepEvent:
+        """One step and its hooks. A non-finite loss or gradient norm on any rank (the step's all-reduce agrees on it:
+        event.nonfinite) stops the run at once: the step's only hook is on_stop (monitoring logs its row), so no
+        callback keeps state from it and no checkpoint holds it or rotates an earlier one out."""
+        event = StepEvent(self.step + 1, started=time.time())
+        self.fire("before_step", event)
+        sums, event.stats = self.module.train_step()
+        self.step += 1
+        event.losses, event.flags, event.nonfinite = self.module.reduce_step(sums, self.flags())  # before any hook
+        event.stop = (event.nonfinite is not None or event.flags.get("stop", False)
+                      or self.step == self.cfg.train.exit_at_step)
+        if event.nonfinite is None:
+            self.fire("after_optimizer_step", event)
+            self.fire("after_step", event)  # monitoring, then the step's checkpoint, then evaluations
+        if event.stop:
+            self.fire("on_stop", event)
+        return event
 
     def report_error(self, err: BaseException) -> None:
         """on_error of every callback; an error of one of them is logged, and the others still see the first."""
@@ -181,7 +194,13 @@ def build_trainer(cfg: Config, ds_config_path: str | dict | None = None, resume:
 def fit(cfg: Config, ds_config_path: str | None = None, resume: str | None = None, **options) -> int:
     """Train (`options`: overwrite, allow_batch_change, callbacks); every rank leaves the process group together at
     the end. A rank that fails leaves without waiting for the others, which may be in another collective
-    (cli.exit_joined ends it; the launcher stops the rest)."""
-    code = build_trainer(cfg, ds_config_path, resume, **options).fit()
+    (cli.exit_joined ends it; the launcher stops the rest); a non-finite step fails every rank at the same step, and
+    they leave together first (a launcher stops the others when one exits non-zero: not while they finish a save)."""
+    trainer = build_trainer(cfg, ds_config_path, resume, **options)
+    try:
+        code = trainer.fit()
+    except TrainingFailed:
+        leave_process_group()
+        raise
     leave_process_group()
     return code

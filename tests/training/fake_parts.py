@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import pathlib
 import tempfile
 
@@ -46,7 +47,8 @@ class FakeEngine:
 
 
 class FakeModule:
-    """A TrainModule whose step's loss is 1 / step, whose flags pass through its one 'all-reduce' unchanged."""
+    """A TrainModule whose step's loss is 1 / step (nan at the steps in `nan_steps`), whose flags pass through its one
+    'all-reduce' unchanged, and whose non-finite check finds a non-finite loss (on rank 0)."""
 
     def __init__(self):
         self.engine = FakeEngine()
@@ -57,13 +59,15 @@ class FakeModule:
         self.report = type("Report", (), {"as_dict": staticmethod(lambda: {"params_total": 6})})()
         self.trained = 0  # optimizer steps taken by this module
         self.evaluations = 0
+        self.nan_steps: set[int] = set()
 
     def train_step(self):
         self.trained += 1
-        return {"loss": torch.tensor(1.0 / self.trained)}, {}
+        return {"loss": torch.tensor(float("nan") if self.trained in self.nan_steps else 1.0 / self.trained)}, {}
 
     def reduce_step(self, sums, flags):
-        return sums, dict(flags)
+        loss = float(sums["loss"].detach())
+        return sums, dict(flags), None if math.isfinite(loss) else f"loss ({loss} on rank 0)"
 
     def metrics(self, step, losses, seconds):
         return {**losses, "lr": 0.1, "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9)}

@@ -4,10 +4,14 @@ tests/ranks.py), at checkpoint step `step` or training step `step`, on rank `ran
 kill: the process kills itself (SIGKILL) once its shard of checkpoint `step` is written; enospc: writing its shard
 fails with "No space left on device" (as DCP's file writer would on a full disk); raise: rank `rank` alone fails with
 a one-line error after training step `step` (no checkpoint involved), while the other ranks go on into the next
-step; eval: every evaluation fails (as a torch.compile error in the evaluation forward did)."""
+step; eval: every evaluation fails (as a torch.compile error in the evaluation forward did); nan / inf: rank `rank`'s
+loss of training step `step` is nan / inf (and so are its gradients), as a poisoned batch or weight would make it;
+grad_inf: rank `rank`'s loss of step `step` is finite and its gradient infinite."""
 import errno
 import os
 import signal
+
+import torch
 
 from moep_ds.checkpointing import layout, sharded
 from moep_ds.errors import UserError
@@ -46,6 +50,20 @@ def inject(fault: str, step: int, rank: int) -> None:
             return out
 
         TrainModule.train_step = train_step_then_fail
+    elif fault in ("nan", "inf", "grad_inf"):
+        train_step = TrainModule.train_step
+
+        def poisoned_train_step(self):
+            self.fault_steps = getattr(self, "fault_steps", 0) + 1
+            if self.fault_steps != step or self.rank != rank:
+                return train_step(self)
+            engine, self.engine = self.engine, Poisoned(self.engine, fault)
+            try:
+                return train_step(self)
+            finally:
+                self.engine = engine
+
+        TrainModule.train_step = poisoned_train_step
     elif fault == "eval":
         def failing_evaluate(self, val, max_windows):
             raise RuntimeError("simulated: the evaluation forward failed")
@@ -53,6 +71,34 @@ def inject(fault: str, step: int, rank: int) -> None:
         TrainModule.evaluate = failing_evaluate
     else:
         raise ValueError(f"unknown fault {fault!r}")
+
+
+class InfiniteGradient(torch.autograd.Function):
+    """The identity, whose gradient is infinite."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class Poisoned:
+    """A distributed.engine.Engine whose forward's loss is `fault` ("nan", "inf"), or finite with an infinite
+    gradient ("grad_inf")."""
+
+    def __init__(self, engine, fault: str):
+        self.engine, self.fault = engine, fault
+
+    def __call__(self, *args, **kwargs):
+        out = self.engine(*args, **kwargs)
+        out.loss = InfiniteGradient.apply(out.loss) if self.fault == "grad_inf" else out.loss * float(self.fault)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
 
 
 def allow_fp16_on_cpu() -> None:

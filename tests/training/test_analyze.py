@@ -115,7 +115,7 @@ def test_bad_utilization_row_is_one_line_error_and_writes_nothing(tmp_path, caps
 @pytest.mark.parametrize("line,problem", [
     ('{"step": 1, "loss": ', "not valid JSON (Expecting value: column 21): '{\"step\": 1, \"loss\": '"),
     ('{"step": 3, "loss": "abc"}', 'loss ("abc") must be a number'),
-    ('{"step": 3, "val_loss": null}', "val_loss (null) must be a number"),
+    ('{"step": 3, "val_loss": true}', "val_loss (true) must be a number"),  # null: a non-finite one (below)
 ])
 def test_bad_metrics_row_is_one_line_error_and_writes_nothing(tmp_path, capsys, line, problem):
     write_run(tmp_path)

@@ -73,9 +73,12 @@ def test_expert_choice_thresholds_are_averaged_over_the_ranks(monkeypatch):
                 assert torch.equal(b, before[rank][name]), name
 
 
-def fake_module(rank: int):
-    return types.SimpleNamespace(world=WORLD, rank=rank, device=torch.device("cpu"),
-                                 balancing=LossFreeBalancing(torch.nn.Module()))
+def fake_module(rank: int, **attributes) -> TrainModule:
+    """A TrainModule of rank `rank` without an engine or a model: what reduce_step reads."""
+    fake = object.__new__(TrainModule)
+    vars(fake).update({"world": WORLD, "rank": rank, "device": torch.device("cpu"), "step_grad_norm": None,
+                       "balancing": LossFreeBalancing(torch.nn.Module()), **attributes})
+    return fake
 
 
 def checkpointing_flags(minutes: float | None, last_save: float) -> dict[str, bool]:
@@ -111,7 +114,8 @@ def test_reduce_step_averages_losses_and_any_ranks_flag_stops_or_checkpoints_eve
         for rank in range(WORLD):
             reduce.rank = rank
             results.append(TrainModule.reduce_step(fakes[rank], sums[rank], flags[rank]))
-    for rank, (losses, agreed) in enumerate(results[WORLD:]):
+    for rank, (losses, agreed, nonfinite) in enumerate(results[WORLD:]):
+        assert nonfinite is None
         assert sorted(losses) == ["aux/x", "ce_loss", "loss"]
         for key, value in losses.items():
             assert float(value) == pytest.approx(sum(float(s[key]) for s in sums) / WORLD), (rank, key)
@@ -145,8 +149,8 @@ def test_reduce_step_sums_the_balancing_counts_over_ranks_and_updates_every_bias
         for rank in range(WORLD):
             reduce.rank = rank
             if phase == "record":  # what the rank sends, without updating its bias
-                TrainModule.reduce_step(types.SimpleNamespace(**{**vars(fakes[rank]), "balancing": types.SimpleNamespace(
-                    local_counts=fakes[rank].balancing.local_counts, end_step=lambda c: None)}), sums, {"stop": False})
+                TrainModule.reduce_step(fake_module(rank, balancing=types.SimpleNamespace(
+                    local_counts=fakes[rank].balancing.local_counts, end_step=lambda c: None)), sums, {"stop": False})
             else:
                 TrainModule.reduce_step(fakes[rank], sums, {"stop": False})
     want = loss_free_bias_update(torch.tensor([0.5, 0.0, -0.5, 1.0]), local[0] + local[1], 0.5)
@@ -154,3 +158,36 @@ def test_reduce_step_sums_the_balancing_counts_over_ranks_and_updates_every_bias
     for r in routers:
         assert torch.equal(r.balancer.bias_E, want)
         assert not r.balancer.step_counts_E.any()
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("losses,norm,found", [
+    ((2.0, NAN), 1.0, "loss (nan on rank 1)"),
+    ((INF, 2.0), 1.0, "loss (inf on rank 0)"),
+    ((NAN, -INF), None, "loss (nan on 2 ranks)"),
+    ((2.0, 3.0), INF, "gradient norm (inf)"),
+    ((2.0, 3.0), -1.0, "gradient norm"),  # DeepSpeed's group norms' mark of a non-finite gradient
+    ((2.0, NAN), NAN, "loss (nan on rank 1) and gradient norm (nan)"),
+    ((2.0, 3.0), 5.0, None),
+    ((2.0, 3.0), None, None),  # no norm kept (or a step the fp16 loss scaler skipped: TrainModule.train_step)
+])
+def test_reduce_step_agrees_on_a_non_finite_loss_of_any_rank_or_gradient_norm(monkeypatch, losses, norm, found):
+    """Megatron's --check-for-nan-in-loss-and-grad, in the step's one all-reduce: a loss that is not finite on one
+    rank only is named on every rank, with that rank; the gradient norm (DeepSpeed's global one) alike. The losses and
+    flags travel as before."""
+    reduce, calls = SimulatedSum(), []
+    monkeypatch.setattr(train_module_mod.dist, "all_reduce", lambda *args, **kwargs: calls.append(reduce(*args)))
+    fakes = [fake_module(r, step_grad_norm=None if norm is None else torch.tensor(norm)) for r in range(WORLD)]
+    results = []
+    for phase in ("record", "reduce"):
+        reduce.recording = phase == "record"
+        for rank in range(WORLD):
+            reduce.rank = rank
+            sums = {"loss": torch.tensor(losses[rank]), "ce_loss": torch.tensor(1.0 + rank)}
+            results.append(TrainModule.reduce_step(fakes[rank], sums, {"stop": rank == 1}))
+    assert len(calls) == 2 * WORLD  # one collective per rank and phase
+    for reduced, flags, nonfinite in results[WORLD:]:
+        assert nonfinite == found
+        assert flags == {"stop": True} and float(reduced["ce_loss"]) == 1.5

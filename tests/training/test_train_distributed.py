@@ -257,10 +257,15 @@ def fp16_runs(tmp_path_factory):
 @pytest.mark.parametrize("stage", [0, 2])
 def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(fp16_runs, stage):
     """ZeRO-0 included: DeepSpeed 0.19 leaves its loss scaling to us there (distributed/optimizer_state.py loss_for_backward)."""
-    rows = metrics(fp16_runs[stage, "overflow"])
+    rows = metrics(fp16_runs[stage, "overflow"])  # strict JSON (tiny.metrics)
     scales = [r["loss_scale"] for r in rows]
     assert scales[0] <= 2.0**24 and scales[-1] < scales[0]
     assert 1 <= rows[-1]["skipped_steps"] <= len(rows) - 4  # it backed off, then trained
+    # a skipped step's gradient norm is inf (DeepSpeed's): no non-finite training, so the run went on to the end
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    skipped = [r for before, r in zip([{"skipped_steps": 0}, *rows], rows)
+               if r["skipped_steps"] > before["skipped_steps"]]
+    assert skipped and all(r["grad_norm"] is None for r in skipped)  # inf, written as null
     assert all(r["loss"] == r["loss"] for r in rows)  # finite, no NaN
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
 

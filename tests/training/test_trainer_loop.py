@@ -139,3 +139,29 @@ def test_on_error_sees_the_loops_error_which_is_raised(tmp_path, user_module):
     with pytest.raises(ValueError, match="^step 3 failed$"):
         trainer.fit()
     assert seen == [(2, "step 3 failed")]
+
+
+def test_a_non_finite_step_is_never_saved_and_fails_the_run_after_at_end(tmp_path, user_module):
+    """The step whose loss is nan (reduce_step's check) gets no after_optimizer_step, after_step or save: on_stop, the
+    end's at_end (which completes a save in flight) and on_error, then TrainingFailed naming it; its metrics row is
+    written with null for the nan (strict JSON), though step 3 is no log step."""
+    from moep_ds.errors import TrainingFailed
+
+    log_path = tmp_path / "hooks.jsonl"
+    checkpointer = MemoryCheckpointer()
+    trainer = fake_trainer(tmp_path, {"max_steps": 6, "log_every": 2, "checkpoint": {"every_steps": 1},
+                                      "callbacks": [{"type": "user_callbacks:Recorder", "out": str(log_path)}]},
+                           checkpointer=checkpointer)
+    seen = []
+    trainer.callbacks["user_callbacks:Recorder"].on_error = lambda event: seen.append((event.step, event.error))
+    trainer.module.nan_steps = {3}
+    with pytest.raises(TrainingFailed) as info:
+        trainer.fit()
+    assert str(info.value) == ("non-finite loss (nan on rank 0) at step 3: training stopped without saving step 3; "
+                               "the checkpoints before it are kept")
+    assert seen == [(3, info.value)]
+    assert hooks_of(log_path)[-4:] == [("after_step", 2), ("before_step", 3), ("on_stop", 3), ("at_end", 3)]
+    assert sorted(checkpointer.saved) == [1, 2]
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+            for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 0.5), (3, None)]

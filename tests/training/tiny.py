@@ -99,9 +99,14 @@ def launch(nproc: int, script: str | pathlib.Path, *args: str, timeout: int = 60
     return proc
 
 
+def refuse_constant(name: str):
+    raise ValueError(f"{name} in a JSON line: JSON has no NaN or Infinity")
+
+
 def metrics(run_dir: pathlib.Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl, read strictly (a bare NaN or Infinity is an error, as in strict readers)."""
     path = pathlib.Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line, parse_constant=refuse_constant) for line in path.read_text().splitlines()]
 
 
 def losses(run_dir: pathlib.Path) -> dict[int, float]:

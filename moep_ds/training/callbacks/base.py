@@ -14,7 +14,9 @@ Hooks, in the order the trainer calls them in one step (training/trainer.py):
   after_step(StepEvent)            logging, then checkpointing (on_save), then evaluation (on_evaluation)
   on_save(SaveEvent)               a checkpoint was written (or started, when saving asynchronously)
   on_evaluation(EvalEvent)         an evaluation produced metrics (validation loss, downstream accuracies)
-  on_stop(StepEvent)               the run stops early on request (signal, STOP file, exit_at_step)
+  on_stop(StepEvent)               the run stops early on request (signal, STOP file, exit_at_step), or at a
+                                   non-finite step (event.nonfinite), whose only hook this is: nothing of that step
+                                   is kept, and the run then fails (at_end still runs, then on_error)
   at_end(EndEvent)                 after the last step, on every rank
   on_error(ErrorEvent)             the loop failed (the error is raised again once every callback has seen it)
 and once, before the first step, `setup()` (the trainer and its parts exist) and, when the run resumed from a
@@ -55,6 +57,7 @@ class StepEvent:
     flags: dict[str, bool] = dataclasses.field(default_factory=dict)  # the callbacks' flags, set on any rank
     started: float = 0.0  # time.time() at the step's start
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # discrete events (lifecycle)
+    nonfinite: str | None = None  # what was not finite in the step on any rank ("loss (nan on rank 1)"): a failure
 
 
 @dataclasses.dataclass

@@ -61,12 +61,20 @@ class Monitoring(Callback):
     def after_step(self, event: StepEvent) -> None:
         t = self.trainer
         if event.step % t.cfg.train.log_every == 0 or event.step in (t.start_step + 1, t.max_steps):
-            losses = dict(zip(event.losses, torch.stack(list(event.losses.values())).tolist()))
-            metrics = t.module.metrics(event.step, losses, time.time() - event.started)
-            self.monitor.log_step(event.step, metrics, event.stats)
-            log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s", event.step, t.max_steps,
-                     metrics["loss"], metrics["lr"], metrics["tokens_per_s"])
+            self.log_row(event)
         self.monitor.log_events(event.step, event.events)
+
+    def on_stop(self, event: StepEvent) -> None:
+        if event.nonfinite is not None:  # the step that failed the run is on record, a log step or not
+            self.log_row(event)
+
+    def log_row(self, event: StepEvent) -> None:
+        t = self.trainer
+        losses = dict(zip(event.losses, torch.stack(list(event.losses.values())).tolist()))
+        metrics = t.module.metrics(event.step, losses, time.time() - event.started)
+        self.monitor.log_step(event.step, metrics, event.stats)
+        log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s", event.step, t.max_steps,
+                 metrics["loss"], metrics["lr"], metrics["tokens_per_s"])
 
     def on_evaluation(self, event: EvalEvent) -> None:
         self.monitor.log_step(event.step, event.metrics, {})
@@ -79,7 +87,8 @@ class Monitoring(Callback):
 class Checkpointing(Callback):
     """Decides when to checkpoint: on request to stop, every train.checkpoint.every_steps, every
     train.checkpoint.every_minutes (a flag of the step's all-reduce, so that every rank saves at the same step),
-    and at the end; saves through the trainer's one checkpointer. An asynchronous save that failed on any rank
+    and at the end; saves through the trainer's one checkpointer. A non-finite step is never saved (the trainer calls
+    no after_step for it), so it rotates no earlier checkpoint out. An asynchronous save that failed on any rank
     stops the run at the next step boundary, on every rank. At the end, a save still in flight completes before the
     process may exit."""
 
@@ -148,7 +157,8 @@ class StopHandling(Callback):
         return {"stop": self.request.requested}
 
     def on_stop(self, event: StepEvent) -> None:
-        log.warning("stopped at step %d on request; resume with --resume auto", event.step)
+        if event.nonfinite is None:  # a non-finite step fails the run: the trainer says so
+            log.warning("stopped at step %d on request; resume with --resume auto", event.step)
 
 
 BUILTIN = ("router_thresholds", "lifecycle", "monitoring", "checkpointing", "validation", "stop")
