@@ -13,7 +13,10 @@ STOPPING = """\
 stopping and resuming:
   touch RUN_DIR/STOP           the run in RUN_DIR (train.output_dir) checkpoints at the end of its current step
                                and exits 0, within about 5 s; the file is removed when a run starts there
-  Ctrl-C                       the same (a second Ctrl-C aborts without a checkpoint)
+  Ctrl-C                       the same (a second Ctrl-C, a second or more later, aborts without a checkpoint);
+                               under a bare `deepspeed` the runner then prints a KeyboardInterrupt traceback and
+                               exits 130 at once while the trainers finish their checkpoint (its launcher SIGKILLs
+                               a trainer not gone 30 s after its SIGTERM): launchers/local.sh exits 0 instead
   --set train.exit_at_step=N   checkpoint and exit after step N
   kill -USR1 <trainer pids>    (or -TERM) the same as the STOP file. Name this run's processes only, e.g.
                                pkill -USR1 -u "$USER" -f -- "--config configs/x.yaml": a bare `pkill -f pretrain.py`
