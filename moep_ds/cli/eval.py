@@ -202,10 +202,17 @@ def write_record(record: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     """`record` merged into the one in `out_dir` (evaluation/report.py merge_records), each file replaced whole."""
     from lm_eval.utils import handle_non_serializable
 
-    from moep_ds.evaluation.report import merge_records, results_markdown
+    from moep_ds.evaluation.report import evaluations, merge_records, results_markdown
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    record = merge_records(previous_record(out_dir), record)
+    previous = previous_record(out_dir)
+    if previous is not None:
+        others = {e.get("model_dir") for e in evaluations(previous).values()} - {record["moep"].get("model_dir")}
+        if others:  # another checkpoint of the run, or another model into the same --output
+            log.warning("%s holds scores of %s too: kept beside this evaluation's of %s, each task with what produced "
+                        "it (evaluations)", out_dir / "results.json", ", ".join(sorted(map(str, others))),
+                        record["moep"].get("model_dir"))
+    record = merge_records(previous, record)
     json_path, md_path = out_dir / "results.json", out_dir / "results.md"
     replace_text(json_path, json.dumps(record, indent=2, default=handle_non_serializable) + "\n")
     replace_text(md_path, results_markdown(record))
