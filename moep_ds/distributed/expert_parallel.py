@@ -2,7 +2,7 @@
 
     plan = expert_parallel_plan(cfg.model, cfg.train.expert_parallel_size)   # every rank, before the model
     model = build_model(cfg.model, plan=plan)        # this rank's experts only
-    setup_expert_parallel(model, plan)               # all-to-all over plan.group, DeepSpeed's view of the stages
+    setup_expert_parallel(model, plan, cfg.train.expert_comm)  # all-to-all over plan.group, DeepSpeed's view
 
 Every routed stage (moe/dispatch.py `ExpertStage`: FFN-MoE layers, MSIT branches, MoEP paths and their
 projection experts) is sharded alike, by the plan it is built with (moe/plan.py). The DeepSpeed engine treats a
@@ -20,7 +20,7 @@ from moep_ds.distributed import deepspeed_adapter
 from moep_ds.distributed.ds_fields import precision, zero_stage
 from moep_ds.errors import SharedUserError
 from moep_ds.models.plan import plan_for
-from moep_ds.moe.all_to_all import AllToAllDispatcher
+from moep_ds.moe.all_to_all import AllToAllDispatcher, ExpertCommConfig
 from moep_ds.moe.dispatch import ExpertStage
 from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.registry import ROUTERS
@@ -72,10 +72,11 @@ def expert_parallel_plan(model_cfg: Any, ep_size: int) -> ExpertParallelPlan:
     return plan_for(model_cfg, ep_size, rank, group)
 
 
-def setup_expert_parallel(model: nn.Module, plan: ExpertParallelPlan) -> None:
+def setup_expert_parallel(model: nn.Module, plan: ExpertParallelPlan, comm: ExpertCommConfig | None = None) -> None:
     """Wire every routed stage of a model built with `plan` to the plan's group (an AllToAllDispatcher: tokens go
-    to their experts' ranks) and show it to DeepSpeed's engine as one of its MoE layers (expert parameters marked,
-    one view per stage: deepspeed_adapter.show_as_moe). Nothing to do at size 1."""
+    to their experts' ranks, moved as `comm`, the recipe's train.expert_comm, says; None: its defaults) and show it
+    to DeepSpeed's engine as one of its MoE layers (expert parameters marked, one view per stage:
+    deepspeed_adapter.show_as_moe). Nothing to do at size 1."""
     if plan.size == 1:
         return
     layers = expert_stages(model)
@@ -89,5 +90,5 @@ def setup_expert_parallel(model: nn.Module, plan: ExpertParallelPlan) -> None:
                 f"a routed stage holds experts [{first}, {first + count}) of {layer.num_experts}; expert-parallel rank "
                 f"{plan.rank} of {plan.size} needs [{needed.start}, {needed.stop}): build the model with this plan, "
                 f"build_model(cfg, plan=plan)")
-        layer.set_dispatcher(AllToAllDispatcher(plan, layer.num_experts))
+        layer.set_dispatcher(AllToAllDispatcher(plan, layer.num_experts, comm))
         deepspeed_adapter.show_as_moe(layer, layer.num_experts, plan.size)

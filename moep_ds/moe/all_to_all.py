@@ -1,18 +1,28 @@
 """Expert-parallel dispatch: experts sharded over the ranks of a process group, tokens moved by all-to-all.
 
 # R ranks in the expert-parallel group, L experts per rank (E = R*L; rank r owns experts [r*L, (r+1)*L)),
-# T tokens of this rank, S tokens sent by this rank (grouped by global expert = by destination rank),
-# U tokens received by this rank, D model dim
+# T tokens of this rank, S (token, expert) assignments (grouped by global expert = by destination rank),
+# P (token, destination rank) pairs, U assignments received by this rank, D model dim
 
-Routing is computed by each rank on its own tokens. Then:
-    1. gather this rank's tokens in expert order; exchange per-expert counts (all-to-all of R*L ints)
+Routing is computed by each rank on its own tokens. Then, by default (`ExpertCommConfig.dedup`, DESIGN.md §4: a
+token crosses to a rank once, however many of its experts live there):
+    1. exchange per-expert counts and the number of (token, rank) pairs (all-to-all of R*(L+1) ints)
+    2. all-to-all of one row per pair (with its sequence id and position), and of each assignment's combine weight
+       and the row it reads among those its source sent
+    3. the receiver builds each local expert's batch from the rows, in (local expert, source rank) order and the
+       plan's order within: exactly the rows, order, sequence ids and positions of the per-expert path below
+    4. local experts run; the receiver sums each pair's weighted outputs (fp32) and sends one row back per pair,
+       which the source adds to its token
+With `dedup: false` (the blocking per-expert path) one row travels per assignment:
+    1. exchange per-expert counts (all-to-all of R*L ints)
     2. all-to-all of the tokens (with sequence ids and positions): received rows are ordered by
        (source rank, local expert); a permutation regroups them by (local expert, source rank)
     3. local experts run on their tokens
     4. the inverse permutation and the reverse all-to-all return each output to its source rank, which
        scatter-adds it with the combine weights (the weights never travel)
-The all-to-all is differentiable (its backward is the reverse all-to-all), so gradients of the inputs, the
-router and the expert weights equal those of LocalDispatcher on the same global batch.
+The all-to-all is differentiable (its backward is the reverse all-to-all; with dedup the weights travel through it
+too, so the router's gradient comes back the same way), so gradients of the inputs, the router and the expert
+weights equal those of LocalDispatcher on the same global batch (up to summation order).
 
 This is the one model-side module that touches torch.distributed; its process group comes with the
 expert-parallel plan (moe/plan.py), in whose rank order rank r holds experts [r*L, (r+1)*L).
@@ -25,12 +35,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, combine_tokens, gather_tokens
+from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, WeightedCombine, combine_tokens, gather_tokens
 from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.plan import RoutingPlan
 
 
 SEQ_ID_STRIDE = 2**32  # more sequences than any rank holds in a micro-batch
+
+
+@dataclasses.dataclass(kw_only=True)
+class ExpertCommConfig:
+    """How the expert-parallel all-to-all moves tokens (recipe `train.expert_comm`, beside expert_parallel_size).
+    Every option keeps the blocking per-expert path's results up to summation order; each can be turned off to
+    compare with it or to debug."""
+
+    # a token crosses to a rank once however many of its chosen experts live there; the rank applies each of them
+    # and returns one weighted sum (Megatron / DeepEP dispatch per rank); false: one row per (token, expert)
+    dedup: bool = True
 
 
 class _AllToAll(torch.autograd.Function):
@@ -62,11 +83,41 @@ def source_to_expert_order(recv_counts_RL: torch.Tensor, num_received: int | Non
     return torch.argsort(expert_major_U, stable=True)
 
 
+def rank_pairs(plan: RoutingPlan, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct (token, destination rank) pairs of `plan` (experts split evenly over `num_ranks` ranks in order).
+
+    Returns token_P (each pair's token, grouped by destination rank, then by token), pairs_R (pairs per rank) and
+    slot_S (for each assignment, its pair's row among the rows sent to its rank)."""
+    T, L = plan.num_tokens, plan.num_experts // num_ranks
+    dest_S = plan.expert_idx_S() // L
+    key_P, pair_S = torch.unique(dest_S * T + plan.token_idx_S, return_inverse=True)  # sorted by (rank, token)
+    pairs_R = torch.bincount(key_P // T, minlength=num_ranks)
+    first_R = pairs_R.cumsum(0) - pairs_R
+    return key_P % T, pairs_R, pair_S - first_R[dest_S]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Route:
     perm_U: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PairRoute:
+    """Dedup: rows are (token, rank) pairs. `send_splits` / `recv_splits` count pairs per rank."""
+
+    token_P: torch.Tensor  # source: the token of each pair sent
+    row_S: torch.Tensor  # receiver: the received pair each local assignment reads (expert order)
+    weight_S: torch.Tensor  # receiver: each local assignment's combine weight (differentiable)
+    num_received: int
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+def _splits(counts_RX: list[list[int]], L: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """(assignments per rank, pairs per rank, per-expert counts) of rows [L expert counts, pairs]."""
+    return [sum(row[:L]) for row in counts_RX], [row[L] for row in counts_RX], [row[:L] for row in counts_RX]
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -77,12 +128,13 @@ class AllToAllDispatcher(Dispatcher):
     tokens in token order (what routed attention over original positions needs; moe/dispatch.in_token_order).
     """
 
-    def __init__(self, plan: ExpertParallelPlan, num_experts: int):
+    def __init__(self, plan: ExpertParallelPlan, num_experts: int, comm: ExpertCommConfig | None = None):
         self.group = plan.group
         self.ep_size = plan.size
         self.ep_rank = plan.rank
         self.num_experts = num_experts
         self.num_local_experts = len(plan.held(num_experts))
+        self.comm = comm if comm is not None else ExpertCommConfig()
 
     def dispatch(
         self,
@@ -90,9 +142,11 @@ class AllToAllDispatcher(Dispatcher):
         plan: RoutingPlan,
         seq_ids_T: torch.Tensor | None = None,
         positions_T: torch.Tensor | None = None,
-    ) -> tuple[ExpertBatch, _Route]:
+    ) -> tuple[ExpertBatch, _Route | _PairRoute]:
         if plan.num_experts != self.num_experts:
             raise ValueError(f"plan routes to {plan.num_experts} experts, the dispatcher shards {self.num_experts}")
+        if self.comm.dedup:
+            return self._dispatch_pairs(x_TD, plan, seq_ids_T, positions_T)
         R, L = self.ep_size, self.num_local_experts
         send_counts_RL = plan.counts_E.view(R, L)
         recv_counts_RL = all_to_all(send_counts_RL.reshape(-1), self.group, [L] * R, [L] * R).view(R, L)
@@ -103,39 +157,93 @@ class AllToAllDispatcher(Dispatcher):
         local_counts = tuple(sum(row[e] for row in recv_RL) for e in range(L))
         perm_U = source_to_expert_order(recv_counts_RL, sum(recv_splits))
         x_UD = _AllToAll.apply(gather_tokens(x_TD, plan), self.group, recv_splits, send_splits)
-        seq_ids_U, positions_U = self._send_meta(plan, seq_ids_T, positions_T, recv_splits, send_splits, perm_U)
+        meta_U2 = self._send_meta(plan, seq_ids_T, positions_T, plan.token_idx_S, recv_splits, send_splits)
+        seq_ids_U, positions_U = self._take_meta(meta_U2, perm_U, seq_ids_T, positions_T)
         batch = ExpertBatch(x_UD.index_select(0, perm_U), recv_counts_RL.sum(0), seq_ids_U, positions_U,
                             local_counts)
         return batch, _Route(perm_U, send_splits, recv_splits)
+
+    def _dispatch_pairs(
+        self,
+        x_TD: torch.Tensor,
+        plan: RoutingPlan,
+        seq_ids_T: torch.Tensor | None,
+        positions_T: torch.Tensor | None,
+    ) -> tuple[ExpertBatch, _PairRoute]:
+        """Steps 1-3 with dedup (module docstring): one row per (token, rank) pair."""
+        R, L = self.ep_size, self.num_local_experts
+        token_P, pairs_R, slot_S = rank_pairs(plan, R)
+        send_RX = torch.cat([plan.counts_E.view(R, L), pairs_R.view(R, 1)], dim=1)
+        recv_RX = all_to_all(send_RX.reshape(-1), self.group, [L + 1] * R, [L + 1] * R).view(R, L + 1)
+        send_host, recv_host = torch.stack([send_RX, recv_RX]).tolist()  # one copy for every split
+        send_assign, send_pairs, _ = _splits(send_host, L)
+        recv_assign, recv_pairs, recv_RL = _splits(recv_host, L)
+        num_assign, num_pairs = sum(recv_assign), sum(recv_pairs)
+        x_PD = _AllToAll.apply(x_TD.index_select(0, token_P), self.group, recv_pairs, send_pairs)
+        weight_U = _AllToAll.apply(plan.weight_S, self.group, recv_assign, send_assign)
+        slot_U = all_to_all(slot_S, self.group, recv_assign, send_assign)
+        # a slot counts rows within its source's block: offset it by the rows of the sources before
+        first_R = torch.tensor([0, *recv_pairs[:-1]], device=slot_U.device).cumsum(0)
+        source_U = torch.arange(R, device=slot_U.device).repeat_interleave(
+            torch.tensor(recv_assign, device=slot_U.device), output_size=num_assign)
+        perm_U = source_to_expert_order(recv_RX[:, :L], num_assign)
+        row_S = (slot_U + first_R[source_U]).index_select(0, perm_U)
+        meta_P2 = self._send_meta(plan, seq_ids_T, positions_T, token_P, recv_pairs, send_pairs)
+        seq_ids_S, positions_S = self._take_meta(meta_P2, row_S, seq_ids_T, positions_T)
+        local_counts = tuple(sum(row[e] for row in recv_RL) for e in range(L))
+        batch = ExpertBatch(x_PD.index_select(0, row_S), recv_RX[:, :L].sum(0), seq_ids_S, positions_S, local_counts)
+        return batch, _PairRoute(token_P, row_S, weight_U.index_select(0, perm_U), num_pairs, send_pairs, recv_pairs)
 
     def _send_meta(
         self,
         plan: RoutingPlan,
         seq_ids_T: torch.Tensor | None,
         positions_T: torch.Tensor | None,
+        token_idx: torch.Tensor,
         recv_splits: list[int],
         send_splits: list[int],
-        perm_U: torch.Tensor,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    ) -> torch.Tensor | None:
+        """[received rows, 2] (sequence id, position) of the tokens `token_idx` sent, or None without either."""
         if seq_ids_T is None and positions_T is None:
-            return None, None
+            return None
         T = plan.num_tokens
         zeros = torch.zeros(T, dtype=torch.int64, device=plan.token_idx_S.device)
         # Sequence ids are local to their source rank; make them unique across the group.
         seq_T = (zeros if seq_ids_T is None else seq_ids_T.to(torch.int64)) + self.ep_rank * SEQ_ID_STRIDE
         pos_T = zeros if positions_T is None else positions_T.to(torch.int64)
-        meta_S2 = torch.stack([seq_T, pos_T], dim=1).index_select(0, plan.token_idx_S)
-        meta_U2 = all_to_all(meta_S2, self.group, recv_splits, send_splits).index_select(0, perm_U)
-        return (
-            None if seq_ids_T is None else meta_U2[:, 0],
-            None if positions_T is None else meta_U2[:, 1],
-        )
+        meta_X2 = torch.stack([seq_T, pos_T], dim=1).index_select(0, token_idx)
+        return all_to_all(meta_X2, self.group, recv_splits, send_splits)
 
-    def combine(self, y_SD: torch.Tensor, plan: RoutingPlan, state: _Route, out_dtype: torch.dtype) -> torch.Tensor:
+    @staticmethod
+    def _take_meta(
+        meta_U2: torch.Tensor | None,
+        index: torch.Tensor,
+        seq_ids_T: torch.Tensor | None,
+        positions_T: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if meta_U2 is None:
+            return None, None
+        meta_S2 = meta_U2.index_select(0, index)
+        return None if seq_ids_T is None else meta_S2[:, 0], None if positions_T is None else meta_S2[:, 1]
+
+    def combine(self, y_SD: torch.Tensor, plan: RoutingPlan, state: _Route | _PairRoute,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(state, _PairRoute):
+            return self._combine_pairs(y_SD, plan, state, out_dtype)
         inverse_U = torch.empty_like(state.perm_U)
         inverse_U[state.perm_U] = torch.arange(state.perm_U.numel(), device=state.perm_U.device)
         y_back = _AllToAll.apply(y_SD.index_select(0, inverse_U), self.group, state.send_splits, state.recv_splits)
         return combine_tokens(y_back, plan, out_dtype)
+
+    def _combine_pairs(self, y_SD: torch.Tensor, plan: RoutingPlan, route: _PairRoute,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+        """Step 4 with dedup: the expert side reduces each pair's weighted outputs (fp32 or wider), one row per pair
+        returns in the experts' dtype (the per-expert path's), and the source adds its pairs to their tokens."""
+        acc = torch.promote_types(y_SD.dtype, route.weight_S.dtype)
+        z_PD = WeightedCombine.apply(y_SD.to(acc), route.weight_S.to(acc), route.row_S, route.num_received)
+        z_back = _AllToAll.apply(z_PD.to(y_SD.dtype), self.group, route.send_splits, route.recv_splits)
+        out_TD = z_back.new_zeros(plan.num_tokens, z_back.shape[-1], dtype=acc)
+        return out_TD.index_add(0, route.token_P, z_back.to(acc)).to(out_dtype)
 
     def sum_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
         total = x.clone()
@@ -143,4 +251,4 @@ class AllToAllDispatcher(Dispatcher):
         return total
 
 
-__all__ = ["SEQ_ID_STRIDE", "AllToAllDispatcher", "source_to_expert_order"]
+__all__ = ["SEQ_ID_STRIDE", "AllToAllDispatcher", "ExpertCommConfig", "rank_pairs", "source_to_expert_order"]

@@ -20,7 +20,9 @@ input of all ranks' shards; all-gather: the output; all-to-all: what this rank s
              false), ZeRO-3 in fp16
   all-to-all per routed stage and micro-batch: expert counts (E int64), the tokens there and back (S w p each), the
              same two again in backward, sequence ids and positions (2 S int64) for experts that attend; a
-             checkpointed block's recomputation repeats the forward's
+             checkpointed block's recomputation repeats the forward's. Once per rank (train.expert_comm.dedup): P
+             expected (token, rank) pairs (planning/dedup.py) in place of S for the tokens and positions, R pair
+             counts beside the E, and the S fp32 combine weights (again in backward) and S int64 rows
   trainer    the step's one all-reduce (fp64: losses, each auxiliary loss, loss-free balancing counts, 3 flags),
              expert-choice thresholds (fp64), global load-balancing counts (fp64, E + 1 per top-k stage and forward)
 Groups of one rank move nothing and are left out.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from moep_ds.planning.dedup import expected_pairs
 from moep_ds.planning.inventory import Inventory
 from moep_ds.planning.layout import Layout
 from moep_ds.planning.memory import ALIGN, padded, zero3_gathered
@@ -138,14 +141,20 @@ def all_to_all_collectives(trace: StepTrace, layout: Layout) -> list[Collective]
     forwards = 2 if layout.activation_checkpointing else 1  # the recomputation dispatches again
     out = []
     for stage in trace.routed:
-        tokens = stage.assignments * stage.width * p
-        out.append(Collective(f"{stage.name}: expert counts", "all_to_all", 8 * stage.num_experts, ep,
-                              A * forwards, False, "expert"))
-        out.append(Collective(f"{stage.name}: tokens to experts and back", "all_to_all", tokens, ep,
-                              A * (2 * forwards + 2), False, "expert"))
+        S, dedup = stage.assignments, layout.expert_dedup
+        rows = expected_pairs(stage.choice, stage.tokens, S, stage.num_experts, ep) if dedup else S
+        out.append(Collective(f"{stage.name}: expert counts" + (" and pairs per rank" if dedup else ""), "all_to_all",
+                              8 * (stage.num_experts + (ep if dedup else 0)), ep, A * forwards, False, "expert"))
+        out.append(Collective(f"{stage.name}: tokens to experts and back", "all_to_all", round(rows * stage.width * p),
+                              ep, A * (2 * forwards + 2), False, "expert"))
+        if dedup:  # fp32 combine weights (their gradients come back) and each assignment's row (int64)
+            out.append(Collective(f"{stage.name}: combine weights", "all_to_all", 4 * S, ep, A * (forwards + 1),
+                                  False, "expert"))
+            out.append(Collective(f"{stage.name}: rows of the assignments", "all_to_all", 8 * S, ep, A * forwards,
+                                  False, "expert"))
         if stage.with_positions:
             out.append(Collective(f"{stage.name}: sequence ids and positions", "all_to_all",
-                                  16 * stage.assignments, ep, A * forwards, False, "expert"))
+                                  round(16 * rows), ep, A * forwards, False, "expert"))
     return out
 
 

@@ -74,6 +74,7 @@ class Layout:
     seq_len: int
     zero: dict[str, Any] = dataclasses.field(compare=False, repr=False)  # zero_optimization with DeepSpeed's defaults
     overflow_check: bool = False  # fp16, and bf16 unless bf16.check_grad_overflow is false: DeepSpeed's inf/nan check
+    expert_dedup: bool = True  # train.expert_comm.dedup: a token crosses to a rank once (planning/dedup.py)
 
     @property
     def gpus(self) -> int:
@@ -128,7 +129,8 @@ def make_layout(cfg, ds: dict[str, Any], cluster: Cluster) -> Layout:
         cluster=cluster, expert_parallel=ep, zero_stage=zero_stage(full), precision=precision(full),
         micro_batch=full["train_micro_batch_size_per_gpu"], grad_accum=full["gradient_accumulation_steps"],
         activation_checkpointing=cfg.train.activation_checkpointing, seq_len=cfg.data.seq_len,
-        zero=dict(full.get("zero_optimization", {})), overflow_check=overflow_check(full))
+        zero=dict(full.get("zero_optimization", {})), overflow_check=overflow_check(full),
+        expert_dedup=cfg.train.expert_comm.dedup)
 
 
 def overflow_check(ds: dict[str, Any]) -> bool:

@@ -37,6 +37,7 @@ from moep_ds.layers import glu
 from moep_ds.layers import routed_attention as routed_attention_module
 from moep_ds.models.causal_lm import CausalLM, build_model
 from moep_ds.models.config import ModelConfig
+from moep_ds.planning.dedup import Choice, choice_of
 from moep_ds.planning.inventory import expert_param_ids
 from moep_ds.moe.dispatch import ExpertStage
 from moep_ds.registry import ROUTERS
@@ -254,9 +255,10 @@ def trace_step(cfg: ModelConfig, *, micro_batch: int, seq_len: int, dtype: torch
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(hand_over)
     routed: dict[str, RoutedStage] = {}
+    choices = record_choices(model)
     for name, module in model.named_modules():
         if isinstance(module, ExpertStage):
-            record_dispatch(name, module, routed)
+            record_dispatch(name, module, routed, choices)
     live = Live([*model.parameters(), *model.buffers()])
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
     kernels = target_kernels() if device == "meta" else contextlib.nullcontext()
@@ -279,22 +281,49 @@ def trace_step(cfg: ModelConfig, *, micro_batch: int, seq_len: int, dtype: torch
 class RoutedStage:
     """What one routed stage dispatches per micro-batch (its first forward; a checkpointed block's recomputation
     repeats it): `assignments` (token, expert) pairs of `width` features, with sequence ids and positions
-    (`with_positions`: experts that attend over the original sequence, MSIT branches and MoEP paths)."""
+    (`with_positions`: experts that attend over the original sequence, MSIT branches and MoEP paths), of `tokens`
+    routed tokens, picked as `choice` says (how many distinct ranks a token's experts span: planning/dedup.py)."""
 
     name: str
     num_experts: int
     assignments: int
     width: int
     with_positions: bool
+    tokens: int = 0
+    choice: Choice = Choice()
 
 
-def record_dispatch(name: str, stage: nn.Module, seen: dict[str, RoutedStage]) -> None:
+def record_choices(model: nn.Module) -> dict[int, Choice]:
+    """How the router behind each plan picks, by the plan's counts tensor (which a plan keeps through
+    `in_token_order` and the expected loads), filled as the routers run."""
+    choices: dict[int, Choice] = {}
+    router_types = tuple(ROUTERS.get(name) for name in ROUTERS.names())
+    for module in model.modules():
+        if isinstance(module, router_types):
+            forward, choice = module.forward, choice_of(module)
+
+            def run(*args: Any, _forward: Callable = forward, _choice: Choice = choice, **kwargs: Any) -> RoutingPlan:
+                plan = _forward(*args, **kwargs)
+                choices[id(plan.counts_E)] = _choice
+                return plan
+
+            module.forward = run
+    return choices
+
+
+def unnamed_choice(plan: RoutingPlan) -> Choice:
+    """A plan no router returned as such: its tokens' share of experts, as token choice."""
+    return Choice(k=max(1, plan.token_idx_S.numel() // max(1, plan.num_tokens)))
+
+
+def record_dispatch(name: str, stage: nn.Module, seen: dict[str, RoutedStage], choices: dict[int, Choice]) -> None:
     dispatch = stage.dispatch
 
     def run(x_TD: torch.Tensor, plan: RoutingPlan, seq_ids_T: Any = None, positions_T: Any = None) -> torch.Tensor:
         if name not in seen:
             seen[name] = RoutedStage(name, stage.num_experts, plan.token_idx_S.numel(), x_TD.shape[-1],
-                                     seq_ids_T is not None or positions_T is not None)
+                                     seq_ids_T is not None or positions_T is not None, plan.num_tokens,
+                                     choices.get(id(plan.counts_E)) or unnamed_choice(plan))
         return dispatch(x_TD, plan, seq_ids_T, positions_T)
 
     stage.dispatch = run

@@ -108,7 +108,7 @@ def new_model(cfg: Config, ds: dict[str, Any]):
     on every rank, at every expert-parallel size and ZeRO stage."""
     plan = expert_parallel_plan(cfg.model, cfg.train.expert_parallel_size)
     model = build_rank_model(cfg.model, ds, cfg.train.seed, plan)
-    setup_expert_parallel(model, plan)
+    setup_expert_parallel(model, plan, cfg.train.expert_comm)
     install_count_reducers(model)
     return model, plan
 

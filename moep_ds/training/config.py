@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
+from moep_ds.moe.all_to_all import ExpertCommConfig
 from moep_ds.schema import Between, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, fail
 
 
@@ -71,6 +72,9 @@ class TrainConfig:
     global_batch_size: PositiveInt | None = None
     grad_clip: PositiveFloat | None = None
     expert_parallel_size: PositiveInt = 1
+    # how the expert-parallel all-to-all moves tokens (moe/all_to_all.py): `dedup` (a token crosses to a rank once)
+    # on by default; each option off gives the blocking per-expert path, to compare with or to debug
+    expert_comm: ExpertCommConfig = dataclasses.field(default_factory=ExpertCommConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)

@@ -2,7 +2,8 @@
 collective wrapped and its bytes counted (scripts/count_collectives.py) over one steady-state step, per kind of
 collective and group size, for ZeRO-2 and ZeRO-3, expert parallelism 1 and 2, top-k and expert choice (and ZeRO-0/1,
 bf16, accumulation, activation checkpointing, MSIT's positions, ZeRO-3 persistence and padding, gradients reduced to
-their owner only with use_multi_rank_bucket_allreduce false). All layouts train in one launch."""
+their owner only with use_multi_rank_bucket_allreduce false, dispatch per expert and once per rank). All layouts train
+in one launch."""
 import json
 import pathlib
 import sys
@@ -22,20 +23,22 @@ pytestmark = pytest.mark.slow
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "count_collectives.py"
 STEPS = 5  # counted: the last; ZeRO-3 records its module trace (and checks it with broadcasts) in the first ones
 
+PER_EXPERT = {"expert_comm": {"dedup": False}}  # the blocking per-expert all-to-all: a row per (token, expert)
+RANK_GROUPS = ["model.layers[0].moe.router.num_groups=2", "model.layers[0].moe.router.group_topk=1"]
 # name: (tiny.py layers, ds_config, recipe train fields, overrides)
 LAYOUTS = {
     "expert_choice_zero2_ep1": ("nova_moe", "zero2_fp32", {}, []),
-    "expert_choice_zero2_ep2": ("nova_moe", "zero2_fp32", {"expert_parallel_size": 2}, []),
+    "expert_choice_zero2_ep2": ("nova_moe", "zero2_fp32", {"expert_parallel_size": 2, **PER_EXPERT}, []),
     "expert_choice_zero3_ep1": ("nova_moe", "zero3_fp32", {}, []),
     "topk_zero2_ep1": ("top2", "zero2_fp32", {}, []),
-    "topk_zero2_ep2": ("top2", "zero2_fp32", {"expert_parallel_size": 2}, []),
+    "topk_zero2_ep2": ("top2", "zero2_fp32", {"expert_parallel_size": 2, **PER_EXPERT}, []),
     "topk_zero3_ep1": ("top2", "zero3_fp32", {}, []),
     "topk_zero2_ep2_bf16_accumulation_checkpointing": (
-        "top2", "zero2_bf16", {"expert_parallel_size": 2, "global_batch_size": 16, "activation_checkpointing": True},
-        []),
-    "msit_zero2_ep2": ("msit", "zero2_fp32", {"expert_parallel_size": 2}, []),
-    "expert_choice_zero1_ep2_bf16": ("nova_moe", "zero1_bf16", {"expert_parallel_size": 2}, []),
-    "topk_zero0_ep2": ("top2", "zero0_fp32", {"expert_parallel_size": 2}, []),
+        "top2", "zero2_bf16", {"expert_parallel_size": 2, "global_batch_size": 16, "activation_checkpointing": True,
+                               **PER_EXPERT}, []),
+    "msit_zero2_ep2": ("msit", "zero2_fp32", {"expert_parallel_size": 2, **PER_EXPERT}, []),
+    "expert_choice_zero1_ep2_bf16": ("nova_moe", "zero1_bf16", {"expert_parallel_size": 2, **PER_EXPERT}, []),
+    "topk_zero0_ep2": ("top2", "zero0_fp32", {"expert_parallel_size": 2, **PER_EXPERT}, []),
     "topk_zero0_ep1_bf16": ("top2", "zero0_bf16", {}, []),
     # DeepSpeed's ZeRO-3 defaults (tiny parameters persistent), a vocabulary that pads the partitions
     "expert_choice_zero3_defaults_bf16": ("nova_moe", "zero3_defaults_bf16", {},
@@ -43,6 +46,18 @@ LAYOUTS = {
     # use_multi_rank_bucket_allreduce false: each gradient slice reduced to its owner only (issue #46 item 8)
     "topk_zero2_ep1_reduce_to_owner": ("top2", "zero2_reduce_to_owner", {}, []),
     "topk_zero1_ep1_bf16_reduce_to_owner": ("top2", "zero1_bf16_reduce_to_owner", {}, []),
+    # dispatch once per destination rank (train.expert_comm.dedup, the default), with routings that fix the number of
+    # (token, rank) pairs to its balanced expectation: two experts of one group, a group per rank (1 rank a token);
+    # expert choice taking every token (every rank); planning/dedup.py's expectation in general: test_planning.py
+    "topk_rank_groups_zero2_ep2_dedup": ("top2", "zero2_fp32", {"expert_parallel_size": 2}, RANK_GROUPS),
+    "topk_rank_groups_zero2_ep2_bf16_accumulation_checkpointing_dedup": (
+        "top2", "zero2_bf16", {"expert_parallel_size": 2, "global_batch_size": 16, "activation_checkpointing": True},
+        RANK_GROUPS),
+    "expert_choice_every_token_zero1_ep2_bf16_dedup": ("nova_moe", "zero1_bf16", {"expert_parallel_size": 2},
+                                                       ["model.layers[1].moe.router.capacity_factor=4.0"]),
+    "msit_every_token_zero2_ep2_dedup": ("msit", "zero2_fp32", {"expert_parallel_size": 2},
+                                         ["model.layers[0].router.type=expert_choice",
+                                          "model.layers[0].router.capacity_factor=4.0"]),
 }
 TO_OWNER = {"contiguous_gradients": True, "use_multi_rank_bucket_allreduce": False}
 
