@@ -293,3 +293,38 @@ def test_an_import_on_two_processes_into_a_used_directory_fails_in_one_line(impo
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert errors == [f"error: --out ({str(out)!r}) exists and is not empty: moep-import writes a new run directory"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def import_on_a_full_disk(src: str, out: str) -> int:
+    """One rank of a 2-process `moep-import` whose tensor writes find the disk full (3 MiB left)."""
+    import errno
+    import os
+
+    from torch.distributed.checkpoint import filesystem
+
+    from moep_ds import fsutil
+    from moep_ds.cli.import_model import main as import_cli
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    filesystem._write_item = full_disk
+    fsutil.free_bytes = lambda path: 3 << 20
+    return import_cli([src, "--out", out])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("imported", ["olmoe"], indirect=True)
+def test_an_import_on_two_processes_onto_a_full_disk_fails_in_one_line(imported, tmp_path):
+    """Issue 46 item 6: DCP's error was "writing RUN_DIR failed: OSError: [Errno 28] ...", without the space left."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ranks import joined, run_ranks
+
+    out = tmp_path / "run"
+    proc = joined(run_ranks(2, import_on_a_full_disk, str(imported.folder / "hf"), str(out), check=False))
+    assert proc.returncode == 2
+    assert [line for line in proc.stderr.splitlines() if "error" in line] == [
+        f"error: disk full (No space left on device) writing {str(out)!r}, 3 MiB free there"], proc.stderr
+    assert list(tmp_path.iterdir()) == []
