@@ -42,8 +42,10 @@ LOCK_FILE = ".lock"
 WAIT_ENV = "MOEP_RUN_LOCK_WAIT"
 DEFAULT_WAIT_S = 180.0
 UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-# this process's locks, by run directory: a second run in the same process (a notebook, the tests) reuses its lock
+# this process's locks, by run directory: a second run in the same process (a notebook, the tests) reuses its lock;
+# with what the lock file held before (None: this process made it), which a failed start-up puts back
 _held: dict[pathlib.Path, int] = {}
+_found: dict[pathlib.Path, bytes | None] = {}
 
 
 def job() -> tuple[str | None, int]:
@@ -163,11 +165,30 @@ def lock_run_dir(run_dir: pathlib.Path) -> str | None:
     if fd is None:
         return (f"train.output_dir ({str(run_dir)!r}) is in use by another run ({describe(holder)}): wait for it to "
                 f"end, stop it (touch {run_dir / 'STOP'}), or start this run in another train.output_dir")
-    if holder is None and os.path.getsize(path) > 0:
+    found = os.pread(fd, 1 << 16, 0) if os.fstat(fd).st_size else None
+    if holder is None and found:
         log.info("%s: the earlier run there (%s) has ended", run_dir, describe(read_holder(path, tries=1)))
     record(fd)
-    _held[run_dir] = fd
+    _held[run_dir], _found[run_dir] = fd, found
     return None
+
+
+def release_run_dir(run_dir: pathlib.Path) -> None:
+    """A start-up that failed leaves the folder as it found it: the lock file removed where this process made it,
+    else its earlier record put back; then the lock goes. Nothing where this process holds no lock."""
+    run_dir = pathlib.Path(run_dir).resolve()
+    fd = _held.pop(run_dir, None)
+    if fd is None:
+        return
+    found = _found.pop(run_dir, None)
+    try:
+        if is_locked_file(fd, run_dir / LOCK_FILE) and found is None:
+            (run_dir / LOCK_FILE).unlink()  # while still locked: a run that opened it meanwhile tries again
+        elif is_locked_file(fd, run_dir / LOCK_FILE):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, found, 0)
+    finally:
+        os.close(fd)
 
 
 def wait_for_earlier_start(path: pathlib.Path, holder: dict) -> int:

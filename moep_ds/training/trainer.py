@@ -19,6 +19,7 @@ from moep_ds.training.callbacks import (
 )
 from moep_ds.training.callbacks.builtin import BUILTIN
 from moep_ds.training.run_dir import RunDirInUse
+from moep_ds.training.run_lock import release_run_dir
 from moep_ds.training.startup import total_steps  # noqa: F401 - re-exported
 from moep_ds.training.stop import StopRequest, launcher_chain, launcher_generations  # noqa: F401 - re-exported
 from moep_ds.training.trainer_state import TrainerState
@@ -187,6 +188,7 @@ def build_trainer(cfg: Config, ds_config_path: str | dict | None = None, resume:
     except RunDirInUse:  # the folder is another live run's, created by it at the same time
         raise
     except BaseException:
+        release_run_dir(cfg.train.output_dir)  # the lock file as found (training/run_lock.py)
         layout.remove_new_dir(cfg.train.output_dir, created)
         raise
 

@@ -15,7 +15,7 @@ import pytest
 from moep_ds.checkpointing import layout
 from moep_ds.training import run_lock
 from moep_ds.training.run_dir import RunDirInUse, claim_run_dir
-from moep_ds.training.run_lock import LOCK_FILE, lock_run_dir
+from moep_ds.training.run_lock import LOCK_FILE, lock_run_dir, release_run_dir
 
 from test_run_dir import fake_run
 from tiny import DS_CONFIGS, REPO, env, metrics, write_recipe
@@ -71,9 +71,15 @@ def test_a_folder_a_live_run_holds_is_refused_naming_it_and_a_dead_runs_lock_is_
         assert layout.complete_checkpoints(tmp_path)  # nothing touched
     finally:
         end(holder)
+    found = (tmp_path / LOCK_FILE).read_bytes()
     claim_run_dir(tmp_path, "auto", overwrite=False)  # the holder died: its lock went with it
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     claim_run_dir(tmp_path, "auto", overwrite=False)  # a second run in this process keeps its lock
+    release_run_dir(tmp_path)  # a failed start-up leaves the folder as it found it
+    assert (tmp_path / LOCK_FILE).read_bytes() == found
+    claim_run_dir(tmp_path / "new", None, overwrite=False)
+    release_run_dir(tmp_path / "new")
+    assert list((tmp_path / "new").iterdir()) == []
 
 
 def test_a_requeued_slurm_job_waits_for_its_earlier_start_then_takes_over(tmp_path, slurm, caplog):
