@@ -31,6 +31,7 @@ setup(
         "accelerate",  # lm-eval's `--model hf` imports it
         "filelock",
         "numpy",
+        "xxhash",  # checkpoint checksums (checkpointing/manifest.py); datasets needs it too
         "psutil",  # the trainer watches its launcher processes
     ],
     extras_require={"test": ["pytest>=8", "pytest-timeout", "import-linter>=2.1", "mpi4py>=4"]},

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from moep_ds.checkpointing import layout, model_state, sharded
+from moep_ds.checkpointing import layout, manifest, model_state, sharded
 from moep_ds.checkpointing.model_dir import (
     CONFIG_FILE, EXTRA_FILE, WEIGHTS_FILE, read_meta, write_recipe_files,
 )
@@ -171,6 +171,7 @@ def convert(src: str | Path, out: str | Path) -> Path:
                 shutil.copyfile(f, tmp / f.name)
         if training:
             sharded.save_json({**trainer_state, "optimizer_step": optimizer_step}, tmp / TRAINER_STATE_FILE)
+        manifest.seal(tmp)  # checked from now on like a checkpoint training wrote
         if layout.is_complete(src):
             (tmp / layout.COMPLETE).touch()
     log.info("converted %s (%s) to the sharded checkpoint %s", src, "training checkpoint" if training else

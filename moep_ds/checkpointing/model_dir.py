@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from moep_ds.checkpointing import layout, model_state, sharded
+from moep_ds.checkpointing import layout, manifest, model_state, sharded
 from moep_ds.checkpointing.model_state import load_module
 from moep_ds.checkpointing.streaming import TensorEntry, sharded_entries
 from moep_ds.errors import UserError
@@ -202,5 +202,5 @@ def load_weights(model: torch.nn.Module, model_dir: Path, partitions: bool = Fal
     if not sharded.is_sharded(model_dir):
         raise UserError(convert_hint(model_dir) if is_consolidated(model_dir) else
                         f"checkpoint {str(model_dir)!r} has no {sharded.METADATA_FILE}")
-    sharded.check_files(model_dir)
+    manifest.check(model_dir)
     load_module(model, model_dir, ep, partitions=partitions)

@@ -65,7 +65,8 @@ class CheckpointError(SharedUserError):
 
 
 class DamagedCheckpoint(CheckpointError):
-    """Missing, truncated or unreadable files: `--resume auto` falls back to the previous checkpoint."""
+    """Missing, truncated or unreadable files, or files failing their checksum (manifest.py): `--resume auto` falls
+    back to the previous checkpoint."""
 
 
 Box = tuple[int, tuple[int, ...], tuple[int, ...]]  # (flat start, N-d offsets, N-d sizes)

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from moep_ds.checkpointing import sharded
+from moep_ds.checkpointing import manifest, sharded
 from moep_ds.checkpointing.sharded import MODEL_PREFIX
 from moep_ds.errors import UserError
 
@@ -72,7 +72,7 @@ def write_safetensors(path: Path, entries: Sequence[TensorEntry], metadata: dict
 
 def sharded_entries(path: Path, shapes: dict[str, tuple[int, ...]], prefix: str = "") -> list[TensorEntry]:
     """The model tensors `shapes` (canonical names) of the sharded checkpoint at `path`, each read alone."""
-    sharded.check_files(path)
+    manifest.check(path)  # every file whole and as written (its checksum) before a byte is exported
     sharded.check_shapes(path, shapes)
     saved = sharded.model_tensors(path)
 

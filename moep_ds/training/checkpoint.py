@@ -7,7 +7,9 @@ RUN_DIR/checkpoints/step_00000100/
     extra_state.json               non-tensor module state (lifecycle event logs)
     trainer_state.json             step, Adam's step, data position, lr schedule, loss scaler, engine counters
     rng_rank{r}.pt                 each rank's RNG states (tensors and tuples: loads with weights_only=True)
-    config.yaml, meta.json, tokenizer files, COMPLETE
+    config.yaml, meta.json, tokenizer files
+    MANIFEST.json                  every file's size and checksum (checkpointing/manifest.py), checked at load
+    COMPLETE
 
 What a rank owns (distributed/owned_state.py) is written and read as pieces of the global flat tensors, so world
 size, expert-parallel size, ZeRO stage and master precision may all change between save and load.
@@ -20,6 +22,8 @@ A checkpoint is written under `.tmp-<tag>` and renamed once every rank's files a
 gathers the ranks' results before its metadata is written), so a crash at any point leaves the previous
 complete checkpoint as the newest. With `train.checkpoint.async_save` the ranks copy their pieces to CPU and
 training goes on while DCP writes them on a gloo group of their own; the rename happens when the write is done.
+Before COMPLETE each rank hashes the files it wrote and rank 0 writes the manifest of them all (`seal`); resuming,
+the ranks verify it in shares and agree (`check_checkpoint`), so flipped bytes make a checkpoint damaged.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moep_ds.checkpointing import layout, model_state, sharded
+from moep_ds.checkpointing import layout, manifest, model_state, sharded
 from moep_ds.checkpointing.model_dir import convert_hint, is_consolidated, read_meta, write_recipe_files
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
 from moep_ds.distributed import optimizer_state as st
@@ -59,9 +63,11 @@ TRAINER_STATE_FILE = "trainer_state.json"
 class CheckpointWriter:
     """Writes a run's checkpoints (collective: every rank calls `save` and `wait` at the same steps)."""
 
-    def __init__(self, run_dir: pathlib.Path, keep_last: int, async_save: bool = False):
+    def __init__(self, run_dir: pathlib.Path, keep_last: int, async_save: bool = False,
+                 checksum: str | None = manifest.ALGORITHM):
         self.root = layout.checkpoint_root(run_dir)
         self.keep_last = keep_last
+        self.checksum = checksum  # None: no manifest (bench/checkpoint_scale.py measures the difference)
         self.pending: concurrent.futures.Future | None = None
         self.executor = concurrent.futures.ThreadPoolExecutor(1) if async_save else None
         # DCP's asynchronous writer runs collectives from its own thread: they need a (CPU) group of their own
@@ -105,6 +111,7 @@ class CheckpointWriter:
         except (Exception, sharded.DCPError) as err:  # DCP raises the same exception on every rank
             error = err
         self.check(error is None, error, tmp, final)
+        self.seal(tmp, final)
         if rank == 0:
             self.complete(tmp, final)
         dist.barrier()
@@ -127,6 +134,28 @@ class CheckpointWriter:
         reason = save_error_reason(error, tmp) if error is not None else "a write failed on another rank"
         raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {reason}; the previous checkpoints are kept")
 
+    def seal(self, tmp: pathlib.Path, final: pathlib.Path, group=None) -> None:
+        """Every rank hashes the files it wrote, in parallel (while they are in its page cache); rank 0 writes the
+        manifest of them all (collective over `group`; CheckpointError on every rank if any rank failed)."""
+        if self.checksum is None:
+            return
+        rank, error, files = dist.get_rank(), None, {}
+        try:
+            files = manifest.records(tmp, manifest.own_files(tmp, rank), self.checksum)
+        except OSError as err:
+            error = err
+        gathered = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(files if error is None else save_error_reason(error, tmp), gathered, dst=0, group=group)
+        if rank == 0 and error is None:
+            failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, str)]
+            try:
+                if failed:
+                    raise OSError(f"rank {failed[0][0]} could not hash its files: {failed[0][1]}")
+                manifest.write(tmp, {n: f for g in gathered for n, f in g.items()}, self.checksum)
+            except OSError as err:
+                error = err
+        self.check(sharded.agree(error is None, group), error, tmp, final)
+
     def complete(self, tmp: pathlib.Path, final: pathlib.Path) -> None:
         (tmp / layout.COMPLETE).touch()
         layout.apply_umask(tmp)
@@ -143,6 +172,7 @@ class CheckpointWriter:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {save_error_reason(err, tmp)}; "
                                   "the previous checkpoints are kept") from None
+        self.seal(tmp, final, self.group)  # on the save's own group: training goes on on the default one
         if dist.get_rank() == 0:
             self.complete(tmp, final)
 
@@ -210,11 +240,28 @@ def check_checkpoint(ckpt: pathlib.Path) -> TrainerState:
     consolidated checkpoint is refused (moep-convert)."""
     if is_consolidated(ckpt):
         raise CheckpointError(convert_hint(ckpt))
-    sharded.check_files(ckpt)
+    check_together(ckpt)
     if not (ckpt / TRAINER_STATE_FILE).exists() and "imported_from" in read_meta(ckpt):
         raise CheckpointError(f"checkpoint {str(ckpt)!r} holds a model only (moep-import), no training state to "
                               "resume: start a run from it with model.init_from")
     return read_trainer_state(ckpt)
+
+
+def check_together(ckpt: pathlib.Path) -> None:
+    """`manifest.check` with the checksums verified in shares by the ranks in parallel (collective where
+    distributed): every rank raises the same DamagedCheckpoint, that of the lowest rank that found one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return manifest.check(ckpt)
+    error = None
+    try:
+        manifest.check(ckpt, dist.get_rank(), dist.get_world_size())
+    except DamagedCheckpoint as err:
+        error = str(err)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, error)
+    first = next((e for e in found if e is not None), None)
+    if first is not None:
+        raise DamagedCheckpoint(first)
 
 
 def load_model_state(model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGLE_PROCESS) -> None:

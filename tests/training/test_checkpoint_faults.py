@@ -5,12 +5,14 @@ error, nothing touched), a full disk during a save, an unwritable output directo
 output directory left behind); logs follow the checkpoint."""
 import hashlib
 import json
+import math
 import pathlib
 import re
 import shutil
 
 import pytest
 
+from moep_ds.checkpointing import manifest
 from ranks import joined, run_ranks
 from tiny import DS_CONFIGS, REPO, launch, metrics, run_pretrain, write_recipe
 
@@ -127,6 +129,76 @@ def two_checkpoints(tmp_path_factory) -> pathlib.Path:
     return tmp / "run"
 
 
+def flip(file: pathlib.Path, runs: int = 3, length: int = 64) -> None:
+    """`runs` runs of `length` bytes inverted inside the largest tensor stored in `file`, a DCP data file (its raw
+    data: torch.load reads them as numbers, 1e29 and the like, not as a broken record); the file's size kept."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    records = FileSystemReader(file.parent).read_metadata().storage_data.values()
+    largest = max((r for r in records if r.relative_path == file.name), key=lambda r: r.length)
+    invert(file, [largest.offset + i * largest.length // (runs + 2) for i in range(1, runs + 1)], length)
+
+
+def invert(file: pathlib.Path, starts: list[int], length: int = 64) -> None:
+    data = bytearray(file.read_bytes())
+    for at in starts:
+        data[at:at + length] = bytes(b ^ 0xFF for b in data[at:at + length])
+    file.write_bytes(bytes(data))
+
+
+def fails_checksum(ckpt: pathlib.Path, file: pathlib.Path) -> str:
+    """The pattern of the line naming `file` of `ckpt` as failing its checksum."""
+    return (re.escape(f"checkpoint '{ckpt}' is damaged: '{file}' fails its checksum (xxh3_128 ") +
+            r"[0-9a-f]{32}, MANIFEST\.json records [0-9a-f]{32}\)")
+
+
+def test_flipped_bytes_in_a_shard_make_the_checkpoint_damaged(two_checkpoints, tmp_path, capsys):
+    """64-byte runs flipped inside the newest shard, its size kept: DCP reads such bytes as weights (1e29), so before
+    manifests --resume trained on with loss nan (and its rotation deleted the good checkpoint) and moep-export wrote
+    them. Now an explicit --resume is refused in one line naming the file, also on 2 ranks where rank 1 verifies
+    it, and moep-export too, writing nothing; --resume auto skips it with a warning and resumes step 2; the
+    checkpoints it then writes (asynchronously) carry their manifest."""
+    from moep_ds.cli.export import main as export_main
+
+    out = tmp_path / "run"
+    shutil.copytree(two_checkpoints, out)
+    newest = out / "checkpoints" / "step_00000004"
+    shard = newest / "__0_0.distcp"
+    size = shard.stat().st_size
+    flip(shard)
+    assert shard.stat().st_size == size
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=6,
+                          checkpoint={"every_steps": 2, "keep_last": 2, "async_save": True})
+    proc = pretrain(recipe, "--resume", str(newest))
+    assert proc.returncode == 2 and re.fullmatch("error: " + fails_checksum(newest, shard), last_line(proc))
+    assert export_main([str(newest), "--out", str(tmp_path / "exported")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch("error: " + fails_checksum(newest, shard), errors[0])
+    assert not (tmp_path / "exported").exists()
+
+    other = tmp_path / "other" / "step_00000004"  # a file of the share rank 1 of 2 verifies: rank 0 names it
+    shutil.copytree(two_checkpoints / "checkpoints" / "step_00000004", other)
+    files = json.loads((other / manifest.MANIFEST_FILE).read_text())["files"]
+    theirs = other / manifest.share(files, 1, 2)[0]
+    invert(theirs, [theirs.stat().st_size // 2])
+    proc = pretrain(recipe, "--resume", str(other), "--set", "train.micro_batch_size=2",  # its global batch
+                    f"train.output_dir={tmp_path / 'new'}", nproc=2)
+    assert proc.returncode == 2 and re.fullmatch("error: " + fails_checksum(other, theirs), last_line(proc))
+
+    proc = pretrain(recipe, "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "skipping damaged checkpoint" in line]
+    assert len(warnings) == 1 and re.search(fails_checksum(newest, shard), warnings[0]), warnings
+    assert re.search(r"resumed from \S+step_00000002 at step 2", proc.stderr)
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(m["loss"]) for m in metrics(out))
+    for step in (4, 6):
+        ckpt = out / "checkpoints" / f"step_{step:08d}"
+        listed = json.loads((ckpt / manifest.MANIFEST_FILE).read_text())["files"]
+        assert {"__0_0.distcp", ".metadata", "rng_rank0.pt", "trainer_state.json", "meta.json"} <= set(listed)
+        manifest.check(ckpt)
+
+
 def pretrain_each(runs: list[list[str]], full_disk: str | None = None) -> list[int]:
     """pretrain.py's main once per argument list, one after another on this rank; their exit statuses. A start-up
     that fails leaves its process group (cli.exit_joined), so the next one can start, at a fresh rendezvous port.
@@ -189,6 +261,7 @@ def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_
     shutil.copytree(ckpt, other_tokenizer)
     state = json.loads((other_tokenizer / "trainer_state.json").read_text())
     (other_tokenizer / "trainer_state.json").write_text(json.dumps({**state, "tokenizer_sha256": "0" * 64}))
+    manifest.seal(other_tokenizer)  # a checkpoint written so, not damaged
     ds_configs = {"stage7": {"zero_optimization": {"stage": 7}}, "two": {"gradient_accumulation_steps": "two"},
                   "maybe": {"zero_optimization": {"stage": 2, "overlap_comm": "maybe"}}}
     for name, ds in ds_configs.items():

@@ -120,7 +120,8 @@ def to_legacy(ckpt: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     from moep_ds import build_model, load_config
     from moep_ds.checkpointing import model_state, sharded
 
-    shutil.copytree(ckpt, out, ignore=shutil.ignore_patterns("*.distcp", ".metadata"))
+    # (no MANIFEST.json either: checksums came after that format)
+    shutil.copytree(ckpt, out, ignore=shutil.ignore_patterns("*.distcp", ".metadata", "MANIFEST.json"))
     with torch.device("meta"):
         shapes = model_state.shapes(build_model(load_config(ckpt / "config.yaml").model))
     stored, pieces = sharded.read_metadata(ckpt), {}
