@@ -16,12 +16,12 @@ import logging
 import pathlib
 from typing import Any
 
-from moep_ds.checkpointing.sharded import CheckpointError, DamagedCheckpoint
+from moep_ds.checkpointing.sharded import DamagedCheckpoint
 from moep_ds.errors import SharedUserError
 from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.training.config import TrainConfig
 from moep_ds.training.ds_config import DeepSpeedConfigError, reconcile
-from moep_ds.training.trainer_state import TrainerState
+from moep_ds.training.trainer_state import check_fields
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,9 @@ def saved_global_batch(state: dict[str, Any]) -> int | None:
 
 def resume_state(resume: str | None, run_dir: pathlib.Path) -> tuple[pathlib.Path, dict[str, Any]] | None:
     """(checkpoint, trainer state) of the checkpoint a resume would start from, read before the engine exists;
-    None for a fresh start or a state that cannot be read or used here (the resume's own checks name the damage).
-    The state is checked as the resume will read it (TrainerState: versions and field types), so that what
-    reads it here never meets a field of the wrong type."""
+    None for a fresh start or a state that cannot be read here (the resume's own checks name the damage). A field of
+    the wrong type is damage, as the resume will find (trainer_state.check_fields): what reads the state here never
+    meets one."""
     try:
         candidates = ckpt_io.resume_candidates(resume, run_dir)
     except ckpt_io.CheckpointError:
@@ -47,11 +47,9 @@ def resume_state(resume: str | None, run_dir: pathlib.Path) -> tuple[pathlib.Pat
     for ckpt in candidates:
         try:
             raw = json.loads((ckpt / ckpt_io.TRAINER_STATE_FILE).read_text())
-            TrainerState.from_state_dict(raw, str(ckpt))
+            check_fields(raw, str(ckpt))
         except (OSError, ValueError, DamagedCheckpoint):
             continue  # damaged: --resume auto goes on to an older one, as the resume will
-        except CheckpointError:
-            return None  # of a newer version: the resume refuses it
         return ckpt, raw
     return None
 

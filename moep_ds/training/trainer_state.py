@@ -51,11 +51,8 @@ class TrainerState:
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], where: str = "the checkpoint") -> TrainerState:
         """The state `state` (a checkpoint's FILE as read; `where`: the checkpoint, for the errors)."""
-        if not isinstance(state, dict):
-            raise DamagedCheckpoint(f"{where}: trainer state is not a mapping ({type(state).__name__})")
+        check_fields(state, where)
         version = state.get("version", 1)
-        if not conforms(version, int):
-            raise damaged(where, "version", version, "an integer")
         if version not in range(1, VERSION + 1):
             raise CheckpointError(f"{where}: trainer state version {version!r} is newer than this moep_ds reads "
                                   f"(1 to {VERSION})")
@@ -68,10 +65,6 @@ class TrainerState:
             known["skipped_steps"] = 0
         if known.get("callbacks") is None:
             known["callbacks"] = {}
-        hints = typing.get_type_hints(cls)
-        for key, value in known.items():
-            if not conforms(value, hints[key]):
-                raise damaged(where, key, value, type_text(hints[key]))
         extra = {k: v for k, v in state.items() if k not in names and k != "version"}
         return cls(**known, extra=extra)
 
@@ -79,6 +72,19 @@ class TrainerState:
         other = self.from_state_dict(state)
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(other, f.name))
+
+
+def check_fields(state: Any, where: str = "the checkpoint") -> None:
+    """DamagedCheckpoint unless `state` is a mapping whose version and known fields have their types (the dataclass
+    annotations); fields left out are not checked here (TrainerState.from_state_dict names the required ones)."""
+    if not isinstance(state, dict):
+        raise DamagedCheckpoint(f"{where}: trainer state is not a mapping ({type(state).__name__})")
+    hints = {"version": int, **typing.get_type_hints(TrainerState)}
+    for key, value in state.items():
+        if key in hints and key != "extra" and not conforms(value, hints[key]):
+            if value is None and key in ("skipped_steps", "callbacks"):
+                continue  # null reads as the default (0, {})
+            raise damaged(where, key, value, type_text(hints[key]))
 
 
 def damaged(where: str, key: str, value: Any, expected: str) -> DamagedCheckpoint:
