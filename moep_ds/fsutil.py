@@ -115,24 +115,32 @@ def atomic_dir(final: str | os.PathLike, *, tmp: Path | None = None,
 
 
 def temporary_dir(final: Path) -> Path:
-    """A new hidden sibling of `final`, `.NAME.HOST-PID-XXXXXXXX.tmp`: the host and process that write it are in its
-    name, so that a later process can tell one whose writer is dead (remove_stale_temporaries)."""
-    prefix = f".{final.name}.{HOST_CHARS.sub('', socket.gethostname())}-{os.getpid()}-"
+    """A new hidden sibling of `final`, `.NAME.HOST-PIDNS-PID-XXXXXXXX.tmp`: the host, pid namespace and process
+    that write it are in its name, so that a later process can tell one whose writer is dead
+    (remove_stale_temporaries)."""
+    prefix = f".{final.name}.{pid_owner()}-{os.getpid()}-"
     return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=final.parent))
 
 
-HOST_CHARS = re.compile(r"[^A-Za-z0-9-]")  # what a temporary's name keeps of the host name
+def pid_owner() -> str:
+    """Where this process's pid means this process: the host name (letters, digits, dashes) and the inode of the pid
+    namespace (containers on one host, which may share its name, each count pids of their own)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc (macOS)
+        namespace = 0
+    return f"{re.sub(r'[^A-Za-z0-9-]', '', socket.gethostname())}-{namespace}"
 
 
 def remove_stale_temporaries(final: Path) -> None:
     """Remove the temporaries of `final` (temporary_dir) that a process of this host left when it was killed before
-    it could (SIGKILL, a node's out-of-memory killer): its pid is no longer running. One of another host, or of a
-    running pid (perhaps reused), is left alone: it may be being written."""
+    it could (SIGKILL, a node's out-of-memory killer): its pid is no longer running. One of another host or
+    container, or of a running pid (perhaps reused), is left alone: it may be being written."""
     pattern = re.compile(rf"\.{re.escape(final.name)}\.([A-Za-z0-9-]*)-(\d+)-[a-z0-9_]{{8}}\.tmp")
-    host = HOST_CHARS.sub("", socket.gethostname())
+    owner = pid_owner()
     for path in sorted(final.parent.iterdir()) if final.parent.is_dir() else []:
         found = pattern.fullmatch(path.name)
-        if found and found.group(1) == host and not path.is_symlink() and path.is_dir() \
+        if found and found.group(1) == owner and not path.is_symlink() and path.is_dir() \
                 and not pid_running(int(found.group(2))):
             log.warning("removing %s: a temporary of %s that a process killed before it finished (pid %s) left",
                         path, final.name, found.group(2))

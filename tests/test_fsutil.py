@@ -160,19 +160,19 @@ def dead_pid() -> int:
 
 def test_a_temporary_whose_writer_died_is_removed_by_the_next_write_and_no_other(tmp_path, caplog):
     """Issue 46 item 6: a command killed while it wrote (SIGKILL, an out-of-memory kill) left its hidden
-    `.NAME.*.tmp` for good, also after a later command wrote NAME. The temporary names its host and pid: the next
-    atomic_dir of NAME removes those of this host whose process is gone; a running writer's, another host's, another
-    name's and files stay."""
+    `.NAME.*.tmp` for good, also after a later command wrote NAME. The temporary names its host, pid namespace and
+    pid: the next atomic_dir of NAME removes those of this host and namespace whose process is gone; a running
+    writer's, another host's or container's, another name's and files stay."""
     import os
-    import socket
 
-    host = layout.HOST_CHARS.sub("", socket.gethostname())
+    host = layout.pid_owner()  # the host name and the pid namespace
     with layout.atomic_dir(tmp_path / "run") as tmp:
         assert tmp.name.startswith(f".run.{host}-{os.getpid()}-") and tmp.name.endswith(".tmp")
         (tmp / "f").write_text("x")
     stale = folder(tmp_path / f".run.{host}-{dead_pid()}-abcd_123.tmp", "half")
     alive = folder(tmp_path / f".run.{host}-{os.getpid()}-abcd_124.tmp", "being written")
-    others = [folder(tmp_path / f".run.otherhost-{dead_pid()}-abcd_125.tmp", "another host's"),
+    others = [folder(tmp_path / f".run.otherhost-{host.split('-')[-1]}-{dead_pid()}-abcd_125.tmp", "another host's"),
+              folder(tmp_path / f".run.{host}1-{dead_pid()}-abcd_128.tmp", "another container's"),
               folder(tmp_path / f".runs.{host}-{dead_pid()}-abcd_126.tmp", "another name's"),
               folder(tmp_path / f".run.{host}-{dead_pid()}-abcd12.tmp", "not a temporary's name")]
     (tmp_path / f".run.{host}-{dead_pid()}-abcd_127.tmp").write_text("a file")
@@ -180,4 +180,4 @@ def test_a_temporary_whose_writer_died_is_removed_by_the_next_write_and_no_other
         (tmp / "f").write_text("y")
     assert not stale.exists() and f"removing {stale}" in caplog.text
     assert alive.exists() and all(p.exists() for p in others) and (tmp_path / "run" / "f").read_text() == "y"
-    assert len(list(tmp_path.iterdir())) == 6  # run, alive, three others, the file
+    assert len(list(tmp_path.iterdir())) == 7  # run, alive, four others, the file
