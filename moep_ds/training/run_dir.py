@@ -64,6 +64,8 @@ def run_contents(run_dir: pathlib.Path) -> list[str]:
     if steps:
         found.append(f"checkpoints {steps[0]}" + (f"..{steps[-1]}" if len(steps) > 1 else ""))
     found += [name for name in LOG_FILES if (run_dir / name).is_file() and (run_dir / name).stat().st_size > 0]
+    if (run_dir / BRANCHES).is_dir() and any((run_dir / BRANCHES).iterdir()):  # a run's, even with nothing else left
+        found.append(f"{BRANCHES}/")
     return found
 
 

@@ -73,6 +73,8 @@ def test_multi_node_deepspeed_hands_the_runs_environment_to_the_other_nodes(clus
     assert lines[-1] == "NCCL_IB_DISABLE=1" and all("=" in line for line in lines)  # the user's, last: it wins
     for key in ("MOEP_DATA_DIR", "MOEP_CACHE_DIR", "HF_HUB_OFFLINE", "DEEPSPEED_TIMEOUT", "OMP_NUM_THREADS"):
         assert f"{key}={env[key]}" in lines, key
+    # the run directory's lock tells a requeue of this job by them (moep_ds/training/run_lock.py)
+    assert "MOEP_SLURM_JOB_ID=4242" in lines and "MOEP_SLURM_RESTART_COUNT=0" in lines
     assert not any(line.startswith(("NOT_PASSED=", "SLURM_")) for line in lines)
 
 

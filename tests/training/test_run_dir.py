@@ -103,6 +103,8 @@ def test_resuming_an_older_checkpoint_moves_the_later_ones_and_their_logs_into_a
     assert (f"resuming step_00000002 starts a new branch: the later checkpoints (step_00000004, step_00000006, "
             f"step_00000008) and the logs of steps after 2 are moved to {aside}") in caplog.text
     assert start_branch(tmp_path, root / "step_00000002", 2) is None  # done: nothing later is left
+    assert "holds another run (checkpoints step_00000002, metrics.jsonl, expert_utilization.jsonl, branches/)" in \
+        decide(tmp_path, None, overwrite=False)[1]
     drop_rows_after(tmp_path, 1)  # a plain resume (of a step 1): what is after it is dropped, TensorBoard's too
     assert [m["step"] for m in metrics(tmp_path)] == [1] and tensorboard_steps(tmp_path / "tensorboard") == [1]
     assert tensorboard_steps(aside / "tensorboard") == [3, 4, 5, 6]
