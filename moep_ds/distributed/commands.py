@@ -91,29 +91,43 @@ def say(line: str) -> None:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (`kill`, `timeout`, a scheduler's stop) raised in the main thread, as SIGINT raises KeyboardInterrupt:
-    the command's `finally` blocks remove its temporaries (fsutil.atomic_dir) before it exits."""
+    """SIGTERM (`kill`, `timeout`, a scheduler's stop) or SIGHUP (the terminal closed) raised in the main thread, as
+    SIGINT raises KeyboardInterrupt: the command's `finally` blocks remove its temporaries (fsutil.atomic_dir)
+    before it exits."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """While a command of one process runs, SIGTERM raises Terminated (once: a repeat during the clean-up is
-    ignored). Not for the ranks of a launch: a rank waiting in a collective runs no Python code until the collective
-    returns, so torchrun's SIGTERM to the survivors of a failed rank must end them at once (what one leaves, the next
-    command into the same output removes: fsutil.remove_stale_temporaries)."""
+    """While a command of one process runs, SIGTERM and SIGHUP raise Terminated (once: a repeat during the clean-up
+    is ignored; a signal ignored already, as `nohup` ignores SIGHUP, stays ignored). Not for the ranks of a launch: a
+    rank waiting in a collective runs no Python code until the collective returns, so torchrun's SIGTERM to the
+    survivors of a failed rank must end them at once (what one leaves, the next command into the same output
+    removes: fsutil.remove_stale_temporaries)."""
     if launched_world_size() > 1 or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def terminate(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated(f"signal {signum}")
+        for sig in STOPPING_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = {sig: signal.getsignal(sig) for sig in STOPPING_SIGNALS}
+    for sig, handler in previous.items():
+        if handler != signal.SIG_IGN:
+            signal.signal(sig, terminate)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def interruption(err: BaseException) -> KeyboardInterrupt | None:
@@ -126,15 +140,15 @@ def interruption(err: BaseException) -> KeyboardInterrupt | None:
 def stopped(signal_error: KeyboardInterrupt) -> int:
     """One line and the shell's status for a command stopped by a signal: 128 + its number."""
     if isinstance(signal_error, Terminated):
-        say("terminated (SIGTERM)")
-        return exit_joined(128 + signal.SIGTERM)
+        say(f"terminated ({signal.Signals(signal_error.signum).name})")
+        return exit_joined(128 + signal_error.signum)
     say("interrupted")
     return exit_joined(128 + signal.SIGINT)
 
 
 def run_guarded(fn, *args) -> int:
-    """Run a command body, turning expected failures into one line on stderr and exit status 2, and SIGINT / SIGTERM
-    into one line and status 130 / 143 (after its temporaries are removed: sigterm_raises).
+    """Run a command body, turning expected failures into one line on stderr and exit status 2, and SIGINT / SIGTERM /
+    SIGHUP into one line and status 128 + the signal's number (after its temporaries are removed: sigterm_raises).
 
     Every rank of a launcher gets the same command line, recipe and ds_config, so an error in them (ConfigError,
     SharedUserError) is printed by rank 0 only; other bad input (a file one node lacks) may differ between ranks

@@ -123,6 +123,28 @@ def test_an_interrupt_before_training_is_one_line(capsys):
     assert capsys.readouterr().err == "interrupted\n"
 
 
+def test_a_command_turns_sigterm_and_sighup_into_an_exception_unless_ignored(capsys):
+    """Issue 46 item 6: SIGTERM and SIGHUP ended a command at once, leaving its temporaries; now they raise (the
+    clean-up runs, test_interrupted_writes.py) while the command runs, except a SIGHUP that `nohup` ignores."""
+    import signal
+
+    seen = {}
+
+    def body():
+        seen.update({sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)})
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert run_guarded(body) == 0
+        assert callable(seen[signal.SIGTERM]) and seen[signal.SIGHUP] == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == previous[signal.SIGTERM]  # as it was once the command is done
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def test_stopping_advice_names_this_run_only():
     """`pkill -USR1 -f pretrain.py` stopped every user's runs on a shared machine."""
     from moep_ds.cli.pretrain import pretrain_parser

@@ -46,7 +46,8 @@ def start_writing(module: str, argv: list[str], marker: Path) -> subprocess.Pope
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, status, line", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
-                                               (signal.SIGINT, 130, "interrupted")])
+                                               (signal.SIGINT, 130, "interrupted"),
+                                               (signal.SIGHUP, 129, "terminated (SIGHUP)")])
 def test_a_signal_while_importing_leaves_nothing_and_says_one_line(tmp_path, hf_dir, sig, status, line):
     """SIGTERM left the hidden `.run.*.tmp` (29 MB of a 100 MB model); SIGINT, which DCP wraps in its
     CheckpointException, ended in a traceback."""
