@@ -158,12 +158,17 @@ def all_to_all_collectives(trace: StepTrace, layout: Layout) -> list[Collective]
     return out
 
 
+NONFINITE_CHECKS = 3  # ranks with a non-finite loss, their rank sum, a non-finite gradient norm
+
+
 def trainer_collectives(inv: Inventory, layout: Layout, trace: StepTrace) -> list[Collective]:
     if layout.gpus == 1:
         return []
     n = layout.gpus
-    out = [Collective("losses, balancing counts and flags (trainer)", "all_reduce",
-                      8 * (2 + len(trace.aux_keys) + inv.balancing_counts + 3), n, 1, False)]
+    # float64: the losses, the balancing counts, the non-finite check (TrainModule.local_checks: 3) and the
+    # built-in callbacks' flags (3)
+    out = [Collective("losses, balancing counts, non-finite check and flags (trainer)", "all_reduce",
+                      8 * (2 + len(trace.aux_keys) + inv.balancing_counts + NONFINITE_CHECKS + 3), n, 1, False)]
     if inv.threshold_numel:
         out.append(Collective("expert-choice thresholds (trainer)", "all_reduce", 8 * inv.threshold_numel, n, 1,
                               False))
