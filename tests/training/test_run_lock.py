@@ -123,14 +123,23 @@ def test_two_pretrain_processes_started_together_into_one_folder_one_trains(tmp_
     exactly one trains, the other exits 2 with one line naming the holder's host, pid and start time; the folder
     holds one loss curve and one TensorBoard event file."""
     out = tmp_path / "dup"
-    # long enough (a few seconds) for the later of the two to reach the lock while the first trains
-    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=200,
-                          checkpoint={"every_steps": 100, "keep_last": 3, "at_end": True})
+    # the winner trains until the test stops it (RUN_DIR/STOP) once the other has exited: however slow either one
+    # starts, the later one reaches the lock while the first still holds it
+    recipe = write_recipe(tmp_path / "r.yaml", "top2", out, max_steps=100_000,
+                          checkpoint={"every_steps": 100_000, "keep_last": 3, "at_end": True})
     cmd = [sys.executable, str(REPO / "pretrain.py"), "--config", str(recipe), "--ds_config",
            str(DS_CONFIGS / "quickstart.json")]
     procs = [subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
-    results = [(p.pid, *p.communicate(timeout=600), p.returncode) for p in procs]
+    try:
+        deadline = time.monotonic() + 600
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (out / "STOP").touch()  # the one still running checkpoints and exits 0
+        results = [(p.pid, *p.communicate(timeout=600), p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
     codes = sorted(code for *_, code in results)
     assert codes == [0, 2], "\n".join(err[-3000:] for _, _, err, _ in results)
     [(winner, *_)] = [r for r in results if r[3] == 0]
@@ -140,6 +149,7 @@ def test_two_pretrain_processes_started_together_into_one_folder_one_trains(tmp_
     started = json.loads((out / LOCK_FILE).read_text())["started"]
     assert errors[0].startswith(f"error: train.output_dir ({str(out)!r}) is in use by another run (host "
                                 f"{socket.gethostname()}, pid {winner}, started {started})"), errors[0]
-    assert [m["step"] for m in metrics(out) if "loss" in m] == list(range(1, 201))
+    steps = [m["step"] for m in metrics(out) if "loss" in m]
+    assert steps == list(range(1, len(steps) + 1)), steps  # one loss curve: each step once
     assert len(list((out / "tensorboard").rglob("events.out.tfevents.*"))) == 1
-    assert [c.name for c in layout.complete_checkpoints(out)] == ["step_00000100", "step_00000200"]
+    assert [c.name for c in layout.complete_checkpoints(out)] == [layout.checkpoint_tag(steps[-1])]
