@@ -5,9 +5,10 @@ from it without a word).
     {"format": 1, "algorithm": "xxh3_128", "files": {"__0_0.distcp": {"bytes": 123, "digest": "9f..."}, ...}}
 
 Every file under the checkpoint except COMPLETE and the manifest itself is listed. Each rank hashes the files it
-wrote (`own_files`: its DCP data file and RNG state; rank 0 the rest), in parallel, while they are still in its page
-cache; rank 0 writes the manifest before COMPLETE. At load the files are checked in shares (`share`) that the ranks
-verify in parallel, or all by one process (`verify`).
+wrote (`own_files`: its DCP data file, hashed on its way to disk by sharded.HashingFileSystem, and its RNG state;
+rank 0 the rest), in parallel; rank 0 writes the manifest before COMPLETE (training/checkpoint.py
+CheckpointWriter.seal). At load the files are checked in shares (`share`) that the ranks verify in parallel
+(training/checkpoint.py check_together), or all by one process (`check`: moep-export, moep-eval, moep-generate).
 
 xxh3_128 (the xxhash package) reads at memory speed, some 5x sha256 here (bench/RESULTS.md, checkpoint_scale): a
 checksum against flipped bytes, not a signature. Other algorithms hashlib knows are read too. Checkpoints written

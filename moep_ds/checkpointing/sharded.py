@@ -22,14 +22,16 @@ Checkpoints written before 2026-12-03 stored every tensor flattened to 1-D under
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
+import os
 import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException as DCPError  # a BaseException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -220,15 +223,54 @@ class StagedCopy:
         pass
 
 
+class HashedStream:
+    """A file being written, each byte also fed to `hash` on its way (what DCP's writer calls: write, tell, flush,
+    fileno, close)."""
+
+    def __init__(self, stream: Any, hash: Any):
+        self.stream, self.hash, self.size = stream, hash, 0
+
+    def write(self, data: Any) -> int:
+        self.hash.update(data)
+        self.size += memoryview(data).nbytes
+        return self.stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's file system, hashing each data file as DCP writes it: the checksum (manifest.py) costs no second read
+    of the file. `digests` gets {file name: {"bytes", "digest"}} once a file is written whole."""
+
+    def __init__(self, hasher: Callable[[], Any], digests: dict[str, dict[str, Any]]):
+        super().__init__()
+        self.hasher, self.digests = hasher, digests
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        with super().create_stream(path, mode) as stream:
+            if mode != "wb" or not DATA_FILE.fullmatch(Path(path).name):
+                yield stream
+                return
+            hashed = HashedStream(stream, self.hasher())
+            yield hashed
+            self.digests[Path(path).name] = {"bytes": hashed.size, "digest": hashed.hash.hexdigest()}
+
+
 class Writer(dcp.FileSystemWriter):
     """DCP's file-system writer (one file per rank, fsynced before the save counts as done) that also records
     `aliases` ({second name: stored name}, e.g. a tied head and its embedding) in the metadata: the second name
     points at the same chunks of the same files, so a state dict holding both names loads, nothing is stored
-    twice."""
+    twice. With a `hasher` (a function returning a new hash object) the data files are hashed as they are written,
+    into `digests` (HashingFileSystem)."""
 
-    def __init__(self, path: Path, aliases: dict[str, str] | None = None):
+    def __init__(self, path: Path, aliases: dict[str, str] | None = None, hasher: Callable[[], Any] | None = None,
+                 digests: dict[str, dict[str, Any]] | None = None):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         self.aliases = dict(aliases or {})
+        if hasher is not None:
+            self.fs = HashingFileSystem(hasher, {} if digests is None else digests)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         stored = metadata.state_dict_metadata
@@ -241,19 +283,24 @@ class Writer(dcp.FileSystemWriter):
         super().finish(metadata, results)
 
 
-def writer(path: Path, aliases: dict[str, str] | None = None) -> Writer:
-    return Writer(path, aliases)
+def writer(path: Path, aliases: dict[str, str] | None = None, hasher: Callable[[], Any] | None = None,
+           digests: dict[str, dict[str, Any]] | None = None) -> Writer:
+    return Writer(path, aliases, hasher, digests)
 
 
-def save(state: dict[str, Any], path: Path, group=None, aliases: dict[str, str] | None = None) -> None:
-    """Collective over `group` (every rank of it, each with the pieces it owns; `aliases` as `Writer`'s)."""
-    dcp.save(state, storage_writer=writer(path, aliases), planner=ShardSavePlanner(), process_group=group)
+def save(state: dict[str, Any], path: Path, group=None, aliases: dict[str, str] | None = None,
+         hasher: Callable[[], Any] | None = None, digests: dict[str, dict[str, Any]] | None = None) -> None:
+    """Collective over `group` (every rank of it, each with the pieces it owns; `aliases`, `hasher` and `digests`
+    as `Writer`'s)."""
+    dcp.save(state, storage_writer=writer(path, aliases, hasher, digests), planner=ShardSavePlanner(),
+             process_group=group)
 
 
-def async_save(state: dict[str, Any], path: Path, group, aliases: dict[str, str] | None = None):
+def async_save(state: dict[str, Any], path: Path, group, aliases: dict[str, str] | None = None,
+               hasher: Callable[[], Any] | None = None, digests: dict[str, dict[str, Any]] | None = None):
     """Start writing CPU-staged `state`; returns DCP's future (done once every rank's files are durable)."""
     staged = {k: v.staged() if isinstance(v, FlatShard) else v for k, v in state.items()}
-    return dcp.async_save(staged, storage_writer=writer(path, aliases), planner=ShardSavePlanner(),
+    return dcp.async_save(staged, storage_writer=writer(path, aliases, hasher, digests), planner=ShardSavePlanner(),
                           process_group=group, async_stager=StagedCopy())
 
 

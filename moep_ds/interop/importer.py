@@ -4,7 +4,7 @@
                                       DCP model tensors (true shapes), extra_state.json, config.yaml (the recipe,
                                       init_from and upcycle cleared: the weights are in it), meta.json (step N,
                                       its tokens, and where the weights came from), the source's tokenizer
-                                      files, COMPLETE
+                                      files, MANIFEST.json (every file's checksum), COMPLETE
 
 N is the revision's step (`@stepN`, Pythia's checkpoints), else 0. moep-eval, moep-export and moep-generate read
 the run directory as they read a trained one; training starts from it with `model.init_from: RUN_DIR` (it has no
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moep_ds.checkpointing import layout, model_state, sharded
+from moep_ds.checkpointing import layout, manifest, model_state, sharded
 from moep_ds.checkpointing.model_dir import write_recipe_files
 from moep_ds.errors import UserError
 from moep_ds.fsutil import disk_full_reason, writing_to
@@ -141,6 +141,7 @@ def finish(model: torch.nn.Module, cfg: Any, path: Path, tokenizer_dir: Path | N
     """On rank 0 once every rank wrote its tensors: what a single process writes beside them, and COMPLETE."""
     sharded.save_json(model_state.extra_states(model), path / model_state.EXTRA_STATE_FILE)
     write_recipe_files(cfg, path, tokenizer_dir, meta)
+    manifest.seal(path)  # every file's checksum, as training's checkpoints carry it (checkpointing/manifest.py)
     (path / layout.COMPLETE).touch()
 
 
@@ -167,6 +168,7 @@ def write_model_checkpoint(model: torch.nn.Module, cfg: Any, path: Path, tokeniz
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
         model_state.save_module(model, path)  # true shapes, the tied head as an alias: readable by torch alone
     write_recipe_files(cfg, path, tokenizer_dir, meta)
+    manifest.seal(path)
     (path / layout.COMPLETE).touch()
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import pathlib
@@ -102,16 +103,18 @@ class CheckpointWriter:
             error = err
         self.check(sharded.agree(error is None), error, tmp, final)
         pieces, aliases = self.pieces(engine, model, plan), model_state.tied_names(model)
+        # the data files are hashed as they are written (into `written`); seal() hashes the rest
+        written, hasher = {}, self.checksum and functools.partial(manifest.hasher, self.checksum)
         if self.executor is not None:
-            upload = sharded.async_save(pieces, tmp, self.group, aliases)
-            self.pending = self.executor.submit(self.finish_async, upload, tmp, final)
+            upload = sharded.async_save(pieces, tmp, self.group, aliases, hasher=hasher, digests=written)
+            self.pending = self.executor.submit(self.finish_async, upload, tmp, final, written)
             return final
         try:
-            sharded.save(pieces, tmp, aliases=aliases)
+            sharded.save(pieces, tmp, aliases=aliases, hasher=hasher, digests=written)
         except (Exception, sharded.DCPError) as err:  # DCP raises the same exception on every rank
             error = err
         self.check(error is None, error, tmp, final)
-        self.seal(tmp, final)
+        self.seal(tmp, final, written)
         if rank == 0:
             self.complete(tmp, final)
         dist.barrier()
@@ -134,14 +137,17 @@ class CheckpointWriter:
         reason = save_error_reason(error, tmp) if error is not None else "a write failed on another rank"
         raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {reason}; the previous checkpoints are kept")
 
-    def seal(self, tmp: pathlib.Path, final: pathlib.Path, group=None) -> None:
-        """Every rank hashes the files it wrote, in parallel (while they are in its page cache); rank 0 writes the
-        manifest of them all (collective over `group`; CheckpointError on every rank if any rank failed)."""
+    def seal(self, tmp: pathlib.Path, final: pathlib.Path, written: dict[str, dict], group=None) -> None:
+        """Every rank hashes the files it wrote, in parallel (its data file was hashed as it was written: `written`);
+        rank 0 writes the manifest of them all (collective over `group`; CheckpointError on every rank if any rank
+        failed)."""
         if self.checksum is None:
             return
         rank, error, files = dist.get_rank(), None, {}
         try:
-            files = manifest.records(tmp, manifest.own_files(tmp, rank), self.checksum)
+            own = manifest.own_files(tmp, rank)
+            files = {**manifest.records(tmp, [n for n in own if n not in written], self.checksum),
+                     **{n: r for n, r in written.items() if n in own}}
         except OSError as err:
             error = err
         gathered = [None] * dist.get_world_size(group) if rank == 0 else None
@@ -164,7 +170,7 @@ class CheckpointWriter:
             shutil.rmtree(old, ignore_errors=True)
         log.info("saved checkpoint %s", final)
 
-    def finish_async(self, upload, tmp: pathlib.Path, final: pathlib.Path) -> None:
+    def finish_async(self, upload, tmp: pathlib.Path, final: pathlib.Path, written: dict[str, dict]) -> None:
         try:
             upload.result()
         except (Exception, sharded.DCPError) as err:
@@ -172,7 +178,7 @@ class CheckpointWriter:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {save_error_reason(err, tmp)}; "
                                   "the previous checkpoints are kept") from None
-        self.seal(tmp, final, self.group)  # on the save's own group: training goes on on the default one
+        self.seal(tmp, final, written, self.group)  # on the save's own group: training goes on on the default one
         if dist.get_rank() == 0:
             self.complete(tmp, final)
 

@@ -80,6 +80,22 @@ def test_other_damage_is_named(sealed):
         manifest.check(sealed)
 
 
+def test_data_files_hashed_as_they_are_written_match_the_files(tmp_path):
+    """The trainer's writer hashes each rank's data file on its way to disk (sharded.HashingFileSystem), not by
+    reading it back: the same records as read from the file."""
+    import functools
+
+    import torch
+
+    from moep_ds.checkpointing import sharded
+
+    state = {"a": sharded.whole(torch.randn(300, 7)), "b": sharded.whole(torch.arange(10))}
+    written = {}
+    sharded.save(state, tmp_path, hasher=functools.partial(manifest.hasher, manifest.ALGORITHM), digests=written)
+    assert list(written) == ["__0_0.distcp"]
+    assert written == manifest.records(tmp_path, ["__0_0.distcp"])
+
+
 def test_a_checkpoint_written_before_manifests_still_loads():
     assert not (OLD_CHECKPOINT / manifest.MANIFEST_FILE).exists()
     manifest.check(OLD_CHECKPOINT)
