@@ -26,6 +26,8 @@ import traceback
 
 PRELOAD = ["rank_preload"]  # imported by the fork server before it forks a rank
 MAX_RANKS = 2  # no test runs more processes than the CI machine has cores
+# except a test of several "nodes" (per_node), which needs 2 of 2 at least: node-aware expert dispatch
+MAX_NODE_RANKS = 4
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_RANK",
                  "MV2_COMM_WORLD_SIZE")
@@ -153,23 +155,28 @@ def _rank_main(rank: int, env: dict, out: str, fn, args, kwargs) -> None:
 
 
 def run_ranks(nproc: int, fn, *args, env: dict | None = None, timeout: float = 600, check: bool = True,
-              grace: float | None = 2.0, **kwargs) -> list[Rank]:
+              grace: float | None = 2.0, per_node: int | None = None, **kwargs) -> list[Rank]:
     """Run `fn(*args, **kwargs)` on ranks 0 .. nproc-1 of a new process group's environment (gloo on CPU).
 
-    env: extra environment variables. A rank that exits non-zero ends the others after `grace` seconds (SIGTERM,
-    then SIGKILL), as a launcher does (torchrun: within 0.1 s; None: they run on, as processes without a launcher). check: raise, with every
+    env: extra environment variables. per_node: ranks per "node" (LOCAL_WORLD_SIZE and LOCAL_RANK as torchrun sets
+    them on each of nproc / per_node nodes; up to MAX_NODE_RANKS ranks then), else one node of nproc. A rank that
+    exits non-zero ends the others after `grace` seconds (SIGTERM, then SIGKILL), as a launcher does (torchrun: within 0.1 s; None: they run on, as processes without a launcher). check: raise, with every
     rank's output, unless all ranks exit 0. Ranks still running after `timeout` seconds are ended and the run
     fails, checked or not."""
-    if nproc > MAX_RANKS:
-        raise ValueError(f"{nproc} ranks: a test runs at most {MAX_RANKS} (the cores of the CI machine)")
+    if nproc > (MAX_RANKS if per_node is None else MAX_NODE_RANKS):
+        raise ValueError(f"{nproc} ranks: a test runs at most {MAX_RANKS} (the cores of the CI machine), "
+                         f"{MAX_NODE_RANKS} as several nodes")
+    per_node = per_node or nproc
+    if nproc % per_node:
+        raise ValueError(f"{nproc} ranks do not make nodes of {per_node}")
     ctx = context()
     base = launcher_env(env)
-    base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+    base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(free_port()))
     with tempfile.TemporaryDirectory(prefix="ranks-") as out:
         procs = []
         for rank in range(nproc):
-            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank % per_node))
             p = ctx.Process(target=_rank_main, args=(rank, rank_env, out, fn, args, kwargs), name=f"rank{rank}")
             p.start()
             procs.append(p)

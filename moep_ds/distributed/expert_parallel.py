@@ -11,19 +11,25 @@ is an instance of DeepSpeed's MoE: distributed/deepspeed_adapter.py adds one par
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Iterator
 
 import torch.distributed as dist
 from torch import nn
 
 from moep_ds.distributed import deepspeed_adapter
 from moep_ds.distributed.ds_fields import precision, zero_stage
+from moep_ds.distributed.launcher import ranks_per_node
 from moep_ds.errors import SharedUserError
 from moep_ds.models.plan import plan_for
-from moep_ds.moe.all_to_all import AllToAllDispatcher, ExpertCommConfig
+from moep_ds.models.config import layer_entries
+from moep_ds.moe.all_to_all import AllToAllDispatcher, ExpertCommConfig, NodeGroups
 from moep_ds.moe.dispatch import ExpertStage
 from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.registry import ROUTERS
+from moep_ds.routing.topk import TopKConfig
+
+NODE_AWARE = "train.expert_comm.node_aware"
 
 
 class ParallelLayoutError(SharedUserError):
@@ -47,7 +53,59 @@ def routed_module_classes(model: nn.Module) -> list[type]:
 
 
 
-def check_parallel_layout(cfg: Any, ds: dict, world_size: int) -> None:
+def node_size(comm: ExpertCommConfig, ep: int, world_size: int, per_node: int | None) -> int | None:
+    """The ranks per node node-aware dispatch cuts the expert-parallel group by (`per_node`: the launcher's, None: one
+    node of `world_size`), or None where the all-to-all stays flat: `comm.node_aware` null turns it on wherever the
+    group (consecutive ranks) spans whole nodes; true where it cannot apply is a one-line ParallelLayoutError."""
+    per_node = per_node or world_size
+    fits = ep % per_node == 0 and ep > per_node and comm.dedup
+    if comm.node_aware is None:
+        return per_node if fits else None
+    if not comm.node_aware:
+        return None
+    if ep <= per_node:
+        raise ParallelLayoutError(f"{NODE_AWARE} (true) needs expert parallelism across nodes: "
+                                  f"train.expert_parallel_size ({ep}) fits on one node of {per_node} ranks")
+    if ep % per_node:
+        raise ParallelLayoutError(f"{NODE_AWARE} (true) needs whole nodes: train.expert_parallel_size ({ep}) must be a "
+                                  f"multiple of the ranks per node ({per_node})")
+    if not comm.dedup:
+        raise ParallelLayoutError(f"{NODE_AWARE} (true) needs train.expert_comm.dedup (false): a token crosses to a "
+                                  f"node once with its pairs")
+    return per_node
+
+
+def grouped_routers(node: Any, path: str) -> Iterator[tuple[str, TopKConfig]]:
+    """(dotted path, config) of every group-limited top-k router under a config node."""
+    if isinstance(node, TopKConfig):
+        if node.num_groups > 1:
+            yield path, node
+    elif dataclasses.is_dataclass(node):
+        for field in dataclasses.fields(node):
+            yield from grouped_routers(getattr(node, field.name), f"{path}.{field.name}")
+
+
+def check_node_layout(cfg: Any, world_size: int, per_node: int | None) -> None:
+    """Node-aware dispatch as the recipe asks it on this launch (`node_size`); group-limited routing under it places
+    its groups one per node or several per node (experts in order: G a multiple of the nodes), so that a token leaves
+    for at most group_topk nodes."""
+    ep = cfg.train.expert_parallel_size
+    size = node_size(cfg.train.expert_comm, ep, world_size, per_node)
+    if size is None:
+        return
+    nodes = ep // size
+    for layer_path, layer in layer_entries(cfg.model.layers, "model"):
+        for path, router in grouped_routers(layer, layer_path):
+            if router.num_groups % nodes:
+                raise ParallelLayoutError(
+                    f"{path}.num_groups ({router.num_groups}) must be a multiple of the {nodes} nodes expert "
+                    f"parallelism spans ({ep} ranks, {size} per node): node-aware dispatch places each group on one "
+                    f"node; or set {NODE_AWARE} false")
+
+
+def check_parallel_layout(cfg: Any, ds: dict, world_size: int, per_node: int | None = None) -> None:
+    """The recipe's expert parallelism on `world_size` ranks of `per_node` per node (None: as the launcher says)."""
+    check_node_layout(cfg, world_size, per_node or ranks_per_node())
     ep = cfg.train.expert_parallel_size
     if ep == 1:
         return
@@ -79,6 +137,9 @@ def setup_expert_parallel(model: nn.Module, plan: ExpertParallelPlan, comm: Expe
     deepspeed_adapter.show_as_moe). Nothing to do at size 1."""
     if plan.size == 1:
         return
+    comm = comm if comm is not None else ExpertCommConfig()
+    per_node = node_size(comm, plan.size, dist.get_world_size(), ranks_per_node())
+    nodes = None if per_node is None else node_groups(plan, per_node)
     layers = expert_stages(model)
     if not layers:
         raise ParallelLayoutError(f"train.expert_parallel_size ({plan.size}) > 1 but the model has no routed experts")
@@ -90,5 +151,26 @@ def setup_expert_parallel(model: nn.Module, plan: ExpertParallelPlan, comm: Expe
                 f"a routed stage holds experts [{first}, {first + count}) of {layer.num_experts}; expert-parallel rank "
                 f"{plan.rank} of {plan.size} needs [{needed.start}, {needed.stop}): build the model with this plan, "
                 f"build_model(cfg, plan=plan)")
-        layer.set_dispatcher(AllToAllDispatcher(plan, layer.num_experts, comm))
+        layer.set_dispatcher(AllToAllDispatcher(plan, layer.num_experts, comm, nodes))
         deepspeed_adapter.show_as_moe(layer, layer.num_experts, plan.size)
+
+
+_NODE_GROUPS: dict[tuple[int, int, int], NodeGroups] = {}
+
+
+def node_groups(plan: ExpertParallelPlan, per_node: int) -> NodeGroups:
+    """The plan's group cut by nodes (made once per process and layout; every rank of the world takes part). The
+    expert-parallel groups are consecutive ranks (DeepSpeed's), and so are a node's (launchers number them so)."""
+    key = (plan.size, per_node, id(plan.group))
+    if key not in _NODE_GROUPS:
+        world, ep = dist.get_world_size(), plan.size
+        members = dist.get_process_group_ranks(plan.group)
+        if members != list(range(members[0], members[0] + ep)) or members[0] % per_node:
+            raise ParallelLayoutError(f"node-aware dispatch needs expert-parallel groups of consecutive ranks starting "
+                                      f"on a node; this rank's is {members}, {per_node} ranks per node")
+        starts = range(0, world, ep)
+        intra = [list(range(s + i, s + i + per_node)) for s in starts for i in range(0, ep, per_node)]
+        inter = [list(range(s + local, s + ep, per_node)) for s in starts for local in range(per_node)]
+        _NODE_GROUPS[key] = NodeGroups(per_node, dist.new_subgroups_by_enumeration(intra)[0],
+                                       dist.new_subgroups_by_enumeration(inter)[0])
+    return _NODE_GROUPS[key]

@@ -3,6 +3,7 @@ group exists) and which launcher started a trainer (the processes the trainer wa
 from __future__ import annotations
 
 import os
+import re
 
 
 # what MPI launchers (DeepSpeed's --launcher openmpi / mpich / mvapich) set instead of RANK and WORLD_SIZE
@@ -23,6 +24,22 @@ def launcher_rank() -> int:
 def launched_world_size() -> int:
     """Processes started by a launcher (torchrun, deepspeed, srun via env); 1 for a plain process."""
     return int(os.environ.get("WORLD_SIZE", 1))
+
+
+# ranks on this node: torchrun, DeepSpeed's launcher, Open MPI, MPICH / Intel MPI, srun --ntasks-per-node
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                   "SLURM_NTASKS_PER_NODE")
+
+
+def ranks_per_node() -> int | None:
+    """How many ranks of this launch share a node, as the launcher says (every node alike; launchers number a node's
+    ranks consecutively): LOCAL_SIZE_VARS, else srun's SLURM_TASKS_PER_NODE when every node runs as many ("4(x2)");
+    None when no launcher says (a plain process, or nodes that run different numbers)."""
+    value = first_env(LOCAL_SIZE_VARS)
+    if value:
+        return int(value)
+    tasks = re.fullmatch(r"(\d+)(\(x\d+\))?", os.environ.get("SLURM_TASKS_PER_NODE", ""))
+    return int(tasks.group(1)) if tasks else None
 
 
 def mpi_world_size() -> int:

@@ -13,6 +13,14 @@ token crosses to a rank once, however many of its experts live there):
        plan's order within: exactly the rows, order, sequence ids and positions of the per-expert path below
     4. local experts run; the receiver sums each pair's weighted outputs (fp32) and sends one row back per pair,
        which the source adds to its token
+Where the group spans nodes (`node_aware`, DESIGN.md §4: a token crosses between nodes once per destination node),
+the same rows take two legs, each a `_hop` (one row per distinct (row, destination) pair, each assignment's weight
+and integer columns beside it):
+    1. between nodes: to the peer with this local rank on each destination node, over the group of those peers
+    2. inside the node: the peer regroups what it received by destination rank and sends each (row, rank) pair once
+    3. the expert's rank orders its assignments as the per-expert path does: (local expert, source rank, the
+       source's plan order), from the source rank and assignment index that travelled along
+    4. combine in reverse: the expert's rank sums each pair, the peer sums its rows' pairs, the source its tokens'
 With `dedup: false` (the blocking per-expert path) one row travels per assignment:
     1. exchange per-expert counts (all-to-all of R*L ints)
     2. all-to-all of the tokens (with sequence ids and positions): received rows are ordered by
@@ -52,6 +60,21 @@ class ExpertCommConfig:
     # a token crosses to a rank once however many of its chosen experts live there; the rank applies each of them
     # and returns one weighted sum (Megatron / DeepEP dispatch per rank); false: one row per (token, expert)
     dedup: bool = True
+    # where the group spans nodes, a token crosses between nodes once per destination node (to the peer with its
+    # local rank there), which fans it out inside the node; combine in reverse (DeepEP's internode dispatch). null: on
+    # wherever the expert-parallel group spans more than one node (distributed/expert_parallel.py node_size)
+    node_aware: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeGroups:
+    """The expert-parallel group cut by nodes, for node-aware dispatch: `ranks_per_node` consecutive ranks of the
+    group share a node; `intra` is this node's ranks (in rank order), `inter` the ranks with this local rank, one per
+    node (in node order)."""
+
+    ranks_per_node: int
+    intra: Any = dataclasses.field(compare=False, repr=False)
+    inter: Any = dataclasses.field(compare=False, repr=False)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -97,6 +120,84 @@ def rank_pairs(plan: RoutingPlan, num_ranks: int) -> tuple[torch.Tensor, torch.T
 
 
 @dataclasses.dataclass(frozen=True)
+class _Hop:
+    """One leg of node-aware dispatch as its sender keeps it for the way back: the row of each pair it sent
+    (`token_P`), how many rows it had, and the pairs per peer of `group`."""
+
+    group: Any
+    token_P: torch.Tensor
+    num_rows: int
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leg:
+    """What a hop delivers: the rows (`x_PD`, `meta_P2`), per received assignment its row among them, weight, code
+    and source (index in the hop's group), and the extra counts each source sent."""
+
+    x_PD: torch.Tensor
+    row_A: torch.Tensor
+    weight_A: torch.Tensor
+    code_A: torch.Tensor
+    source_A: torch.Tensor
+    meta_P2: torch.Tensor | None
+    extra: list[list[int]]
+    hop: _Hop
+
+
+def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, *sizes[:-1]], dtype=torch.int64, device=device).cumsum(0)
+
+
+def _hop(x_QD: torch.Tensor, row_A: torch.Tensor, dest_A: torch.Tensor, weight_A: torch.Tensor, code_A: torch.Tensor,
+         radix: int, meta_Q2: torch.Tensor | None, extra_GX: torch.Tensor, group: Any, size: int) -> _Leg:
+    """Send each distinct (row, destination) pair of assignments once over `group` (`size` ranks), with every
+    assignment's weight (differentiable) and one int64: the row it reads among those its source sent, times `radix`,
+    plus its `code` (< radix). Assignments grouped by destination, in the order the receiver keeps per source.
+    `extra_GX` (ints per destination) travels with the counts."""
+    Q, device = max(x_QD.shape[0], 1), x_QD.device
+    key_P, pair_A = torch.unique(dest_A * Q + row_A, return_inverse=True)  # sorted by (destination, row)
+    pairs_G = torch.bincount(key_P // Q, minlength=size)
+    first_G = pairs_G.cumsum(0) - pairs_G
+    token_P, slot_A = key_P % Q, pair_A - first_G[dest_A]
+    send_GX = torch.cat([extra_GX, torch.bincount(dest_A, minlength=size)[:, None], pairs_G[:, None]], dim=1)
+    X = send_GX.shape[1]
+    recv_GX = all_to_all(send_GX.reshape(-1), group, [X] * size, [X] * size).view(size, X)
+    send_host, recv_host = torch.stack([send_GX, recv_GX]).tolist()  # one copy for every split
+    send_assign, send_pairs = [r[-2] for r in send_host], [r[-1] for r in send_host]
+    recv_assign, recv_pairs = [r[-2] for r in recv_host], [r[-1] for r in recv_host]
+    x_PD = _AllToAll.apply(x_QD.index_select(0, token_P), group, recv_pairs, send_pairs)
+    weight_U = _AllToAll.apply(weight_A, group, recv_assign, send_assign)
+    packed_U = all_to_all(slot_A * radix + code_A, group, recv_assign, send_assign)
+    meta = None if meta_Q2 is None else all_to_all(meta_Q2.index_select(0, token_P), group, recv_pairs, send_pairs)
+    source_U = torch.arange(size, device=device).repeat_interleave(
+        torch.tensor(recv_assign, device=device), output_size=sum(recv_assign))
+    row_U = packed_U // radix + _offsets(recv_pairs, device)[source_U]  # a slot counts within its source's rows
+    return _Leg(x_PD, row_U, weight_U, packed_U % radix, source_U, meta, [r[:-2] for r in recv_host],
+                _Hop(group, token_P, x_QD.shape[0], send_pairs, recv_pairs))
+
+
+def _hop_back(z_PD: torch.Tensor, hop: _Hop, acc: torch.dtype, wire: torch.dtype) -> torch.Tensor:
+    """The reverse of a hop: each pair's row returns (in `wire` dtype) and its sender adds it to the row it came
+    from (in `acc`)."""
+    z_back = _AllToAll.apply(z_PD.to(wire), hop.group, hop.send_splits, hop.recv_splits)
+    out = z_back.new_zeros(hop.num_rows, z_back.shape[-1], dtype=acc)
+    return out.index_add(0, hop.token_P, z_back.to(acc))
+
+
+@dataclasses.dataclass(frozen=True)
+class _NodeRoute:
+    """Node-aware dispatch: the two hops (between nodes, then inside), and on the expert's rank each local
+    assignment's received row and weight (expert order)."""
+
+    hops: tuple[_Hop, ...]
+    row_S: torch.Tensor
+    weight_S: torch.Tensor
+    num_received: int
+
+
+@dataclasses.dataclass(frozen=True)
 class _Route:
     perm_U: torch.Tensor
     send_splits: list[int]
@@ -128,13 +229,21 @@ class AllToAllDispatcher(Dispatcher):
     tokens in token order (what routed attention over original positions needs; moe/dispatch.in_token_order).
     """
 
-    def __init__(self, plan: ExpertParallelPlan, num_experts: int, comm: ExpertCommConfig | None = None):
+    def __init__(self, plan: ExpertParallelPlan, num_experts: int, comm: ExpertCommConfig | None = None,
+                 nodes: NodeGroups | None = None):
+        """`nodes`: the group cut by nodes, for node-aware dispatch (distributed/expert_parallel.py makes it where
+        `comm.node_aware` resolves on); None: one flat all-to-all."""
         self.group = plan.group
         self.ep_size = plan.size
         self.ep_rank = plan.rank
         self.num_experts = num_experts
         self.num_local_experts = len(plan.held(num_experts))
         self.comm = comm if comm is not None else ExpertCommConfig()
+        if nodes is not None and (plan.size % nodes.ranks_per_node or nodes.ranks_per_node >= plan.size
+                                  or not self.comm.dedup):
+            raise ValueError(f"node-aware dispatch needs dedup and a group of several nodes: {plan.size} ranks, "
+                             f"{nodes.ranks_per_node} per node, dedup {self.comm.dedup}")
+        self.nodes = nodes
 
     def dispatch(
         self,
@@ -145,6 +254,8 @@ class AllToAllDispatcher(Dispatcher):
     ) -> tuple[ExpertBatch, _Route | _PairRoute]:
         if plan.num_experts != self.num_experts:
             raise ValueError(f"plan routes to {plan.num_experts} experts, the dispatcher shards {self.num_experts}")
+        if self.nodes is not None:
+            return self._dispatch_nodes(x_TD, plan, seq_ids_T, positions_T)
         if self.comm.dedup:
             return self._dispatch_pairs(x_TD, plan, seq_ids_T, positions_T)
         R, L = self.ep_size, self.num_local_experts
@@ -194,6 +305,57 @@ class AllToAllDispatcher(Dispatcher):
         batch = ExpertBatch(x_PD.index_select(0, row_S), recv_RX[:, :L].sum(0), seq_ids_S, positions_S, local_counts)
         return batch, _PairRoute(token_P, row_S, weight_U.index_select(0, perm_U), num_pairs, send_pairs, recv_pairs)
 
+    def _dispatch_nodes(
+        self,
+        x_TD: torch.Tensor,
+        plan: RoutingPlan,
+        seq_ids_T: torch.Tensor | None,
+        positions_T: torch.Tensor | None,
+    ) -> tuple[ExpertBatch, _NodeRoute]:
+        """Steps 1-3 of node-aware dispatch (module docstring): between nodes, then inside the node."""
+        n, L, R = self.nodes.ranks_per_node, self.num_local_experts, self.ep_size
+        expert_S = plan.expert_idx_S()
+        node_experts = n * L
+        leg = _hop(x_TD, plan.token_idx_S, expert_S // node_experts, plan.weight_S, expert_S % node_experts,
+                   node_experts, self._meta_rows(plan, seq_ids_T, positions_T), expert_S.new_zeros(R // n, 0),
+                   self.nodes.inter, R // n)
+        return self._fan_out(leg, seq_ids_T, positions_T)
+
+    def _fan_out(self, leg: _Leg, seq_ids_T: torch.Tensor | None,
+                 positions_T: torch.Tensor | None) -> tuple[ExpertBatch, _NodeRoute]:
+        """On the peer that received `leg` from the other nodes: send each (row, rank of this node) pair once, and
+        order what the expert's rank receives as the per-expert path does. Every hop keeps each source's assignments
+        in their plan order (grouped by expert), so stable sorts by destination, then by (local expert, source rank)
+        give the per-expert path's order without sending it."""
+        n, L, R = self.nodes.ranks_per_node, self.num_local_experts, self.ep_size
+        expert_A = leg.code_A  # the expert within this node
+        source_A = leg.source_A * n + self.ep_rank % n  # the source's rank in the expert-parallel group
+        dest_A = expert_A // L
+        order = torch.argsort(dest_A, stable=True)
+        counts_nL = torch.bincount(expert_A, minlength=n * L).view(n, L)
+        code = ((expert_A % L) * R + source_A).index_select(0, order)
+        inner = _hop(leg.x_PD, leg.row_A.index_select(0, order), dest_A.index_select(0, order),
+                     leg.weight_A.index_select(0, order), code, L * R, leg.meta_P2, counts_nL, self.nodes.intra, n)
+        perm_S = torch.argsort(inner.code_A, stable=True)  # (local expert, source rank, plan order)
+        row_S = inner.row_A.index_select(0, perm_S)
+        seq_ids_S, positions_S = self._take_meta(inner.meta_P2, row_S, seq_ids_T, positions_T)
+        local_counts = tuple(sum(row[e] for row in inner.extra) for e in range(L))
+        counts_L = torch.tensor(local_counts, dtype=torch.int64, device=row_S.device)
+        batch = ExpertBatch(inner.x_PD.index_select(0, row_S), counts_L, seq_ids_S, positions_S, local_counts)
+        return batch, _NodeRoute((leg.hop, inner.hop), row_S, inner.weight_A.index_select(0, perm_S),
+                                 inner.x_PD.shape[0])
+
+    def _meta_rows(self, plan: RoutingPlan, seq_ids_T: torch.Tensor | None,
+                   positions_T: torch.Tensor | None) -> torch.Tensor | None:
+        """[T, 2] (sequence id unique across the group, position) of this rank's tokens, or None without either."""
+        if seq_ids_T is None and positions_T is None:
+            return None
+        zeros = torch.zeros(plan.num_tokens, dtype=torch.int64, device=plan.token_idx_S.device)
+        # Sequence ids are local to their source rank; make them unique across the group.
+        seq_T = (zeros if seq_ids_T is None else seq_ids_T.to(torch.int64)) + self.ep_rank * SEQ_ID_STRIDE
+        pos_T = zeros if positions_T is None else positions_T.to(torch.int64)
+        return torch.stack([seq_T, pos_T], dim=1)
+
     def _send_meta(
         self,
         plan: RoutingPlan,
@@ -204,15 +366,10 @@ class AllToAllDispatcher(Dispatcher):
         send_splits: list[int],
     ) -> torch.Tensor | None:
         """[received rows, 2] (sequence id, position) of the tokens `token_idx` sent, or None without either."""
-        if seq_ids_T is None and positions_T is None:
+        meta_T2 = self._meta_rows(plan, seq_ids_T, positions_T)
+        if meta_T2 is None:
             return None
-        T = plan.num_tokens
-        zeros = torch.zeros(T, dtype=torch.int64, device=plan.token_idx_S.device)
-        # Sequence ids are local to their source rank; make them unique across the group.
-        seq_T = (zeros if seq_ids_T is None else seq_ids_T.to(torch.int64)) + self.ep_rank * SEQ_ID_STRIDE
-        pos_T = zeros if positions_T is None else positions_T.to(torch.int64)
-        meta_X2 = torch.stack([seq_T, pos_T], dim=1).index_select(0, token_idx)
-        return all_to_all(meta_X2, self.group, recv_splits, send_splits)
+        return all_to_all(meta_T2.index_select(0, token_idx), self.group, recv_splits, send_splits)
 
     @staticmethod
     def _take_meta(
@@ -226,8 +383,10 @@ class AllToAllDispatcher(Dispatcher):
         meta_S2 = meta_U2.index_select(0, index)
         return None if seq_ids_T is None else meta_S2[:, 0], None if positions_T is None else meta_S2[:, 1]
 
-    def combine(self, y_SD: torch.Tensor, plan: RoutingPlan, state: _Route | _PairRoute,
+    def combine(self, y_SD: torch.Tensor, plan: RoutingPlan, state: _Route | _PairRoute | _NodeRoute,
                 out_dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(state, _NodeRoute):
+            return self._combine_nodes(y_SD, state, out_dtype)
         if isinstance(state, _PairRoute):
             return self._combine_pairs(y_SD, plan, state, out_dtype)
         inverse_U = torch.empty_like(state.perm_U)
@@ -245,10 +404,21 @@ class AllToAllDispatcher(Dispatcher):
         out_TD = z_back.new_zeros(plan.num_tokens, z_back.shape[-1], dtype=acc)
         return out_TD.index_add(0, route.token_P, z_back.to(acc)).to(out_dtype)
 
+    @staticmethod
+    def _combine_nodes(y_SD: torch.Tensor, route: _NodeRoute, out_dtype: torch.dtype) -> torch.Tensor:
+        """Step 4 of node-aware dispatch: the expert's rank sums each pair's weighted outputs (fp32 or wider), then
+        each hop in reverse returns one row per pair in the experts' dtype and its sender adds it to its row."""
+        acc = torch.promote_types(y_SD.dtype, route.weight_S.dtype)
+        z = WeightedCombine.apply(y_SD.to(acc), route.weight_S.to(acc), route.row_S, route.num_received)
+        for hop in reversed(route.hops):
+            z = _hop_back(z, hop, acc, y_SD.dtype)
+        return z.to(out_dtype)
+
     def sum_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
         total = x.clone()
         dist.all_reduce(total, group=self.group)
         return total
 
 
-__all__ = ["SEQ_ID_STRIDE", "AllToAllDispatcher", "ExpertCommConfig", "rank_pairs", "source_to_expert_order"]
+__all__ = ["SEQ_ID_STRIDE", "AllToAllDispatcher", "ExpertCommConfig", "NodeGroups", "rank_pairs",
+           "source_to_expert_order"]

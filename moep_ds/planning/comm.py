@@ -22,7 +22,10 @@ input of all ranks' shards; all-gather: the output; all-to-all: what this rank s
              same two again in backward, sequence ids and positions (2 S int64) for experts that attend; a
              checkpointed block's recomputation repeats the forward's. Once per rank (train.expert_comm.dedup): P
              expected (token, rank) pairs (planning/dedup.py) in place of S for the tokens and positions, R pair
-             counts beside the E, and the S fp32 combine weights (again in backward) and S int64 rows
+             counts beside the E, and the S fp32 combine weights (again in backward) and S int64 rows. Node-aware
+             (train.expert_comm.node_aware, where the group spans nodes): two legs, between nodes over the peers of
+             one local rank with the expected (token, node) pairs, then inside the node with the (token, rank) pairs
+             (node_aware_collectives)
   trainer    the step's one all-reduce (fp64: losses, each auxiliary loss, loss-free balancing counts, 3 flags),
              expert-choice thresholds (fp64), global load-balancing counts (fp64, E + 1 per top-k stage and forward)
 Groups of one rank move nothing and are left out.
@@ -41,7 +44,7 @@ from moep_ds.planning.dedup import expected_pairs
 from moep_ds.planning.inventory import Inventory
 from moep_ds.planning.layout import Layout
 from moep_ds.planning.memory import ALIGN, padded, zero3_gathered
-from moep_ds.planning.trace import StepTrace
+from moep_ds.planning.trace import RoutedStage, StepTrace
 
 KINDS = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 
@@ -54,8 +57,10 @@ class Collective:
     group: int  # ranks in the group
     calls: int  # per step
     overlappable: bool  # may run behind compute (ZeRO-3 prefetch, bucketed reduction with overlap_comm)
-    span: str = "data"  # "data" (every rank), "expert" (an expert-parallel group: consecutive ranks) or
-    #                     "expert_data" (the ranks holding the same experts: every expert_parallel-th rank)
+    span: str = "data"  # "data" (every rank), "expert" (an expert-parallel group: consecutive ranks),
+    #                     "expert_data" (the ranks holding the same experts: every expert_parallel-th rank), or node-aware
+    #                     dispatch's "expert_node" (an expert-parallel group's ranks on one node) and "expert_peers"
+    #                     (its ranks of one local rank, one per node)
 
     @property
     def total(self) -> int:
@@ -137,10 +142,13 @@ def gradient_collectives(inv: Inventory, layout: Layout) -> list[Collective]:
 def all_to_all_collectives(trace: StepTrace, layout: Layout) -> list[Collective]:
     if layout.expert_parallel == 1:
         return []
-    ep, A, p = layout.expert_parallel, layout.grad_accum, layout.param_bytes
-    forwards = 2 if layout.activation_checkpointing else 1  # the recomputation dispatches again
     out = []
     for stage in trace.routed:
+        if layout.expert_node_aware:
+            out += node_aware_collectives(stage, layout)
+            continue
+        ep, A, p = layout.expert_parallel, layout.grad_accum, layout.param_bytes
+        forwards = 2 if layout.activation_checkpointing else 1  # the recomputation dispatches again
         S, dedup = stage.assignments, layout.expert_dedup
         rows = expected_pairs(stage.choice, stage.tokens, S, stage.num_experts, ep) if dedup else S
         out.append(Collective(f"{stage.name}: expert counts" + (" and pairs per rank" if dedup else ""), "all_to_all",
@@ -156,6 +164,35 @@ def all_to_all_collectives(trace: StepTrace, layout: Layout) -> list[Collective]
             out.append(Collective(f"{stage.name}: sequence ids and positions", "all_to_all",
                                   round(16 * rows), ep, A * forwards, False, "expert"))
     return out
+
+
+def node_aware_collectives(stage: RoutedStage, layout: Layout) -> list[Collective]:
+    """Node-aware dispatch of one routed stage (moe/all_to_all.py `_hop`, module docstring): a leg between nodes over
+    the peers of one local rank (its rows the expected (token, node) pairs), then a leg inside the node (the (token,
+    rank) pairs); each leg also moves per destination its extra counts (inside: the L experts'), assignments and
+    pairs, and per assignment its fp32 weight and one int64 (its row, with its expert and, inside, its source)."""
+    ep, A, p, n = layout.expert_parallel, layout.grad_accum, layout.param_bytes, layout.cluster.gpus_per_node
+    forwards = 2 if layout.activation_checkpointing else 1
+    S, L = stage.assignments, stage.num_experts // ep
+    out = []
+    for leg, group, span, rows, extra in (("between nodes", ep // n, "expert_peers", node_pairs(stage, ep // n), 0),
+                                          ("inside the node", n, "expert_node", node_pairs(stage, ep), L)):
+        name = f"{stage.name} ({leg})"
+        out += [Collective(f"{name}: counts", "all_to_all", 8 * (extra + 2) * group, group, A * forwards, False, span),
+                Collective(f"{name}: tokens and back", "all_to_all", round(rows * stage.width * p), group,
+                           A * (2 * forwards + 2), False, span),
+                Collective(f"{name}: combine weights", "all_to_all", 4 * S, group, A * (forwards + 1), False, span),
+                Collective(f"{name}: rows and experts of the assignments", "all_to_all", 8 * S, group, A * forwards,
+                           False, span)]
+        if stage.with_positions:
+            out.append(Collective(f"{name}: sequence ids and positions", "all_to_all", round(16 * rows), group,
+                                  A * forwards, False, span))
+    return out
+
+
+def node_pairs(stage: RoutedStage, parts: int) -> float:
+    """Expected distinct (token, part) pairs of a stage's experts split in order over `parts` nodes or ranks."""
+    return expected_pairs(stage.choice, stage.tokens, stage.assignments, stage.num_experts, parts)
 
 
 NONFINITE_CHECKS = 3  # ranks with a non-finite loss, their rank sum, a non-finite gradient norm
@@ -198,6 +235,10 @@ def placement(layout: Layout, span: str) -> tuple[int, int]:
         return nodes, per_node
     if span == "expert":
         return -(-ep // per_node), min(ep, per_node)
+    if span == "expert_node":  # node-aware dispatch inside a node
+        return 1, min(ep, per_node)
+    if span == "expert_peers":  # node-aware dispatch between nodes: one rank on each
+        return -(-ep // per_node), 1
     if ep <= per_node:  # strided over every node, per_node / ep ranks on each
         return nodes, per_node // ep
     return layout.expert_data_parallel, 1

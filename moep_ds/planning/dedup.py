@@ -10,6 +10,9 @@ the expected number of distinct (token, destination rank) pairs of a routed stag
                    (G = R) give at most M ranks per token (the topk_group bound); k = 1 gives S.
     expert choice  each expert picks its S/E tokens of the T alike, independently of the others:
                    pairs = T * R * (1 - (1 - S/(E T))^L)
+Node-aware dispatch (train.expert_comm.node_aware) crosses between nodes once per (token, destination node) pair:
+the same expectations with the N nodes for the ranks (a node holds n L experts, in order; `nodes_per_token`); groups
+placed G/N per node (G a multiple of N, distributed/expert_parallel.py check_node_layout) give at most M nodes a token.
 A routing that drops tokens (a capacity) keeps the same share of pairs as of assignments, and never more pairs than
 assignments. Balanced routing is what the planner assumes everywhere else too (planning/trace.py expected loads).
 """
@@ -62,6 +65,12 @@ def ranks_per_token(choice: Choice, num_experts: int, ranks: int) -> float:
     return sum(1 - untouched(choice, num_experts, ranks, r) for r in range(ranks))
 
 
+def nodes_per_token(choice: Choice, num_experts: int, nodes: int) -> float:
+    """Expected distinct nodes a token's experts live on (token choice; experts split in order over the nodes), at
+    most `kept_groups` where the groups are placed on nodes whole."""
+    return ranks_per_token(choice, num_experts, nodes)
+
+
 def expected_pairs(choice: Choice, num_tokens: int, assignments: int, num_experts: int, ranks: int) -> float:
     """Expected distinct (token, rank) pairs of a micro-batch's routing (module docstring)."""
     if not assignments:
@@ -73,4 +82,4 @@ def expected_pairs(choice: Choice, num_tokens: int, assignments: int, num_expert
     return min(assignments, num_tokens * ranks_per_token(choice, num_experts, ranks) * kept)
 
 
-__all__ = ["Choice", "choice_of", "expected_pairs", "ranks_per_token", "untouched"]
+__all__ = ["Choice", "choice_of", "expected_pairs", "nodes_per_token", "ranks_per_token", "untouched"]

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from moep_ds.distributed.ds_fields import precision, zero_stage
-from moep_ds.distributed.expert_parallel import check_parallel_layout
+from moep_ds.distributed.expert_parallel import check_parallel_layout, node_size
 from moep_ds.errors import UserError
 from moep_ds.models.plan import plan_for
 from moep_ds.training.ds_config import reconcile
@@ -75,6 +75,7 @@ class Layout:
     zero: dict[str, Any] = dataclasses.field(compare=False, repr=False)  # zero_optimization with DeepSpeed's defaults
     overflow_check: bool = False  # fp16, and bf16 unless bf16.check_grad_overflow is false: DeepSpeed's inf/nan check
     expert_dedup: bool = True  # train.expert_comm.dedup: a token crosses to a rank once (planning/dedup.py)
+    expert_node_aware: bool = False  # train.expert_comm.node_aware as it resolves here: once per node, then fan out
 
     @property
     def gpus(self) -> int:
@@ -124,13 +125,14 @@ def make_layout(cfg, ds: dict[str, Any], cluster: Cluster) -> Layout:
     ep = cfg.train.expert_parallel_size
     plan_for(cfg.model, ep)
     full = reconcile(ds, cfg.train, cluster.gpus)
-    check_parallel_layout(cfg, full, cluster.gpus)
+    check_parallel_layout(cfg, full, cluster.gpus, cluster.gpus_per_node)
     return Layout(
         cluster=cluster, expert_parallel=ep, zero_stage=zero_stage(full), precision=precision(full),
         micro_batch=full["train_micro_batch_size_per_gpu"], grad_accum=full["gradient_accumulation_steps"],
         activation_checkpointing=cfg.train.activation_checkpointing, seq_len=cfg.data.seq_len,
         zero=dict(full.get("zero_optimization", {})), overflow_check=overflow_check(full),
-        expert_dedup=cfg.train.expert_comm.dedup)
+        expert_dedup=cfg.train.expert_comm.dedup,
+        expert_node_aware=node_size(cfg.train.expert_comm, ep, cluster.gpus, cluster.gpus_per_node) is not None)
 
 
 def overflow_check(ds: dict[str, Any]) -> bool:

@@ -13,7 +13,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training")
 from tiny import recipe  # noqa: E402
 
 from moep_ds.config import config_from_dict  # noqa: E402
-from moep_ds.planning.dedup import Choice, expected_pairs, ranks_per_token  # noqa: E402
+from moep_ds.planning.comm import link_bytes  # noqa: E402
+from moep_ds.planning.dedup import Choice, expected_pairs, nodes_per_token, ranks_per_token  # noqa: E402
 from moep_ds.planning.hardware import assumptions, hardware  # noqa: E402
 from moep_ds.planning.layout import Cluster  # noqa: E402
 from moep_ds.planning.plan import plan_run  # noqa: E402
@@ -81,3 +82,63 @@ def test_dedup_moves_the_pairs_of_a_routing_and_its_weights_instead_of_a_row_per
     grouped = plan(True, overrides=[("num_groups", 2), ("group_topk", 1)])
     assert {c.what: c.bytes for c in grouped.comm.collectives}[
         "blocks.0.moe: tokens to experts and back"] == S / 2 * 32 * 4  # one rank a token
+
+
+def enumerated_nodes_per_token(E, N, k, G=1, M=1):
+    """Every choice of M groups, then of k of their experts, alike: the mean number of nodes touched (E/N experts a
+    node, in order)."""
+    return enumerated_ranks_per_token(E, N, k, G, M)
+
+
+@pytest.mark.parametrize("E, N, k, G, M", [
+    (8, 2, 2, 1, 1), (16, 4, 4, 1, 1), (8, 2, 2, 2, 1), (16, 2, 4, 4, 2), (16, 4, 4, 8, 3), (12, 3, 3, 6, 2),
+])
+def test_expected_nodes_per_token_is_the_mean_over_every_balanced_routing(E, N, k, G, M):
+    assert nodes_per_token(Choice(k, G, M), E, N) == pytest.approx(enumerated_nodes_per_token(E, N, k, G, M), 1e-12)
+
+
+def test_groups_placed_whole_on_nodes_bound_the_nodes_a_token_reaches():
+    # DeepSeek-V3: 256 experts in 8 groups on 8 nodes, 4 groups a token: at most 4 of the 8 nodes, fewer than
+    # the 8 routed experts' ranks
+    assert 3.5 < nodes_per_token(Choice(8, 8, 4), 256, 8) <= 4
+    assert ranks_per_token(Choice(8, 8, 4), 256, 64) > 7
+    for G in (4, 8):  # two groups a node, or one
+        assert nodes_per_token(Choice(2, G, 1), 16, 4) == pytest.approx(1, abs=1e-12)
+    assert nodes_per_token(Choice(2, 2, 1), 16, 4) > 1  # a group over two nodes: check_node_layout refuses it
+
+
+def node_plan(node_aware, overrides=()):
+    raw = recipe("deepseek", pathlib.Path("/nonexistent"), expert_parallel_size=4,
+                 expert_comm={"node_aware": node_aware})
+    for path, value in overrides:
+        raw["model"]["layers"][1]["moe"]["router"][path] = value
+    return plan_run(config_from_dict(raw), {"zero_optimization": {"stage": 2}}, Cluster(8, 2), hardware("h100"),
+                    assumptions())
+
+
+def test_node_aware_dispatch_moves_the_node_pairs_between_nodes_and_the_rank_pairs_inside():
+    on, flat = node_plan(None), node_plan(False)
+    assert on.layout.expert_node_aware and not flat.layout.expert_node_aware
+    between = {c.what: c for c in on.comm.collectives if "(between nodes)" in c.what}
+    inside = {c.what: c for c in on.comm.collectives if "(inside the node)" in c.what}
+    T, S, D = 4 * 32, 4 * 32 * 2, 32  # micro-batch 4 x 32 tokens, top-2 of 8 experts in 4 groups, 2 a token
+    rows = between["blocks.1.moe (between nodes): tokens and back"]
+    assert rows.group == 2 and rows.calls == 4
+    assert rows.bytes == round(T * nodes_per_token(Choice(2, 4, 2), 8, 2) * D * 4)
+    assert inside["blocks.1.moe (inside the node): tokens and back"].bytes == round(
+        T * ranks_per_token(Choice(2, 4, 2), 8, 4) * D * 4)
+    assert between["blocks.1.moe (between nodes): counts"].bytes == 8 * 2 * 2
+    assert inside["blocks.1.moe (inside the node): counts"].bytes == 8 * (2 + 2) * 2  # 2 experts a rank
+    for c in [*between.values(), *inside.values()]:
+        if "weights" in c.what:
+            assert c.bytes == 4 * S
+        if "assignments" in c.what:
+            assert c.bytes == 8 * S
+    links = {name: [link_bytes(c, p.layout) for c in p.comm.collectives if c.kind == "all_to_all"]
+             for name, p in (("on", on), ("flat", flat))}
+    assert sum(link.intra for link in links["on"] if link.inter) == 0  # the leg between nodes: nothing inside
+    assert sum(link.inter for link in links["on"]) < sum(link.inter for link in links["flat"])
+    assert on.time.step_s < flat.time.step_s
+    # one group a token, groups whole on nodes: one node a token
+    one = node_plan(None, [("group_topk", 1)])
+    assert {c.what: c.bytes for c in one.comm.collectives}["blocks.1.moe (between nodes): tokens and back"] == T * D * 4
