@@ -20,7 +20,7 @@ from moep_ds.models.config import ModelConfig
 from moep_ds.models.plan import check_routed_layout
 from moep_ds.recipe_yaml import apply_override, dump_yaml, read_yaml
 from moep_ds.schema import fail, parse, to_dict
-from moep_ds.training.config import TrainConfig
+from moep_ds.train_config import TrainConfig
 
 
 @dataclasses.dataclass(kw_only=True)

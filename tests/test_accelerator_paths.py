@@ -64,7 +64,7 @@ def test_library_grouped_mm_matches_the_expert_loop_in_float32(counts):
 def test_fused_adamw_matches_the_cpu_update():
     """The recipe's optimizer (torch AdamW, fused=True) on the device against the same on the CPU."""
     from moep_ds.training.optim import build_optimizer
-    from moep_ds.training.config import OptimizerConfig
+    from moep_ds.train_config import OptimizerConfig
 
     torch.manual_seed(0)
     cpu = [torch.nn.Parameter(torch.randn(33, 17)), torch.nn.Parameter(torch.randn(17))]

@@ -45,7 +45,8 @@ from moep_ds.training.train_module import TrainModule
 from moep_ds.training.trainer_state import TrainerState
 
 if TYPE_CHECKING:
-    from moep_ds.config import Config
+    from moep_ds.train_config import TrainConfig
+    from moep_ds.training.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ PREPARE_TIMEOUT = datetime.timedelta(hours=12)
 class RunParts:
     """What `assemble` builds for the Trainer."""
 
-    cfg: Config
+    cfg: Recipe
     ds: dict[str, Any]  # the reconciled DeepSpeed config
     rank: int
     world: int
@@ -73,7 +74,7 @@ class RunParts:
     saved_global_batch: int | None = None  # the global batch its data position counts in
 
 
-def prepare_data(cfg: Config, rank: int, local_rank: int) -> tuple[pathlib.Path, dict]:
+def prepare_data(cfg: Recipe, rank: int, local_rank: int) -> tuple[pathlib.Path, dict]:
     """Rank 0 prepares (or reuses) the packed corpus; then the first rank of every other node, which finds it
     complete where the nodes share the cache folder and prepares its node's copy where they do not; then the rest,
     who find it complete. The ranks wait in monitored barriers of a gloo group of their own with PREPARE_TIMEOUT,
@@ -102,7 +103,7 @@ def prepare_data(cfg: Config, rank: int, local_rank: int) -> tuple[pathlib.Path,
     return prepared, meta
 
 
-def new_model(cfg: Config, ds: dict[str, Any]):
+def new_model(cfg: Recipe, ds: dict[str, Any]):
     """(The model with this rank's experts only (its expert-parallel plan, moe/plan.py), under ZeRO-3 with this
     rank's partition of every parameter only (distributed/zero3.py), the plan); initialised from the seed alike
     on every rank, at every expert-parallel size and ZeRO stage."""
@@ -113,7 +114,7 @@ def new_model(cfg: Config, ds: dict[str, Any]):
     return model, plan
 
 
-def load_resumed_model(cfg: Config, ds: dict[str, Any], resume: str | None, run_dir: pathlib.Path, rank: int):
+def load_resumed_model(cfg: Recipe, ds: dict[str, Any], resume: str | None, run_dir: pathlib.Path, rank: int):
     """(model, plan, checkpoint resumed from or None, its TrainerState or None): the model with the weights of the
     checkpoint to resume from. `--resume auto` skips a damaged newest checkpoint: all ranks agree on each candidate
     before the engine, the only holder of optimizer state, exists. Only a run without checkpoints starts fresh:
@@ -142,20 +143,20 @@ def load_resumed_model(cfg: Config, ds: dict[str, Any], resume: str | None, run_
     return model, plan, None, None
 
 
-def build_engine(cfg: Config, ds: dict[str, Any], model, plan, device: torch.device, max_steps: int,
+def build_engine(train: TrainConfig, ds: dict[str, Any], model, plan, device: torch.device, max_steps: int,
                  start_step: int) -> Engine:
-    apply_block_options(model, activation_checkpointing=cfg.train.activation_checkpointing,
-                        compile=cfg.train.compile)
-    if cfg.train.activation_checkpointing and device.type == "cpu" and return_freed_buffers_to_os():
+    apply_block_options(model, activation_checkpointing=train.activation_checkpointing,
+                        compile=train.compile)
+    if train.activation_checkpointing and device.type == "cpu" and return_freed_buffers_to_os():
         # without this glibc keeps most of what checkpointing frees (training/host_memory.py)
         log.info("activation checkpointing on CPU: host buffers of >= %d KiB go back to the OS when freed",
                  RELEASE_THRESHOLD >> 10)
     return initialize(
-        model, param_groups(model, cfg.train.optimizer), lambda groups: build_optimizer(groups, cfg.train.optimizer),
-        lambda optimizer: build_scheduler(optimizer, cfg.train.schedule, max_steps, start_step), ds, plan)
+        model, param_groups(model, train.optimizer), lambda groups: build_optimizer(groups, train.optimizer),
+        lambda optimizer: build_scheduler(optimizer, train.schedule, max_steps, start_step), ds, plan)
 
 
-def assemble(cfg: Config, ds_config_path: str | dict | None, resume: str | None, *, overwrite: bool = False,
+def assemble(cfg: Recipe, ds_config_path: str | dict | None, resume: str | None, *, overwrite: bool = False,
              allow_batch_change: bool = False) -> RunParts:
     """The run's parts, up to the first step (module docstring)."""
     # a bad file fails before the ranks meet (init_distributed waits for all of them and compiles an op)
@@ -177,9 +178,9 @@ def assemble(cfg: Config, ds_config_path: str | dict | None, resume: str | None,
     prepared, meta = prepare_data(cfg, rank, int(os.environ.get("LOCAL_RANK", rank)))
     dataset = open_split(prepared, "train", cfg.data.seq_len)
     model, plan, resume_from, state = load_resumed_model(cfg, ds, resume, run_dir, rank)
-    max_steps = total_steps(cfg, len(dataset), ds["train_batch_size"])
+    max_steps = total_steps(cfg.train, len(dataset), ds["train_batch_size"])
     start_step = resolve_start_step(cfg, max_steps, resuming=resume_from is not None)  # 0 unless branching
-    engine = build_engine(cfg, ds, model, plan, device, max_steps, start_step)
+    engine = build_engine(cfg.train, ds, model, plan, device, max_steps, start_step)
     report = meta_param_report(cfg.model, cfg.data.seq_len)  # of the whole model
     log.info("model: %s | %s | ZeRO-%d | %d ranks | expert parallel %d | %d steps", report.as_dict(), precision(ds),
              zero_stage(ds), world, cfg.train.expert_parallel_size, max_steps)
@@ -188,7 +189,7 @@ def assemble(cfg: Config, ds_config_path: str | dict | None, resume: str | None,
                          seed=cfg.train.seed, shuffle=cfg.data.order == "shuffled")
     module = TrainModule(engine=engine, model=model, plan=plan, loader=loader, ds=ds, report=report,
                          tokens_per_step=ds["train_batch_size"] * cfg.data.seq_len, device=device,
-                         seq_len=cfg.data.seq_len, peak_flops=peak_flops(cfg, device))
+                         seq_len=cfg.data.seq_len, peak_flops=peak_flops(cfg.train, device))
     parts = RunParts(cfg=cfg, ds=ds, rank=rank, world=world, device=device, run_dir=run_dir, prepared=prepared,
                      meta=meta, module=module, checkpointer=ckpt_io.Checkpointer(run_dir, cfg, prepared),
                      max_steps=max_steps, start_step=start_step)

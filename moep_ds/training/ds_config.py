@@ -23,7 +23,7 @@ from typing import Any
 
 from moep_ds.distributed.ds_fields import DeepSpeedConfigError, precision, zero_stage  # noqa: F401 - re-exported
 from moep_ds.errors import UserError
-from moep_ds.training.config import TrainConfig
+from moep_ds.train_config import TrainConfig
 
 # recipe field -> DeepSpeed key
 SHARED_KEYS = {

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from moep_ds.moe.shard import full_shape
-from moep_ds.training.config import OptimizerConfig, ScheduleConfig
+from moep_ds.train_config import OptimizerConfig, ScheduleConfig
 
 
 def no_decay(param: nn.Parameter, embedding_ids: set[int], exempt: list[str]) -> bool:

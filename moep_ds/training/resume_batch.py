@@ -19,7 +19,7 @@ from typing import Any
 from moep_ds.checkpointing.sharded import DamagedCheckpoint
 from moep_ds.errors import SharedUserError
 from moep_ds.training import checkpoint as ckpt_io
-from moep_ds.training.config import TrainConfig
+from moep_ds.train_config import TrainConfig
 from moep_ds.training.ds_config import DeepSpeedConfigError, reconcile
 from moep_ds.training.trainer_state import check_fields
 

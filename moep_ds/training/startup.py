@@ -19,7 +19,7 @@ from moep_ds.distributed.ds_fields import zero_stage
 from moep_ds.distributed.zero3 import check_partitioned, gathered_for_init, partitioned_construction
 
 if TYPE_CHECKING:
-    from moep_ds.config import Config
+    from moep_ds.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +39,23 @@ def check_output_dir(output_dir: str) -> pathlib.Path:
     return path
 
 
-def total_steps(cfg: Config, num_windows: int, global_batch: int) -> int:
-    if cfg.train.max_steps is not None:
-        if cfg.train.epochs is not None:  # e.g. --set train.max_steps=5 for a smoke test of an epochs recipe
+def total_steps(train: TrainConfig, num_windows: int, global_batch: int) -> int:
+    if train.max_steps is not None:
+        if train.epochs is not None:  # e.g. --set train.max_steps=5 for a smoke test of an epochs recipe
             log.warning("train.max_steps (%d) overrides train.epochs (%g), as max_steps does in HF's Trainer",
-                        cfg.train.max_steps, cfg.train.epochs)
-        return cfg.train.max_steps
-    if cfg.train.epochs is None:
+                        train.max_steps, train.epochs)
+        return train.max_steps
+    if train.epochs is None:
         raise SharedUserError("train.max_steps (None) must be set when train.epochs is not")
     # an epoch is the full global batches only (BatchLoader drops the incomplete last one): 2 epochs of 12.5
     # batches are 24 steps, not 25 (the 25th would be the first batch of a third epoch); round() keeps e.g.
     # 0.29 x 100 = 28.999999999999996 at 29
-    return max(1, math.floor(round(cfg.train.epochs * (num_windows // global_batch), 9)))
+    return max(1, math.floor(round(train.epochs * (num_windows // global_batch), 9)))
 
 
-def peak_flops(cfg: Config, device: torch.device) -> float | None:
-    if cfg.train.peak_tflops is not None:
-        return cfg.train.peak_tflops * 1e12
+def peak_flops(train: TrainConfig, device: torch.device) -> float | None:
+    if train.peak_tflops is not None:
+        return train.peak_tflops * 1e12
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((v * 1e12 for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)

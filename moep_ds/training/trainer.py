@@ -5,6 +5,7 @@ parts are built by training/assemble.py; a checkpoint saves and restores them th
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.assemble import RunParts, assemble
 from moep_ds.training.callbacks import (
     CALLBACKS, Callback, EndEvent, ErrorEvent, LoadEvent, SaveEvent, StepEvent, build_callback, ordered,
+    parse_callback, parse_callbacks,
 )
 from moep_ds.training.callbacks.builtin import BUILTIN
 from moep_ds.training.run_dir import RunDirInUse
@@ -25,7 +27,7 @@ from moep_ds.training.stop import StopRequest, launcher_chain, launcher_generati
 from moep_ds.training.trainer_state import TrainerState
 
 if TYPE_CHECKING:
-    from moep_ds.config import Config
+    from moep_ds.training.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +163,7 @@ def named_callbacks(recipe: dict[str, Any], given: dict[str, Callback] | list[Ca
                                 f"(built-in: {', '.join(BUILTIN)})")
             del callbacks[name]
         else:
-            callbacks[name] = build_callback(config)
+            callbacks[name] = build_callback(parse_callback(config, f"train.callbacks.{name}"))
     if not isinstance(given, dict):
         named = {}
         for callback in given:
@@ -175,12 +177,15 @@ def named_callbacks(recipe: dict[str, Any], given: dict[str, Callback] | list[Ca
     return callbacks
 
 
-def build_trainer(cfg: Config, ds_config_path: str | dict | None = None, resume: str | None = None, *,
+def build_trainer(cfg: Recipe, ds_config_path: str | dict | None = None, resume: str | None = None, *,
                   overwrite: bool = False, allow_batch_change: bool = False,
                   callbacks: dict[str, Callback] | list[Callback] | tuple = ()) -> Trainer:
     """The run's parts (training/assemble.py) and its Trainer. A start-up that fails removes train.output_dir if it
     created it: each rank looks before the ranks meet in init_distributed, so before any of them can have created
-    it."""
+    it. The recipe's train.callbacks are parsed into their configs first (a wrong type or option fails before anything
+    is built), here rather than when the recipe is read: resolving a type imports its module."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, callbacks=parse_callbacks(cfg.train.callbacks, "train.callbacks")))
     created = layout.first_missing(cfg.train.output_dir)
     try:
         return Trainer(assemble(cfg, ds_config_path, resume, overwrite=overwrite,
@@ -193,7 +198,7 @@ def build_trainer(cfg: Config, ds_config_path: str | dict | None = None, resume:
         raise
 
 
-def fit(cfg: Config, ds_config_path: str | None = None, resume: str | None = None, **options) -> int:
+def fit(cfg: Recipe, ds_config_path: str | None = None, resume: str | None = None, **options) -> int:
     """Train (`options`: overwrite, allow_batch_change, callbacks); every rank leaves the process group together at
     the end. A rank that fails leaves without waiting for the others, which may be in another collective
     (cli.exit_joined ends it; the launcher stops the rest); a non-finite step fails every rank at the same step, and

@@ -49,7 +49,7 @@ def build_as_a_zero3_rank(precisions) -> dict[str, dict]:
     from moep_ds.distributed.process_group import init_distributed
     from moep_ds.distributed.zero3 import PRECISION_DTYPES
     from moep_ds.models.causal_lm import build_model
-    from moep_ds.training.config import OptimizerConfig
+    from moep_ds.train_config import OptimizerConfig
     from moep_ds.training.optim import param_groups
     from moep_ds.training.startup import build_rank_model
 

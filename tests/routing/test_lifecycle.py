@@ -380,7 +380,7 @@ def zero2_run(ep: int, out_dir: str) -> None:
 
     from moep_ds.distributed import optimizer_state as st
     from moep_ds.distributed.engine import Engine
-    from moep_ds.training.config import OptimizerConfig
+    from moep_ds.train_config import OptimizerConfig
     from moep_ds.distributed.expert_parallel import expert_parallel_plan, setup_expert_parallel
     from moep_ds.training.optim import param_groups
 

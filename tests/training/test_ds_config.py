@@ -7,7 +7,7 @@ import torch
 from moep_ds import build_model
 from moep_ds.config import config_from_dict
 from moep_ds.schema import ConfigError
-from moep_ds.training.config import ScheduleConfig, TrainConfig
+from moep_ds.train_config import ScheduleConfig, TrainConfig
 from moep_ds.distributed.ds_validation import check_with_deepspeed
 from moep_ds.training.ds_config import DeepSpeedConfigError, DeepSpeedConfigFileError, read_ds_config, reconcile
 from moep_ds.distributed.expert_parallel import ParallelLayoutError, check_parallel_layout

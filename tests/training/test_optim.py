@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moep_ds.training.config import OptimizerConfig
+from moep_ds.train_config import OptimizerConfig
 from moep_ds.training.optim import build_optimizer
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from moep_ds.checkpointing import layout
 from moep_ds.errors import SharedUserError
-from moep_ds.training.config import TrainConfig
+from moep_ds.train_config import TrainConfig
 from moep_ds.training.resume_batch import reconcile_resumed, resume_state, saved_global_batch
 from moep_ds.training.monitor import drop_rows_after
 from moep_ds.training.resume_data import check_same_data, tokens_read

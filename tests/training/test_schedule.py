@@ -11,7 +11,7 @@ from moep_ds.config import config_from_dict, load_config
 from moep_ds.data.sampler import BatchLoader
 from moep_ds.errors import UserError
 from moep_ds.training.branch import resolve_start_step, revision_step, start_step
-from moep_ds.training.config import ScheduleConfig
+from moep_ds.train_config import ScheduleConfig
 from moep_ds.training.optim import build_scheduler, lr_multiplier
 
 from repo_paths import CONFIGS

@@ -11,7 +11,8 @@ MODEL = {"vocab_size": 64, "d_model": 32, "max_seq_len": 16, "layers": [{"type":
 
 
 def cfg(**train):
-    return config_from_dict({"model": MODEL, "train": train})
+    """The train section total_steps reads, as a recipe parses it."""
+    return config_from_dict({"model": MODEL, "train": train}).train
 
 
 def test_epochs_give_the_steps_and_max_steps_overrides_them_with_a_warning(caplog, monkeypatch):

@@ -39,13 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moep_ds.registry import Registry
 from moep_ds.schema import ConfigError, parse_dataclass
-
-if TYPE_CHECKING:
-    from moep_ds.training.trainer import Trainer
+from moep_ds.train_config import callback_entries
 
 
 @dataclasses.dataclass
@@ -95,7 +93,7 @@ class Callback:
     """Subclass and override the hooks you need; `self.trainer` is set when the trainer takes the callback, then
     `setup()` runs."""
 
-    trainer: Trainer
+    trainer: Any  # the Trainer (training/trainer.py), not imported here: the trainer imports its callbacks
     priority: int = 0  # higher runs earlier; the built-in ones run before a callback of priority 0
 
     def setup(self) -> None:
@@ -181,24 +179,12 @@ def parse_callback(value: Any, path: str) -> Any:
 
 
 def parse_callbacks(value: Any, path: str) -> dict[str, Any]:
-    """train.callbacks as {name: config dataclass, or None to remove the built-in callback of that name}. The
-    mapping form names each entry; the list form (`[{type: downstream_eval, ...}]`) names each by its type
-    (`type_2`, ... for a repeated one)."""
-    if isinstance(value, list):
-        named: dict[str, Any] = {}
-        for i, entry in enumerate(value):
-            config = parse_callback(entry, f"{path}[{i}]")
-            name, n = config.type, 1
-            while name in named:
-                n += 1
-                name = f"{config.type}_{n}"
-            named[name] = config
-        return named
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: {value!r} must be a mapping of names to callbacks ({{name: {{type: ...}}}}, "
-                          "or name: null to remove a built-in one)")
-    return {str(name): None if entry is None else parse_callback(entry, f"{path}.{name}")
-            for name, entry in value.items()}
+    """train.callbacks as {name: config dataclass, or None to remove the built-in callback of that name}: the
+    entries as the recipe reads them (train_config.callback_entries: the mapping form, or the list form named by
+    type), each parsed into its callback's Config. Resolving a type imports its module (a user's own for
+    module:Class): build_trainer does it, before anything is built; reading a recipe does not."""
+    return {name: None if entry is None else parse_callback(entry, f"{path}.{name}")
+            for name, entry in callback_entries(value, path).items()}
 
 
 def build_callback(cfg: Any) -> Callback:

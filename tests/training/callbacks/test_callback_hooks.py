@@ -54,23 +54,37 @@ def test_recipe_entries_are_parsed_strictly_and_user_classes_imported(monkeypatc
         parse_callback({"type": "no_such_module:X"}, "t[0]")
 
 
-def test_train_callbacks_are_parsed_once_into_their_configs_by_name():
+def test_train_callbacks_are_read_by_name_and_parsed_into_their_configs_before_the_trainer_is_built(tmp_path):
     """The mapping form names each callback (null removes a built-in one); the list form names each by its type.
-    The recipe holds the parsed configs: the trainer builds from them without parsing again."""
+    Reading the recipe checks that shape only: resolving a type imports its module, which the root recipe does not
+    (tests/test_import_contract.py). build_trainer parses each entry into its config class first, so that a wrong
+    option fails before anything is built (no run directory); the trainer builds from those configs."""
     from moep_ds.config import config_from_dict, dump_config
+    from moep_ds.training.callbacks import parse_callbacks
     from moep_ds.training.callbacks.downstream_eval import DownstreamEvalConfig
+    from moep_ds.training.trainer import build_trainer
 
     model = {"vocab_size": 64, "d_model": 32, "max_seq_len": 16, "layers": [{"type": "dense", "attention": {"num_heads": 2}}]}
     cfg = config_from_dict({"model": model, "train": {"callbacks": {
         "validation": None, "evals": {"type": "downstream_eval", "every": 5}}}})
-    assert cfg.train.callbacks["validation"] is None
-    assert cfg.train.callbacks["evals"] == DownstreamEvalConfig(every=5)
-    again = config_from_dict({"model": model, "train": {"callbacks": cfg.train.callbacks}})  # dumped and read back
-    assert again.train.callbacks == cfg.train.callbacks and "validation: null" in dump_config(cfg)
+    assert cfg.train.callbacks == {"validation": None, "evals": {"type": "downstream_eval", "every": 5}}
+    parsed = parse_callbacks(cfg.train.callbacks, "train.callbacks")
+    assert parsed == {"validation": None, "evals": DownstreamEvalConfig(every=5)}
+    again = config_from_dict({"model": model, "train": {"callbacks": parsed}})  # parsed configs, read back
+    assert parse_callbacks(again.train.callbacks, "train.callbacks") == parsed and "validation: null" in dump_config(cfg)
     listed = config_from_dict({"model": model, "train": {"callbacks": [{"type": "downstream_eval"}] * 2}})
     assert list(listed.train.callbacks) == ["downstream_eval", "downstream_eval_2"]
-    with pytest.raises(ConfigError, match=r"^train.callbacks.evals.evry: unknown key; did you mean 'every'\?"):
-        config_from_dict({"model": model, "train": {"callbacks": {"evals": {"type": "downstream_eval", "evry": 1}}}})
     with pytest.raises(ConfigError, match=r"^train.callbacks: 'x' must be a mapping of names to callbacks"):
         config_from_dict({"model": model, "train": {"callbacks": "x"}})
+    with pytest.raises(ConfigError, match=r"^train.callbacks.evals: \{'every': 1\} must be a mapping with a 'type' key"):
+        config_from_dict({"model": model, "train": {"callbacks": {"evals": {"every": 1}}}})
+    output_dir = tmp_path / "run"
+    wrong = config_from_dict({"model": model, "train": {"output_dir": str(output_dir), "callbacks": {
+        "evals": {"type": "downstream_eval", "evry": 1}}}})
+    with pytest.raises(ConfigError, match=r"^train.callbacks.evals.evry: unknown key; did you mean 'every'\?"):
+        build_trainer(wrong)
+    unknown = config_from_dict({"model": model, "train": {"output_dir": str(output_dir), "callbacks": ["no_such"]}})
+    with pytest.raises(ConfigError, match=r"^train.callbacks.no_such.type: unknown callback 'no_such'"):
+        build_trainer(unknown)
+    assert not output_dir.exists()
 

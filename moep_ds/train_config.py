@@ -1,4 +1,6 @@
-"""The recipe's `train:` section: optimizer, schedule, length, checkpointing, logging, parallelism.
+"""The recipe's `train:` section: optimizer, schedule, length, checkpointing, logging, parallelism. It sits beside
+training/ rather than in it so that the root recipe (moep_ds/config.py), above training in the import graph, reads it
+without importing training code (and training, which reads it too, imports no root recipe): schema only.
 
 The DeepSpeed JSON owns batch sizes, ZeRO stage, precision, clipping and offload. The optional
 `micro_batch_size`, `global_batch_size` and `grad_clip` here let a recipe state the values it was tuned
@@ -12,7 +14,9 @@ import dataclasses
 from typing import Annotated, Any, Literal
 
 from moep_ds.moe.all_to_all import ExpertCommConfig
-from moep_ds.schema import Between, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, fail
+from moep_ds.schema import (
+    Between, ConfigError, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, fail,
+)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -86,16 +90,52 @@ class TrainConfig:
     # recompute each block's activations in backward (torch non-reentrant checkpoint; training/blocks.py)
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each block in place (Module.compile(); parameter names unchanged)
-    # callbacks the trainer runs at its hooks besides the built-in ones (training/callbacks/), by name, each parsed
-    # into its own config class when the recipe is read: {evals: {type: downstream_eval, tasks: [...]}}; a type is a
-    # registered name or module:Class of the user's own module; `validation: null` removes a built-in callback (a
-    # built-in name with a config replaces it). The list form [{type: downstream_eval, ...}] names each by its type
+    # callbacks the trainer runs at its hooks besides the built-in ones (training/callbacks/), by name:
+    # {evals: {type: downstream_eval, tasks: [...]}}; a type is a registered name or module:Class of the user's own
+    # module; `validation: null` removes a built-in callback (a built-in name with a config replaces it). The list
+    # form [{type: downstream_eval, ...}] names each by its type. Read here as {name: mapping or null}; each entry is
+    # parsed into its callback's own config class when the trainer is built (build_trainer, before any tensor)
     callbacks: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def preprocess(cls, raw: dict[str, Any], path: str) -> dict[str, Any]:
         if "callbacks" not in raw:
             return raw
-        from moep_ds.training.callbacks import parse_callbacks  # registers the names; imports a user's module
+        return {**raw, "callbacks": callback_entries(raw["callbacks"], f"{path}.callbacks" if path else "callbacks")}
 
-        return {**raw, "callbacks": parse_callbacks(raw["callbacks"], f"{path}.callbacks" if path else "callbacks")}
+
+def callback_entries(value: Any, path: str) -> dict[str, Any]:
+    """train.callbacks as {name: its mapping (`type` and options), or None to remove the built-in callback of that
+    name}; the list form names each entry by its type (`type_2`, ... for a repeated one). The shape only: resolving
+    a type imports its module (a user's own, for module:Class), which reading a recipe does not do
+    (training/callbacks/base.py parse_callbacks parses the entries). An entry already parsed is kept."""
+    if isinstance(value, list):
+        named: dict[str, Any] = {}
+        for i, entry in enumerate(value):
+            entry = callback_entry(entry, f"{path}[{i}]")
+            name, n = entry_type(entry), 1
+            while name in named:
+                n += 1
+                name = f"{entry_type(entry)}_{n}"
+            named[name] = entry
+        return named
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {value!r} must be a mapping of names to callbacks ({{name: {{type: ...}}}}, "
+                          "or name: null to remove a built-in one)")
+    return {str(name): None if entry is None else callback_entry(entry, f"{path}.{name}")
+            for name, entry in value.items()}
+
+
+def callback_entry(value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "type"):
+        return value
+    if isinstance(value, str):
+        value = {"type": value}
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ConfigError(f"{path}: {value!r} must be a mapping with a 'type' key (a callback's registered name, or "
+                          "module:Class)")
+    return value
+
+
+def entry_type(entry: Any) -> str:
+    return entry.type if dataclasses.is_dataclass(entry) else entry["type"]
