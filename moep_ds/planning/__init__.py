@@ -14,5 +14,5 @@ recipe on a cluster shape, from the code training runs.
     report.py      text, JSON and PNG
 
 Nothing here imports deepspeed: DeepSpeed's behaviour is written down (with the file it comes from) and checked
-against a counted 2-process run (tests/planning/test_comm.py) and measured memory (bench/RESULTS.md).
+against a counted 2-process run (tests/planning/test_plan_comm.py) and measured memory (bench/RESULTS.md).
 """

@@ -5,7 +5,7 @@ optimizer step; and the count reduction of load_balancing_scope: global.
 
 Every router with a selection bias (routing/balancing.py) counts, during the step's forwards, the assignments its
 plans made (all micro-batches; a recomputed forward adds nothing). After the optimizer step the trainer sums these
-counts over all data-parallel ranks inside its one per-step collective (`Trainer.reduce_step` packs
+counts over all data-parallel ranks inside its one per-step collective (`TrainModule.reduce_step` packs
 `local_counts()` with the losses and flags) and hands the sums to `end_step`, which updates every bias alike on
 every rank: the bias stays replicated, and equals a single process's over the same global batches.
 """

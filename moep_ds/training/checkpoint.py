@@ -183,8 +183,8 @@ class CheckpointWriter:
             self.complete(tmp, final)
 
     def failed(self) -> bool:
-        """Whether the save in flight has already failed; does not block. The trainer agrees on it over the ranks at
-        every step (Trainer.reduce_step) and then calls `wait`, which raises the error on every rank: a failed
+        """Whether the save in flight has already failed; does not block. The ranks agree on it at every step (the
+        checkpointing callback's `checkpoint_failed` flag, in TrainModule.reduce_step) and then call `wait`, which raises the error on every rank: a failed
         asynchronous save stops the run at the first step boundary after the failure, not at the next save."""
         return self.pending is not None and self.pending.done() and self.pending.exception() is not None
 

@@ -64,7 +64,7 @@ def peak_flops(train: TrainConfig, device: torch.device) -> float | None:
 
 def build_rank_model(model_cfg, ds: dict, seed: int, plan: ExpertParallelPlan = SINGLE_PROCESS):
     """What this rank holds of the model: the experts its plan holds only and, under ZeRO-3, its partition of
-    every parameter only (training/zero3.py). The weights depend on the seed alone: equal on every rank, at every
+    every parameter only (distributed/zero3.py). The weights depend on the seed alone: equal on every rank, at every
     expert-parallel size and ZeRO stage (rounded to the working precision)."""
     zero3 = zero_stage(ds) == 3
     with partitioned_construction(ds) if zero3 else nullcontext():
