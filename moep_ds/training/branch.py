@@ -13,11 +13,14 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moep_ds.checkpointing import layout
 from moep_ds.checkpointing.model_dir import META_FILE
 from moep_ds.errors import SharedUserError
+
+if TYPE_CHECKING:
+    from moep_ds.training.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ def imported_step(init_from: Any) -> tuple[int, str] | None:
     return int(meta["step"]), f"the step moep-import recorded in {str(ckpt / META_FILE)!r}, of {meta['imported_from']}"
 
 
-def start_step(cfg: Any) -> tuple[int, str]:
+def start_step(cfg: Recipe) -> tuple[int, str]:
     """(N, where N comes from) for a run of config `cfg` (the rule in the module text)."""
     init_from = getattr(cfg.model, "init_from", None)
     from_revision = revision_step(init_from)
@@ -68,7 +71,7 @@ def start_step(cfg: Any) -> tuple[int, str]:
     return 0, "a run from scratch"
 
 
-def resolve_start_step(cfg: Any, max_steps: int, resuming: bool = False) -> int:
+def resolve_start_step(cfg: Recipe, max_steps: int, resuming: bool = False) -> int:
     """start_step(cfg), checked against the run's length, logged when a fresh run does not start at 0 (a resumed one
     continues its checkpoint's step: its schedule still has this start)."""
     step, why = start_step(cfg)

@@ -9,7 +9,7 @@ set), read as `--resume` reads a checkpoint's. With `model.upcycle` the routers 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -22,10 +22,13 @@ from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.distributed import optimizer_state as st
 from moep_ds.distributed.owned_state import commit_partitions, owned_pieces
 
+if TYPE_CHECKING:
+    from moep_ds.training.recipe import Recipe
+
 log = logging.getLogger(__name__)
 
 
-def initialise_from_source(engine, model, cfg: Any, plan: ExpertParallelPlan = SINGLE_PROCESS) -> None:
+def initialise_from_source(engine, model, cfg: Recipe, plan: ExpertParallelPlan = SINGLE_PROCESS) -> None:
     """Nothing without model.init_from; else every parameter this rank holds from SRC (see the module docstring)."""
     src = cfg.model.init_from
     if src is None:
