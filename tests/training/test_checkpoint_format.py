@@ -2,7 +2,8 @@
 state survives a stop and `--resume auto`; a recipe that removes the validation callback by name trains without
 validating. tests/training/fixtures/checkpoint_v2 is step 2 of a 4-step run (tiny top-2 MoE with a load-balancing
 loss, ZeRO-2, 1 process) written by the trainer before TrainerState version 3, with that run's own metrics of steps
-3 and 4."""
+3 and 4. tests/training/fixtures/checkpoint_v3 is the same step of the same run written by the trainer of TrainerState
+version 3 (the flat record, 2026-12-07, with MANIFEST.json), with a user callback's count in it."""
 import json
 import pathlib
 import shutil
@@ -16,7 +17,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # tests/traini
 
 from tiny import REPO, env, metrics  # noqa: E402
 
-FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "checkpoint_v2"
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+FIXTURE = FIXTURES / "checkpoint_v2"
 
 @pytest.mark.slow
 def test_a_version_2_checkpoint_resumes_exactly_and_a_callbacks_count_survives_stop_and_resume(tmp_path):
@@ -49,3 +51,28 @@ def test_a_version_2_checkpoint_resumes_exactly_and_a_callbacks_count_survives_s
     assert counts == [{"loaded": None, "count": 1, "step": 3}, {"loaded": 1, "count": 2, "step": 4}]
     state = json.loads((run / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
     assert state["version"] == 3 and state["callbacks"] == {"counter": {"count": 2}}
+
+
+@pytest.mark.slow
+def test_a_version_3_checkpoint_resumes_exactly_with_its_callbacks_state(tmp_path):
+    fixture = FIXTURES / "checkpoint_v3"
+    run = tmp_path / "run"
+    shutil.copytree(fixture / "step_00000002", run / "checkpoints" / "step_00000002")
+    recipe = yaml.safe_load((fixture / "recipe.yaml").read_text())
+    recipe["train"]["output_dir"] = str(run)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    e = {**env(), "PYTHONPATH": f"{FIXTURES}:{env()['PYTHONPATH']}", "COUNTER_OUT": str(tmp_path / "counts.jsonl"),
+         "MOEP_CACHE_DIR": str(tmp_path / "cache"), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29518"}
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain.py"), "--config", str(tmp_path / "recipe.yaml"),
+                           "--ds_config", str(REPO / "ds_configs" / "quickstart.json"), "--resume", "auto"],
+                          env=e, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    expected = json.loads((fixture / "uninterrupted.json").read_text())
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [3, 4]
+    for row in rows:
+        want = expected[str(row["step"])]
+        assert {k: row[k] for k in want} == want, row["step"]  # bit-identical to the uninterrupted run
+    counts = [json.loads(line) for line in (tmp_path / "counts.jsonl").read_text().splitlines()]
+    assert counts == [{"loaded": 2, "count": 4, "step": 4}]  # the count saved at step 2, counted on
