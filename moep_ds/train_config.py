@@ -54,8 +54,10 @@ class ScheduleConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class CheckpointConfig:
+    # every_steps, every_minutes and at_end are the built-in checkpointing callback's settings (its own config,
+    # training/callbacks/builtin.py, takes them from here or from train.callbacks.checkpointing; not both)
     every_steps: PositiveInt | None = 1000
-    every_minutes: PositiveFloat | None = None
+    every_minutes: PositiveFloat | None = None  # minutes of training since the last save it triggered, over resumes
     keep_last: PositiveInt = 3
     at_end: bool = True
     async_save: bool = False  # write in the background (DCP async_save); training goes on meanwhile

@@ -76,16 +76,16 @@ def build_rank_model(model_cfg, ds: dict, seed: int, plan: ExpertParallelPlan = 
     return model
 
 
-def scored_windows(num_windows: int, train, ds: dict, path) -> int:
-    """How many validation windows an evaluation scores: the first `train.eval_batches` global batches, or all whole
-    global batches of a smaller split. Whole global batches, so the same windows at any number of ranks (a global
-    batch divides into micro-batches x ranks for any split of it); fewer than one is refused."""
+def scored_windows(num_windows: int, eval_batches: int, ds: dict, path, eval_every: int) -> int:
+    """How many validation windows an evaluation scores: the first `eval_batches` global batches (train.eval_batches),
+    or all whole global batches of a smaller split. Whole global batches, so the same windows at any number of ranks
+    (a global batch divides into micro-batches x ranks for any split of it); fewer than one is refused."""
     batch = ds["train_batch_size"]
     if num_windows < batch:
-        raise DataError(f"train.eval_every ({train.eval_every}): {num_windows} validation windows in {str(path)!r} "
+        raise DataError(f"train.eval_every ({eval_every}): {num_windows} validation windows in {str(path)!r} "
                         f"are fewer than one global batch ({batch}); hold out more (data.val_fraction) or give a "
                         "data.val_source")
-    return min(train.eval_batches, num_windows // batch) * batch
+    return min(eval_batches, num_windows // batch) * batch
 
 
 def set_aside(damaged: list[pathlib.Path]) -> None:

@@ -16,10 +16,9 @@ from moep_ds.errors import TrainingFailed, UserError
 from moep_ds.training.analyze import analyze, markdown
 from moep_ds.training.assemble import RunParts, assemble
 from moep_ds.training.callbacks import (
-    CALLBACKS, Callback, EndEvent, ErrorEvent, LoadEvent, SaveEvent, StepEvent, build_callback, ordered,
-    parse_callback, parse_callbacks,
+    Callback, EndEvent, ErrorEvent, LoadEvent, SaveEvent, StepEvent, build_callback, ordered,
 )
-from moep_ds.training.callbacks.builtin import BUILTIN
+from moep_ds.training.callbacks.builtin import callback_configs
 from moep_ds.training.run_dir import RunDirInUse
 from moep_ds.training.run_lock import release_run_dir
 from moep_ds.training.startup import total_steps  # noqa: F401 - re-exported
@@ -47,7 +46,8 @@ class Trainer:
         self.step = parts.start_step
         if parts.resumed is not None:
             self.checkpointer.restore(parts.resume_from, parts.resumed, self, parts.saved_global_batch)
-        self.callbacks = named_callbacks(self.cfg.train.callbacks, callbacks)
+        self.callbacks = named_callbacks(callback_configs(self.cfg.train, seq_len=self.cfg.data.seq_len,
+                                                          eval_data_dir=self.cfg.eval.data_dir), callbacks)
         self.order = ordered(self.callbacks)
         for _, callback in self.order:
             callback.trainer = self
@@ -152,18 +152,11 @@ class Trainer:
         log.info("expert utilisation (moep-analyze %s):\n%s", self.run_dir, markdown(summary))
 
 
-def named_callbacks(recipe: dict[str, Any], given: dict[str, Callback] | list[Callback] | tuple) -> dict[str, Callback]:
-    """The built-in callbacks, changed by the recipe's train.callbacks ({name: config, or None to remove}), and
-    the callbacks given to the Trainer (a list is named by class: `MyCallback`, `MyCallback_2`, ...)."""
-    callbacks: dict[str, Callback] = {name: CALLBACKS.get(name)() for name in BUILTIN}
-    for name, config in recipe.items():
-        if config is None:
-            if name not in callbacks:
-                raise UserError(f"train.callbacks.{name}: null removes a built-in callback, and {name!r} is none "
-                                f"(built-in: {', '.join(BUILTIN)})")
-            del callbacks[name]
-        else:
-            callbacks[name] = build_callback(parse_callback(config, f"train.callbacks.{name}"))
+def named_callbacks(configs: dict[str, Any], given: dict[str, Callback] | list[Callback] | tuple) -> dict[str, Callback]:
+    """The callbacks of `configs` (callbacks/builtin.py `callback_configs`: the built-in ones and the recipe's, None
+    for one removed), then those given to the Trainer (a list is named by class: `MyCallback`, `MyCallback_2`, ...)."""
+    callbacks: dict[str, Callback] = {name: build_callback(config) for name, config in configs.items()
+                                      if config is not None}
     if not isinstance(given, dict):
         named = {}
         for callback in given:
@@ -182,10 +175,11 @@ def build_trainer(cfg: Recipe, ds_config_path: str | dict | None = None, resume:
                   callbacks: dict[str, Callback] | list[Callback] | tuple = ()) -> Trainer:
     """The run's parts (training/assemble.py) and its Trainer. A start-up that fails removes train.output_dir if it
     created it: each rank looks before the ranks meet in init_distributed, so before any of them can have created
-    it. The recipe's train.callbacks are parsed into their configs first (a wrong type or option fails before anything
-    is built), here rather than when the recipe is read: resolving a type imports its module."""
+    it. The recipe's train.callbacks are parsed into their configs first, with the recipe fields the built-in ones stand
+    for (a wrong type or option, or a setting given twice with two values, fails before anything is built), here
+    rather than when the recipe is read: resolving a type imports its module."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, callbacks=parse_callbacks(cfg.train.callbacks, "train.callbacks")))
+        cfg.train, callbacks=callback_configs(cfg.train, seq_len=cfg.data.seq_len, eval_data_dir=cfg.eval.data_dir)))
     created = layout.first_missing(cfg.train.output_dir)
     try:
         return Trainer(assemble(cfg, ds_config_path, resume, overwrite=overwrite,

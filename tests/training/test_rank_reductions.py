@@ -13,7 +13,7 @@ from moep_ds.routing.expert_choice import ExpertChoiceConfig, ExpertChoiceRouter
 from moep_ds.training import hooks
 from moep_ds.training import train_module as train_module_mod
 from moep_ds.training.balancing import LossFreeBalancing
-from moep_ds.training.callbacks.builtin import Checkpointing
+from moep_ds.training.callbacks.builtin import Checkpointing, CheckpointingConfig
 from moep_ds.training.train_module import TrainModule
 
 WORLD = 2
@@ -81,12 +81,12 @@ def fake_module(rank: int, **attributes) -> TrainModule:
     return fake
 
 
-def checkpointing_flags(minutes: float | None, last_save: float) -> dict[str, bool]:
-    """The flags the built-in checkpointing callback contributes on a rank whose last save was at `last_save`."""
-    cfg = types.SimpleNamespace(train=types.SimpleNamespace(checkpoint=types.SimpleNamespace(every_minutes=minutes)))
-    callback = Checkpointing()
-    callback.trainer = types.SimpleNamespace(cfg=cfg, checkpointer=types.SimpleNamespace(failed=lambda: False))
-    callback.last_save = last_save
+def checkpointing_flags(minutes: float | None, trained: float) -> dict[str, bool]:
+    """The flags the built-in checkpointing callback contributes on a rank that has trained `trained` seconds since
+    its last every_minutes save."""
+    callback = Checkpointing(CheckpointingConfig(every_minutes=minutes))
+    callback.trainer = types.SimpleNamespace(checkpointer=types.SimpleNamespace(failed=lambda: False))
+    callback.load_state_dict({"trained_seconds": trained})
     return callback.flags()
 
 
@@ -97,16 +97,13 @@ def test_reduce_step_averages_losses_and_any_ranks_flag_stops_or_checkpoints_eve
     """A signal reaches one rank (SLURM preemption sends it to one task; the launcher watch fires on one node) and
     clocks differ between ranks: every rank must then checkpoint and stop together at the same step, or the ranks
     would leave each other in mismatched collectives."""
-    import time
-
     reduce = SimulatedSum()
     monkeypatch.setattr(train_module_mod.dist, "all_reduce", reduce)
-    now = time.time()
     sums = [{"loss": torch.tensor(2.0 + r), "ce_loss": torch.tensor(1.5 * (r + 1)), "aux/x": torch.tensor(0.25 * r)}
             for r in range(WORLD)]
     fakes = [fake_module(r) for r in range(WORLD)]
     # 2 minutes since the last save on `due_rank`: a save is due there
-    flags = [{"stop": r == stopping_rank, **checkpointing_flags(1.0, now - (120 if r == due_rank else 0))}
+    flags = [{"stop": r == stopping_rank, **checkpointing_flags(1.0, 120 if r == due_rank else 0)}
              for r in range(WORLD)]
     results = []
     for phase in ("record", "reduce"):

@@ -132,10 +132,10 @@ def validation_callback(prepared, cfg, module):
     """The built-in validation callback set up on a trainer of `cfg` whose prepared corpus is `prepared`."""
     import types
 
-    from moep_ds.training.callbacks.builtin import Validation
+    from moep_ds.training.callbacks.builtin import Validation, callback_configs
 
-    callback = Validation()
-    callback.trainer = types.SimpleNamespace(prepared=prepared, cfg=cfg, module=module)
+    callback = Validation(callback_configs(cfg.train, seq_len=cfg.data.seq_len)["validation"])
+    callback.trainer = types.SimpleNamespace(prepared=prepared, module=module)
     callback.setup()
     return callback
 

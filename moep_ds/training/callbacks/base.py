@@ -4,7 +4,9 @@ names a recipe may give.
 A run's callbacks are named: the built-in ones (training/callbacks/builtin.py: router_thresholds, lifecycle,
 monitoring, checkpointing, validation, stop), the recipe's `train.callbacks` (a mapping name -> config; a built-in
 name replaces that callback, `null` removes it) and those given to the Trainer. They run in order of `priority`
-(higher first; at_end in reverse), the order given breaking ties (built-in, recipe, Trainer's).
+(higher first; at_end in reverse), the order given breaking ties (built-in, recipe, Trainer's). Each callback gets
+its own config, never the recipe: builtin.py `callback_configs` is the one place the recipe's fields
+(train.log_every, train.checkpoint.every_minutes, ...) map into the built-in callbacks' configs.
 
 Hooks, in the order the trainer calls them in one step (training/trainer.py):
   before_step(StepEvent)           before the step's micro-batches

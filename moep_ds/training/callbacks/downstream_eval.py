@@ -42,7 +42,9 @@ class DownstreamEvalConfig:
     limit: PositiveInt | None = None  # examples per task (the first ones); null: all
     batch_size: PositiveInt = 16  # requests per forward pass (the scores do not depend on it)
     num_fewshot: int | None = None
-    data_dir: str | None = None  # default: eval.data_dir, $MOEP_DATA_DIR, ../shared/data (as moep-eval)
+    # eval.data_dir (callbacks/builtin.py callback_configs fills it from there); null: $MOEP_DATA_DIR, ../shared/data
+    # (as moep-eval)
+    data_dir: str | None = None
 
     def validate(self, path: str) -> None:
         if not self.tasks:
@@ -79,7 +81,7 @@ class DownstreamEval(Callback):
 
         if self.tasks is None:
             self.tmp = tempfile.TemporaryDirectory(prefix="moep_eval_tasks_")
-            manager, _ = local_task_manager(self.cfg.data_dir or self.trainer.cfg.eval.data_dir, self.cfg.tasks,
+            manager, _ = local_task_manager(self.cfg.data_dir, self.cfg.tasks,
                                             self.tmp.name)  # an unknown task or missing data fails here, naming it
             self.tasks = manager, list(self.cfg.tasks)
         return self.tasks
