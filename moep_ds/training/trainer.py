@@ -5,7 +5,6 @@ parts are built by training/assemble.py; a checkpoint saves and restores them th
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -178,8 +177,9 @@ def build_trainer(cfg: Recipe, ds_config_path: str | dict | None = None, resume:
     it. The recipe's train.callbacks are parsed into their configs first, with the recipe fields the built-in ones stand
     for (a wrong type or option, or a setting given twice with two values, fails before anything is built), here
     rather than when the recipe is read: resolving a type imports its module."""
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, callbacks=callback_configs(cfg.train, seq_len=cfg.data.seq_len, eval_data_dir=cfg.eval.data_dir)))
+    # checked here, built by the Trainer: the recipe stays as written (its config.yaml in the checkpoints too, which a
+    # later run may read with other train.log_every or checkpoint settings)
+    callback_configs(cfg.train, seq_len=cfg.data.seq_len, eval_data_dir=cfg.eval.data_dir)
     created = layout.first_missing(cfg.train.output_dir)
     try:
         return Trainer(assemble(cfg, ds_config_path, resume, overwrite=overwrite,
