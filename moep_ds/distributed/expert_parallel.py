@@ -23,6 +23,7 @@ from moep_ds.distributed.launcher import ranks_per_node
 from moep_ds.errors import SharedUserError
 from moep_ds.models.plan import plan_for
 from moep_ds.models.config import layer_entries
+from moep_ds.moe import fp8
 from moep_ds.moe.all_to_all import AllToAllDispatcher, ExpertCommConfig, NodeGroups
 from moep_ds.moe.dispatch import ExpertStage
 from moep_ds.moe.plan import ExpertParallelPlan
@@ -103,9 +104,32 @@ def check_node_layout(cfg: Any, world_size: int, per_node: int | None) -> None:
                     f"node; or set {NODE_AWARE} false")
 
 
+def dispatch_widths(model_cfg: Any) -> Iterator[tuple[str, int]]:
+    """(recipe field, value) of every width the routed stages dispatch rows of: d_model (FFN-MoE, MoEP projections),
+    an MSIT block's d_thin, a MoEP paths block's d_path."""
+    yield "model.d_model", model_cfg.d_model
+    for path, layer in layer_entries(model_cfg.layers, "model"):
+        if isinstance(getattr(layer, "d_path", None), int):
+            yield f"{path}.d_path", layer.d_path
+        if isinstance(getattr(getattr(layer, "experts", None), "d_thin", None), int):
+            yield f"{path}.experts.d_thin", layer.experts.d_thin
+
+
+def check_fp8_dispatch(cfg: Any) -> None:
+    """FP8 dispatch scales each 128 values of a row (moe/fp8.py): every width the experts receive rows of must hold
+    whole blocks."""
+    if not cfg.train.expert_comm.fp8_dispatch:
+        return
+    for path, width in dispatch_widths(cfg.model):
+        if width % fp8.BLOCK:
+            raise ParallelLayoutError(f"train.expert_comm.fp8_dispatch (true) needs {path} ({width}) to be a multiple "
+                                      f"of {fp8.BLOCK}: one fp32 scale per {fp8.BLOCK} values of a dispatched row")
+
+
 def check_parallel_layout(cfg: Any, ds: dict, world_size: int, per_node: int | None = None) -> None:
     """The recipe's expert parallelism on `world_size` ranks of `per_node` per node (None: as the launcher says)."""
     check_node_layout(cfg, world_size, per_node or ranks_per_node())
+    check_fp8_dispatch(cfg)
     ep = cfg.train.expert_parallel_size
     if ep == 1:
         return

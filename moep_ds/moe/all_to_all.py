@@ -28,6 +28,9 @@ With `dedup: false` (the blocking per-expert path) one row travels per assignmen
     3. local experts run on their tokens
     4. the inverse permutation and the reverse all-to-all return each output to its source rank, which
        scatter-adds it with the combine weights (the weights never travel)
+With `fp8_dispatch` the rows of step 2 (of each leg, node-aware) travel as float8 e4m3 with one fp32 scale per 128
+values (moe/fp8.py), dequantised on arrival; the combine and every gradient stay in the model dtype (DeepSeek-V3's
+FP8 dispatch, BF16 combine): a straight-through rule for the rounding.
 The all-to-all is differentiable (its backward is the reverse all-to-all; with dedup the weights travel through it
 too, so the router's gradient comes back the same way), so gradients of the inputs, the router and the expert
 weights equal those of LocalDispatcher on the same global batch (up to summation order).
@@ -38,11 +41,12 @@ expert-parallel plan (moe/plan.py), in whose rank order rank r holds experts [r*
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from moep_ds.moe import fp8
 from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, WeightedCombine, combine_tokens, gather_tokens
 from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.plan import RoutingPlan
@@ -64,6 +68,9 @@ class ExpertCommConfig:
     # local rank there), which fans it out inside the node; combine in reverse (DeepEP's internode dispatch). null: on
     # wherever the expert-parallel group spans more than one node (distributed/expert_parallel.py node_size)
     node_aware: bool | None = None
+    # the dispatched rows travel as float8 e4m3 with one fp32 scale per 128 values (moe/fp8.py; about half of bf16's
+    # bytes); the combine and every gradient stay in the model dtype (DeepSeek-V3). Rows must be multiples of 128 wide
+    fp8_dispatch: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +91,23 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, group, out_splits, in_splits):  # noqa: ANN001, ANN205
         ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
         return all_to_all(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return all_to_all(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+class _Fp8AllToAll(torch.autograd.Function):
+    """The forward dispatch of rows in FP8: packed as e4m3 values with their scales (moe/fp8.py), dequantised on
+    arrival into the rows' own dtype. Backward sends the gradient back in its own dtype (the model's): a
+    straight-through rule for the quantisation, as DeepSeek-V3 (FP8 dispatch, BF16 combine and backward)."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):  # noqa: ANN001, ANN205
+        if x.shape[-1] % fp8.BLOCK:
+            raise ValueError(f"fp8 dispatch: rows of {x.shape[-1]} values are not a multiple of {fp8.BLOCK}")
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return fp8.unpack(all_to_all(fp8.pack(x), group, out_splits, in_splits), x.shape[-1], x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
@@ -151,11 +175,12 @@ def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _hop(x_QD: torch.Tensor, row_A: torch.Tensor, dest_A: torch.Tensor, weight_A: torch.Tensor, code_A: torch.Tensor,
-         radix: int, meta_Q2: torch.Tensor | None, extra_GX: torch.Tensor, group: Any, size: int) -> _Leg:
+         radix: int, meta_Q2: torch.Tensor | None, extra_GX: torch.Tensor, group: Any, size: int,
+         send_rows: Callable = _AllToAll.apply) -> _Leg:
     """Send each distinct (row, destination) pair of assignments once over `group` (`size` ranks), with every
     assignment's weight (differentiable) and one int64: the row it reads among those its source sent, times `radix`,
     plus its `code` (< radix). Assignments grouped by destination, in the order the receiver keeps per source.
-    `extra_GX` (ints per destination) travels with the counts."""
+    `extra_GX` (ints per destination) travels with the counts; `send_rows` moves the rows (_Fp8AllToAll: in FP8)."""
     Q, device = max(x_QD.shape[0], 1), x_QD.device
     key_P, pair_A = torch.unique(dest_A * Q + row_A, return_inverse=True)  # sorted by (destination, row)
     pairs_G = torch.bincount(key_P // Q, minlength=size)
@@ -167,7 +192,7 @@ def _hop(x_QD: torch.Tensor, row_A: torch.Tensor, dest_A: torch.Tensor, weight_A
     send_host, recv_host = torch.stack([send_GX, recv_GX]).tolist()  # one copy for every split
     send_assign, send_pairs = [r[-2] for r in send_host], [r[-1] for r in send_host]
     recv_assign, recv_pairs = [r[-2] for r in recv_host], [r[-1] for r in recv_host]
-    x_PD = _AllToAll.apply(x_QD.index_select(0, token_P), group, recv_pairs, send_pairs)
+    x_PD = send_rows(x_QD.index_select(0, token_P), group, recv_pairs, send_pairs)
     weight_U = _AllToAll.apply(weight_A, group, recv_assign, send_assign)
     packed_U = all_to_all(slot_A * radix + code_A, group, recv_assign, send_assign)
     meta = None if meta_Q2 is None else all_to_all(meta_Q2.index_select(0, token_P), group, recv_pairs, send_pairs)
@@ -244,6 +269,7 @@ class AllToAllDispatcher(Dispatcher):
             raise ValueError(f"node-aware dispatch needs dedup and a group of several nodes: {plan.size} ranks, "
                              f"{nodes.ranks_per_node} per node, dedup {self.comm.dedup}")
         self.nodes = nodes
+        self._send_rows = _Fp8AllToAll.apply if self.comm.fp8_dispatch else _AllToAll.apply
 
     def dispatch(
         self,
@@ -267,7 +293,7 @@ class AllToAllDispatcher(Dispatcher):
         recv_splits = [sum(row) for row in recv_RL]
         local_counts = tuple(sum(row[e] for row in recv_RL) for e in range(L))
         perm_U = source_to_expert_order(recv_counts_RL, sum(recv_splits))
-        x_UD = _AllToAll.apply(gather_tokens(x_TD, plan), self.group, recv_splits, send_splits)
+        x_UD = self._send_rows(gather_tokens(x_TD, plan), self.group, recv_splits, send_splits)
         meta_U2 = self._send_meta(plan, seq_ids_T, positions_T, plan.token_idx_S, recv_splits, send_splits)
         seq_ids_U, positions_U = self._take_meta(meta_U2, perm_U, seq_ids_T, positions_T)
         batch = ExpertBatch(x_UD.index_select(0, perm_U), recv_counts_RL.sum(0), seq_ids_U, positions_U,
@@ -290,7 +316,7 @@ class AllToAllDispatcher(Dispatcher):
         send_assign, send_pairs, _ = _splits(send_host, L)
         recv_assign, recv_pairs, recv_RL = _splits(recv_host, L)
         num_assign, num_pairs = sum(recv_assign), sum(recv_pairs)
-        x_PD = _AllToAll.apply(x_TD.index_select(0, token_P), self.group, recv_pairs, send_pairs)
+        x_PD = self._send_rows(x_TD.index_select(0, token_P), self.group, recv_pairs, send_pairs)
         weight_U = _AllToAll.apply(plan.weight_S, self.group, recv_assign, send_assign)
         slot_U = all_to_all(slot_S, self.group, recv_assign, send_assign)
         # a slot counts rows within its source's block: offset it by the rows of the sources before
@@ -318,7 +344,7 @@ class AllToAllDispatcher(Dispatcher):
         node_experts = n * L
         leg = _hop(x_TD, plan.token_idx_S, expert_S // node_experts, plan.weight_S, expert_S % node_experts,
                    node_experts, self._meta_rows(plan, seq_ids_T, positions_T), expert_S.new_zeros(R // n, 0),
-                   self.nodes.inter, R // n)
+                   self.nodes.inter, R // n, self._send_rows)
         return self._fan_out(leg, seq_ids_T, positions_T)
 
     def _fan_out(self, leg: _Leg, seq_ids_T: torch.Tensor | None,
@@ -335,7 +361,8 @@ class AllToAllDispatcher(Dispatcher):
         counts_nL = torch.bincount(expert_A, minlength=n * L).view(n, L)
         code = ((expert_A % L) * R + source_A).index_select(0, order)
         inner = _hop(leg.x_PD, leg.row_A.index_select(0, order), dest_A.index_select(0, order),
-                     leg.weight_A.index_select(0, order), code, L * R, leg.meta_P2, counts_nL, self.nodes.intra, n)
+                     leg.weight_A.index_select(0, order), code, L * R, leg.meta_P2, counts_nL, self.nodes.intra, n,
+                     self._send_rows)
         perm_S = torch.argsort(inner.code_A, stable=True)  # (local expert, source rank, plan order)
         row_S = inner.row_A.index_select(0, perm_S)
         seq_ids_S, positions_S = self._take_meta(inner.meta_P2, row_S, seq_ids_T, positions_T)

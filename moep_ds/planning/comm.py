@@ -25,7 +25,8 @@ input of all ranks' shards; all-gather: the output; all-to-all: what this rank s
              counts beside the E, and the S fp32 combine weights (again in backward) and S int64 rows. Node-aware
              (train.expert_comm.node_aware, where the group spans nodes): two legs, between nodes over the peers of
              one local rank with the expected (token, node) pairs, then inside the node with the (token, rank) pairs
-             (node_aware_collectives)
+             (node_aware_collectives). FP8 dispatch (train.expert_comm.fp8_dispatch): the rows there in forward
+             as e4m3 with an fp32 scale per 128 values, the combine and gradients as before (row_collectives)
   trainer    the step's one all-reduce (fp64: losses, each auxiliary loss, loss-free balancing counts, 3 flags),
              expert-choice thresholds (fp64), global load-balancing counts (fp64, E + 1 per top-k stage and forward)
 Groups of one rank move nothing and are left out.
@@ -40,6 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from moep_ds.moe import fp8
 from moep_ds.planning.dedup import expected_pairs
 from moep_ds.planning.inventory import Inventory
 from moep_ds.planning.layout import Layout
@@ -57,10 +59,10 @@ class Collective:
     group: int  # ranks in the group
     calls: int  # per step
     overlappable: bool  # may run behind compute (ZeRO-3 prefetch, bucketed reduction with overlap_comm)
-    span: str = "data"  # "data" (every rank), "expert" (an expert-parallel group: consecutive ranks),
-    #                     "expert_data" (the ranks holding the same experts: every expert_parallel-th rank), or node-aware
-    #                     dispatch's "expert_node" (an expert-parallel group's ranks on one node) and "expert_peers"
-    #                     (its ranks of one local rank, one per node)
+    # "data" (every rank), "expert" (an expert-parallel group: consecutive ranks), "expert_data" (the ranks holding the
+    # same experts: every expert_parallel-th rank), or node-aware dispatch's "expert_node" (an expert-parallel group's
+    # ranks on one node) and "expert_peers" (its ranks of one local rank, one per node)
+    span: str = "data"
 
     @property
     def total(self) -> int:
@@ -147,14 +149,13 @@ def all_to_all_collectives(trace: StepTrace, layout: Layout) -> list[Collective]
         if layout.expert_node_aware:
             out += node_aware_collectives(stage, layout)
             continue
-        ep, A, p = layout.expert_parallel, layout.grad_accum, layout.param_bytes
+        ep, A = layout.expert_parallel, layout.grad_accum
         forwards = 2 if layout.activation_checkpointing else 1  # the recomputation dispatches again
         S, dedup = stage.assignments, layout.expert_dedup
         rows = expected_pairs(stage.choice, stage.tokens, S, stage.num_experts, ep) if dedup else S
         out.append(Collective(f"{stage.name}: expert counts" + (" and pairs per rank" if dedup else ""), "all_to_all",
                               8 * (stage.num_experts + (ep if dedup else 0)), ep, A * forwards, False, "expert"))
-        out.append(Collective(f"{stage.name}: tokens to experts and back", "all_to_all", round(rows * stage.width * p),
-                              ep, A * (2 * forwards + 2), False, "expert"))
+        out += row_collectives(f"{stage.name}: tokens", rows, stage.width, layout, ep, "expert")
         if dedup:  # fp32 combine weights (their gradients come back) and each assignment's row (int64)
             out.append(Collective(f"{stage.name}: combine weights", "all_to_all", 4 * S, ep, A * (forwards + 1),
                                   False, "expert"))
@@ -171,7 +172,7 @@ def node_aware_collectives(stage: RoutedStage, layout: Layout) -> list[Collectiv
     the peers of one local rank (its rows the expected (token, node) pairs), then a leg inside the node (the (token,
     rank) pairs); each leg also moves per destination its extra counts (inside: the L experts'), assignments and
     pairs, and per assignment its fp32 weight and one int64 (its row, with its expert and, inside, its source)."""
-    ep, A, p, n = layout.expert_parallel, layout.grad_accum, layout.param_bytes, layout.cluster.gpus_per_node
+    ep, A, n = layout.expert_parallel, layout.grad_accum, layout.cluster.gpus_per_node
     forwards = 2 if layout.activation_checkpointing else 1
     S, L = stage.assignments, stage.num_experts // ep
     out = []
@@ -179,8 +180,7 @@ def node_aware_collectives(stage: RoutedStage, layout: Layout) -> list[Collectiv
                                           ("inside the node", n, "expert_node", node_pairs(stage, ep), L)):
         name = f"{stage.name} ({leg})"
         out += [Collective(f"{name}: counts", "all_to_all", 8 * (extra + 2) * group, group, A * forwards, False, span),
-                Collective(f"{name}: tokens and back", "all_to_all", round(rows * stage.width * p), group,
-                           A * (2 * forwards + 2), False, span),
+                *row_collectives(f"{name}: tokens", rows, stage.width, layout, group, span),
                 Collective(f"{name}: combine weights", "all_to_all", 4 * S, group, A * (forwards + 1), False, span),
                 Collective(f"{name}: rows and experts of the assignments", "all_to_all", 8 * S, group, A * forwards,
                            False, span)]
@@ -188,6 +188,21 @@ def node_aware_collectives(stage: RoutedStage, layout: Layout) -> list[Collectiv
             out.append(Collective(f"{name}: sequence ids and positions", "all_to_all", round(16 * rows), group,
                                   A * forwards, False, span))
     return out
+
+
+def row_collectives(name: str, rows: float, width: int, layout: Layout, group: int, span: str) -> list[Collective]:
+    """The rows of a dispatch: there and back in each forward (twice with the recomputation), and the gradients
+    both ways in backward, in the model's dtype; with fp8_dispatch the rows there in forward in FP8 (a byte a value
+    and an fp32 scale per 128: moe/fp8.py), the rest as before."""
+    A, p = layout.grad_accum, layout.param_bytes
+    forwards = 2 if layout.activation_checkpointing else 1
+    if not layout.expert_fp8_dispatch:
+        return [Collective(f"{name} to experts and back", "all_to_all", round(rows * width * p), group,
+                           A * (2 * forwards + 2), False, span)]
+    return [Collective(f"{name} to experts (fp8 and scales)", "all_to_all", round(rows * fp8.packed_width(width)),
+                       group, A * forwards, False, span),
+            Collective(f"{name} back, and gradients", "all_to_all", round(rows * width * p), group, A * (forwards + 2),
+                       False, span)]
 
 
 def node_pairs(stage: RoutedStage, parts: int) -> float:

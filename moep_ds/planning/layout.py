@@ -76,6 +76,7 @@ class Layout:
     overflow_check: bool = False  # fp16, and bf16 unless bf16.check_grad_overflow is false: DeepSpeed's inf/nan check
     expert_dedup: bool = True  # train.expert_comm.dedup: a token crosses to a rank once (planning/dedup.py)
     expert_node_aware: bool = False  # train.expert_comm.node_aware as it resolves here: once per node, then fan out
+    expert_fp8_dispatch: bool = False  # train.expert_comm.fp8_dispatch: rows there in FP8 with their scales
 
     @property
     def gpus(self) -> int:
@@ -132,7 +133,8 @@ def make_layout(cfg, ds: dict[str, Any], cluster: Cluster) -> Layout:
         activation_checkpointing=cfg.train.activation_checkpointing, seq_len=cfg.data.seq_len,
         zero=dict(full.get("zero_optimization", {})), overflow_check=overflow_check(full),
         expert_dedup=cfg.train.expert_comm.dedup,
-        expert_node_aware=node_size(cfg.train.expert_comm, ep, cluster.gpus, cluster.gpus_per_node) is not None)
+        expert_node_aware=node_size(cfg.train.expert_comm, ep, cluster.gpus, cluster.gpus_per_node) is not None,
+        expert_fp8_dispatch=cfg.train.expert_comm.fp8_dispatch)
 
 
 def overflow_check(ds: dict[str, Any]) -> bool:

@@ -2,7 +2,8 @@
 torchrun sets it; tests/ranks.py per_node, the one test of 4 ranks): a token crosses between nodes once per
 destination node, to the peer of its local rank, which fans it out inside the node. The layer output, the input
 gradient and every parameter gradient equal the blocking per-expert path's (fp32, 1e-6) for top-k with and without
-groups, a shared expert and expert choice; the bytes that cross nodes are those moep-plan predicts
+groups, a shared expert and expert choice (with FP8 rows, those of the flat all-to-all: the peer passes them on
+re-rounded to the same e4m3 values); the bytes that cross nodes are those moep-plan predicts
 (planning/comm.py node_aware_collectives) where the routing fixes them, and never more than the flat all-to-all's."""
 import json
 import os
@@ -52,31 +53,30 @@ LAYERS = {
     "expert_choice_every_token": MoEConfig(num_experts=4, expert=SWIGLU, router=ExpertChoiceConfig(
         scope="sequence", score="softmax_experts", capacity_factor=4.0)),
 }
-CHOICES = {"top2": Choice(2), "top2_node_groups": Choice(2, 2, 1), "top3_of_2_of_4_groups_shared_expert": Choice(3, 4, 2),
-           "expert_choice_every_token": Choice()}
+CHOICES = {"top2": Choice(2), "top2_node_groups": Choice(2, 2, 1),
+           "top3_of_2_of_4_groups_shared_expert": Choice(3, 4, 2), "expert_choice_every_token": Choice()}
 
 
-def build(name: str) -> torch.nn.Module:
+def build(name: str, d_model: int = D) -> torch.nn.Module:
     torch.manual_seed(0)
-    layer = MoELayer(LAYERS[name], d_model=D)
+    layer = MoELayer(LAYERS[name], d_model=d_model)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(std=0.3)
     return layer
 
 
-def run(name: str, rank: int, mode: str) -> dict:
+def run(name: str, rank: int, mode: str, fp8: bool = False, d_model: int = D) -> dict:
     """Output, gradients and all-to-all bytes (all, and those to another node) of one forward and backward."""
-    layer = build(name)
+    layer = build(name, d_model)
     plan = ExpertParallelPlan(size=WORLD, rank=rank, group=dist.group.WORLD)
-    comm = {"per_expert": ExpertCommConfig(dedup=False), "flat": ExpertCommConfig(node_aware=False),
-            "nodes": ExpertCommConfig()}[mode]
+    comm = ExpertCommConfig(dedup=mode != "per_expert", node_aware=None if mode == "nodes" else False, fp8_dispatch=fp8)
     nodes = node_groups(plan, ranks_per_node()) if mode == "nodes" else None
     for stage in [m for m in layer.modules() if isinstance(m, ExpertStage)]:
         shard_experts(stage, plan)
         stage.set_dispatcher(AllToAllDispatcher(plan, stage.num_experts, comm, nodes))
     gen = torch.Generator().manual_seed(1 + rank)
-    x, g = torch.randn(2, B, T, D, generator=gen).unbind(0)
+    x, g = torch.randn(2, B, T, d_model, generator=gen).unbind(0)
     x.requires_grad_()
     between, crossing, original = [0], [0], a2a.all_to_all
 
@@ -103,6 +103,8 @@ def _worker(out_dir: str) -> None:
     rank = dist.get_rank()
     assert ranks_per_node() == PER_NODE
     results = {(name, mode): run(name, rank, mode) for name in LAYERS for mode in ("per_expert", "flat", "nodes")}
+    for mode in ("flat", "nodes"):  # FP8 rows (128 wide): the peer passes them on re-rounded to the same e4m3 values
+        results["top2_fp8", mode] = run("top2", rank, mode, fp8=True, d_model=128)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -134,6 +136,9 @@ def test_node_aware_dispatch_equals_the_per_expert_path_and_moves_the_planned_by
         # every token to every node: the bytes between nodes the planner predicts, on every rank
         every = result["expert_choice_every_token", "nodes"]
         assert every["crossing"] == predicted("expert_choice_every_token", 4 * B * T)[1], rank
+        fp8_flat, fp8_nodes = result["top2_fp8", "flat"], result["top2_fp8", "nodes"]
+        for key in ("y", "x_grad"):
+            torch.testing.assert_close(fp8_nodes[key], fp8_flat[key], **close, msg=f"fp8 rank {rank} {key}")
     # each token to one node: what the leg between nodes moves, all ranks together (a rank returns the rows its peers
     # sent it, which balanced routing makes its own number)
     one_node = sum(r["top2_node_groups", "nodes"]["between_nodes"] for r in results)

@@ -122,10 +122,10 @@ def test_node_aware_dispatch_moves_the_node_pairs_between_nodes_and_the_rank_pai
     between = {c.what: c for c in on.comm.collectives if "(between nodes)" in c.what}
     inside = {c.what: c for c in on.comm.collectives if "(inside the node)" in c.what}
     T, S, D = 4 * 32, 4 * 32 * 2, 32  # micro-batch 4 x 32 tokens, top-2 of 8 experts in 4 groups, 2 a token
-    rows = between["blocks.1.moe (between nodes): tokens and back"]
+    rows = between["blocks.1.moe (between nodes): tokens to experts and back"]
     assert rows.group == 2 and rows.calls == 4
     assert rows.bytes == round(T * nodes_per_token(Choice(2, 4, 2), 8, 2) * D * 4)
-    assert inside["blocks.1.moe (inside the node): tokens and back"].bytes == round(
+    assert inside["blocks.1.moe (inside the node): tokens to experts and back"].bytes == round(
         T * ranks_per_token(Choice(2, 4, 2), 8, 4) * D * 4)
     assert between["blocks.1.moe (between nodes): counts"].bytes == 8 * 2 * 2
     assert inside["blocks.1.moe (inside the node): counts"].bytes == 8 * (2 + 2) * 2  # 2 experts a rank
@@ -141,4 +141,27 @@ def test_node_aware_dispatch_moves_the_node_pairs_between_nodes_and_the_rank_pai
     assert on.time.step_s < flat.time.step_s
     # one group a token, groups whole on nodes: one node a token
     one = node_plan(None, [("group_topk", 1)])
-    assert {c.what: c.bytes for c in one.comm.collectives}["blocks.1.moe (between nodes): tokens and back"] == T * D * 4
+    rows = {c.what: c.bytes for c in one.comm.collectives}["blocks.1.moe (between nodes): tokens to experts and back"]
+    assert rows == T * D * 4
+
+
+def test_fp8_dispatch_sends_the_rows_there_as_a_byte_a_value_and_a_scale_per_128():
+    def run(fp8, precision):
+        raw = recipe("top2", pathlib.Path("/nonexistent"), expert_parallel_size=2, expert_comm={"fp8_dispatch": fp8})
+        raw["model"]["d_model"] = 128
+        ds = {"zero_optimization": {"stage": 2}, **({"bf16": {"enabled": True}} if precision == "bf16" else {})}
+        return {c.what: c for c in plan_run(config_from_dict(raw), ds, Cluster(4, 2), hardware("h100"),
+                                            assumptions()).comm.collectives}
+
+    rows = 4 * 32 * (2 - 1 / 3)  # micro-batch 4 x 32 tokens, top-2 of 4 experts on 2 ranks: 5/3 ranks a token
+    for precision, p in (("bf16", 2), ("fp32", 4)):
+        off, on = run(False, precision), run(True, precision)
+        assert off["blocks.0.moe: tokens to experts and back"].bytes == round(rows * 128 * p)
+        there = on["blocks.0.moe: tokens to experts (fp8 and scales)"]
+        back = on["blocks.0.moe: tokens back, and gradients"]
+        assert (there.bytes, there.calls) == (round(rows * (128 + 4)), 1)
+        assert (back.bytes, back.calls) == (round(rows * 128 * p), 3)  # the combine and both gradients as before
+        assert "blocks.0.moe: tokens to experts and back" not in on
+        # bf16: half, and the scales (0.516); fp32: about a quarter
+        ratio = there.bytes / off["blocks.0.moe: tokens to experts and back"].bytes
+        assert ratio == pytest.approx(132 / (128 * p), rel=1e-4)  # up to the bytes' rounding
