@@ -34,9 +34,7 @@ Per row, over --steps optimizer steps after --warmup (between two barriers, rank
   link/plan     link MB / (plan MB x framing), framing = link / payload of a plain gloo all-to-all of --calibrate_mb
                 over the same link (TCP/IP and Ethernet headers, acknowledgements)
 The last line: `blocking / best: R.RRx`, the smaller over the layouts of the blocking row's step time over the
-fastest row's.
-
-Needs root (namespaces, veth, tc) and iproute2; without them it exits 2 with one line saying why.
+fastest row's. Needs root (namespaces, veth, tc) and iproute2; without them it exits 2 with one line saying why.
 
     python bench/expert_comm.py                                   # 100 Mbit/s, ep2 and ep4, ~5 min on 2 cores
     python bench/expert_comm.py --layouts ep2 --steps 3 --warmup 1 --rate 50
@@ -69,6 +67,7 @@ SUBNET = "10.78.0"  # node i: SUBNET.(i + 1); only inside the two namespaces
 LAYOUTS = {"ep2": (2, 1), "ep4": (4, 2)}  # name: (expert parallel = world size, ranks per node)
 OPTIONS = ("blocking", "dedup", "dedup + node_aware", "fp8_dispatch", "all")
 TOOLS = {"ip": "iproute2", "tc": "iproute2", "ss": "iproute2"}
+MB = 1e6
 
 
 @dataclasses.dataclass
@@ -275,13 +274,15 @@ def calibrate(megabytes: float) -> dict:
     time.sleep(0.3)
     before = link_counters() if dist.get_rank() == 0 else None
     dist.barrier()
+    start = time.perf_counter()
     dist.all_to_all_single(torch.empty_like(x), x)
+    seconds = time.perf_counter() - start
     dist.barrier()
     time.sleep(0.3)
     if dist.get_rank() != 0:
         return {}
     veth, tcp = counted(before, link_counters())
-    return {"known": world * (world - per_node) * numel // world * 4, "veth": veth, "tcp": tcp}
+    return {"known": world * (world - per_node) * numel // world * 4, "veth": veth, "tcp": tcp, "s": seconds}
 
 
 def worker(jobs_path: str, out_path: str) -> None:
@@ -354,11 +355,11 @@ class Nodes:
 def run_ip(*cmd: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise NodesError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.returncode}")
+        raise NodesError(f"`{' '.join(cmd)}` failed: {' '.join(proc.stderr.split()) or proc.returncode}")
 
 
-class NodesError(RuntimeError):
-    """The two nodes could not be built here (one line)."""
+class NodesError(RuntimeError):  # the two nodes could not be built here (one line)
+    pass
 
 
 def worker_env() -> dict:
@@ -443,8 +444,9 @@ def measure(args: argparse.Namespace, nodes: Nodes, layout: str, work: pathlib.P
     result = json.loads(out.read_text())
     cal = result["calibration"]
     framing = cal["veth"] / cal["tcp"]
-    log.info("%s calibration: %d bytes between the nodes, TCP payload %d (%.4f), veth %d (framing %.4f)", layout,
-             cal["known"], cal["tcp"], cal["tcp"] / cal["known"], cal["veth"], framing)
+    log.info("%s calibration: %d bytes between the nodes, TCP payload %d (%.4f), veth %d (framing %.4f), %.1f Mbit/s "
+             "each way", layout, cal["known"], cal["tcp"], cal["tcp"] / cal["known"], cal["veth"], framing,
+             cal["known"] / 2 * 8 / 1e6 / cal["s"])
     rows = []
     for option in plans:
         done = [r for r in result["rows"] if r["option"] == option]
@@ -456,8 +458,6 @@ def measure(args: argparse.Namespace, nodes: Nodes, layout: str, work: pathlib.P
 
 
 # ---- the report --------------------------------------------------------------------------------------------------
-
-MB = 1e6
 
 
 def table(rows: list[Row]) -> list[str]:
@@ -567,6 +567,7 @@ def bench(args: argparse.Namespace) -> int:
         print(f"expert_comm.py: cannot build two nodes here: {err}", file=sys.stderr)
         return 2
     started, load = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), os.getloadavg()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop the launches, delete the nodes
     try:
         rows = [row for layout in args.layouts for row in measure(args, nodes, layout, work, fp8)]
     finally:
