@@ -57,10 +57,12 @@ import sys
 import tempfile
 import time
 
+import yaml
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from moep_ds.distributed.commands import non_negative_int, positive_int  # noqa: E402
+from moep_ds.distributed.commands import positive_int  # noqa: E402
 
 log = logging.getLogger("expert_comm")
 SUBNET = "10.78.0"  # node i: SUBNET.(i + 1); only inside the two namespaces
@@ -295,7 +297,7 @@ def worker(jobs_path: str, out_path: str) -> None:
     jobs, results = json.loads(pathlib.Path(jobs_path).read_text()), []
     for job in jobs:
         probe = make_probe(job["warmup"], job["steps"])
-        build_trainer(load_config(job["recipe"]), job["ds_config"], None, callbacks=[probe]).fit()
+        build_trainer(load_config(job["recipe"], job["overrides"]), job["ds_config"], None, callbacks=[probe]).fit()
         shares = [None] * dist.get_world_size()
         dist.all_gather_object(shares, probe.a2a / sum(probe.times))
         if dist.get_rank() == 0:
@@ -426,16 +428,15 @@ def layout_options(layout: str, fp8: bool) -> list[str]:
 
 def measure(args: argparse.Namespace, nodes: Nodes, layout: str, work: pathlib.Path, fp8: bool) -> list[Row]:
     """Train every row of `layout` (--repeats rounds, one launch) and read the plan of each."""
-    import yaml
-
     (work / "ds.json").write_text(json.dumps(ds_config()))
     jobs, plans = [], {}
     for option in layout_options(layout, fp8):
         path = work / f"{layout}_{option.replace(' + ', '_')}.yaml"
         path.write_text(yaml.safe_dump(recipe(args, layout, option, work / path.stem, fp8)))
         plans[option] = planned_bytes(path, layout)
-        for _ in range(args.repeats):
+        for r in range(args.repeats):  # a run folder each
             jobs.append({"option": option, "recipe": str(path), "ds_config": str(work / "ds.json"),
+                         "overrides": [f"train.output_dir={work / path.stem}_{r}"],
                          "warmup": args.warmup, "steps": args.steps, "calibrate_mb": args.calibrate_mb})
     jobs = [jobs[i] for r in range(args.repeats) for i in range(r, len(jobs), args.repeats)]  # round-robin
     (work / f"{layout}_jobs.json").write_text(json.dumps(jobs))
@@ -549,8 +550,6 @@ def routing(args: argparse.Namespace) -> str:
 
 def bench(args: argparse.Namespace) -> int:
     """Build the nodes, measure every layout, print the report; 2 with one line where the nodes cannot be built."""
-    import yaml
-
     from moep_ds.config import load_config
     from moep_ds.data.prepare import prepare
 
