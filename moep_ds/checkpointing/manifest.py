@@ -55,6 +55,12 @@ def digest(file: Path, algorithm: str = ALGORITHM) -> str:
     return h.hexdigest()
 
 
+def bytes_digest(data: bytes, algorithm: str = ALGORITHM) -> str:
+    h = hasher(algorithm)
+    h.update(data)
+    return h.hexdigest()
+
+
 def listed_files(folder: Path) -> list[str]:
     """Every file under `folder` the manifest lists, as relative POSIX paths, sorted."""
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
@@ -121,16 +127,18 @@ def share(files: dict[str, dict[str, Any]], rank: int, world: int) -> list[str]:
     return mine
 
 
-def check(folder: Path, rank: int = 0, world: int = 1) -> None:
+def check(folder: Path, rank: int = 0, world: int = 1, already: dict[str, bytes] | None = None) -> None:
     """Every file of a sharded checkpoint there and whole (`sharded.check_files`), then its checksums (this rank's
-    share of them): DamagedCheckpoint naming the first file that is not."""
+    share of them): DamagedCheckpoint naming the first file that is not. `already`: files the caller has read
+    (name -> bytes), whose bytes are checked instead of reading them again."""
     sharded.check_files(folder)
-    verify(folder, rank, world)
+    verify(folder, rank, world, already)
 
 
-def verify(folder: Path, rank: int = 0, world: int = 1) -> None:
+def verify(folder: Path, rank: int = 0, world: int = 1, already: dict[str, bytes] | None = None) -> None:
     """Raise DamagedCheckpoint naming the first file (of this rank's share) that is missing, of another size or
-    checksum than the manifest records; nothing for a checkpoint without a manifest."""
+    checksum than the manifest records; nothing for a checkpoint without a manifest. `already`: as in `check`."""
+    already = already or {}
     manifest = read(folder)
     if manifest is None:
         return
@@ -143,7 +151,7 @@ def verify(folder: Path, rank: int = 0, world: int = 1) -> None:
         if f.stat().st_size != want["bytes"]:
             raise DamagedCheckpoint(f"{where} has {f.stat().st_size} bytes, {MANIFEST_FILE} records {want['bytes']}")
         try:
-            got = digest(f, algorithm)
+            got = digest(f, algorithm) if name not in already else bytes_digest(already[name], algorithm)
         except OSError as err:
             raise DamagedCheckpoint(f"{where} is unreadable ({err.strerror or err})") from None
         if got != want["digest"]:

@@ -116,7 +116,9 @@ class BatchLoader:
             raise RuntimeError(f"BatchLoader.state_dict() inside a global batch (micro-step {self.micro_step} of "
                                f"{self.grad_accum}); take it at optimizer-step boundaries")
         state = {"epoch": self.epoch, "global_batch": self.global_batch}
-        return {**state, "offset": self.offset} if self.offset else state
+        # the position counts in global batches of this size: a resume with another one reads on from its sample
+        offset = {"offset": self.offset} if self.offset else {}
+        return {**state, **offset, "global_batch_size": self.global_batch_size}
 
     def start_at(self, step: int) -> None:
         """Position at optimizer step `step` of a run that never ran steps 0..step-1 (train.start_step): its next
@@ -129,8 +131,9 @@ class BatchLoader:
         return self.offset + self.global_batch * self.global_batch_size
 
     def load_state_dict(self, state: dict[str, int], global_batch_size: int | None = None) -> None:
-        """Continue at the position `state` holds, saved by a loader of `global_batch_size` (default: this one's)."""
-        saved = global_batch_size or self.global_batch_size
+        """Continue at the position `state` holds, saved by a loader of `global_batch_size` (default: the one the
+        state names, else this one's)."""
+        saved = global_batch_size or state.get("global_batch_size") or self.global_batch_size
         epoch, global_batch, offset = int(state["epoch"]), int(state["global_batch"]), int(state.get("offset", 0))
         sample = offset + global_batch * saved
         if epoch < 0 or global_batch < 0 or not 0 <= offset < saved or sample > len(self.dataset):

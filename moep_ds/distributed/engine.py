@@ -101,7 +101,8 @@ class Engine:
         scheduler = self._engine.lr_scheduler
         scaler = st.loss_scaler(self._engine.optimizer)
         return {
-            "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
+            "global_steps": int(self._engine.global_steps), "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps,
             "lr_scheduler": {"last_epoch": scheduler.last_epoch} if scheduler is not None else None,
             "loss_scaler": None if scaler is None else {
                 k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))},

@@ -2,8 +2,10 @@
 Trainer (training/trainer.py). In order: the DeepSpeed config read and reconciled (before the ranks meet), the
 process group, the run directory claimed, the data prepared, the model with this rank's experts (with the weights
 of the checkpoint it resumes from, read before the engine exists), the DeepSpeed engine, the loader, the
-TrainModule and the checkpointer. The trainer state of that checkpoint is read and version-checked here, before
-anything else of it is restored.
+TrainModule and the checkpointer. The checkpoint resumed is chosen here, once (`load_resumed_model`: a damaged one
+skipped under --resume auto, all ranks agreeing), and its trainer state read and parsed once: the DeepSpeed config
+takes its global batch, the data check its seq_len and seed, and the Trainer restores every part from it
+(Checkpointer.restore).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from moep_ds.training.host_memory import RELEASE_THRESHOLD, return_freed_buffers
 from moep_ds.training.init_from import initialise_from_source
 from moep_ds.training.monitor import drop_rows_after
 from moep_ds.training.optim import build_optimizer, build_scheduler, param_groups
-from moep_ds.training.resume_batch import reconcile_resumed, resume_state, saved_global_batch
+from moep_ds.training.resume_batch import reconcile_resumed
 from moep_ds.training.resume_data import check_same_data
 from moep_ds.training.run_dir import claim_run_dir, start_branch
 from moep_ds.training.startup import build_rank_model, check_output_dir, peak_flops, set_aside, total_steps
@@ -71,7 +73,6 @@ class RunParts:
     start_step: int  # where a fresh run starts: train.start_step (training/branch.py), else 0
     resume_from: pathlib.Path | None = None
     resumed: TrainerState | None = None  # its trainer state, read and version-checked, not yet restored
-    saved_global_batch: int | None = None  # the global batch its data position counts in
 
 
 def prepare_data(cfg: Recipe, rank: int, local_rank: int) -> tuple[pathlib.Path, dict]:
@@ -114,33 +115,55 @@ def new_model(cfg: Recipe, ds: dict[str, Any]):
     return model, plan
 
 
-def load_resumed_model(cfg: Recipe, ds: dict[str, Any], resume: str | None, run_dir: pathlib.Path, rank: int):
-    """(model, plan, checkpoint resumed from or None, its TrainerState or None): the model with the weights of the
-    checkpoint to resume from. `--resume auto` skips a damaged newest checkpoint: all ranks agree on each candidate
-    before the engine, the only holder of optimizer state, exists. Only a run without checkpoints starts fresh:
-    were none of them loadable, training from step 0 would overwrite the run's logs and its rotation delete them."""
-    model, plan = new_model(cfg, ds)
+def run_config(cfg: Recipe, raw_ds: dict[str, Any], world: int, found: tuple[pathlib.Path, TrainerState] | None,
+               allow_batch_change: bool, rank: int) -> dict[str, Any]:
+    """The DeepSpeed config of a run that resumes `found` = (checkpoint, its trainer state) or starts fresh (None):
+    reconciled with the checkpoint's global batch (training/resume_batch.py), the data checked against the
+    checkpoint's (resume_data.py), DeepSpeed's own validation and the parallel layout."""
+    ds = reconcile_resumed(raw_ds, cfg.train, world, found, allow_batch_change)
+    check_same_data(found, cfg.data.seq_len, cfg.train.seed, warn=rank == 0)
+    run_dir = str(pathlib.Path(cfg.train.output_dir))
+    ds.setdefault("tensorboard", {"enabled": True, "output_path": run_dir, "job_name": "tensorboard"})
+    check_with_deepspeed(ds)
+    check_parallel_layout(cfg, ds, world)
+    return ds
+
+
+def load_resumed_model(cfg: Recipe, raw_ds: dict[str, Any], resume: str | None, run_dir: pathlib.Path, rank: int,
+                       world: int, allow_batch_change: bool = False):
+    """(model, plan, ds, (checkpoint, its TrainerState) or None): the checkpoint to resume, its state read once, the
+    DeepSpeed config of its global batch (`run_config`) and the model with its weights. `--resume auto` skips a
+    damaged newest checkpoint: all ranks agree on each candidate (its manifest and state, then its weights) before
+    the engine, the only holder of optimizer state, exists; the config is that of the checkpoint resumed, not of
+    one skipped. Only a run without checkpoints starts fresh: were none of them loadable, training from step 0 would
+    overwrite the run's logs and its rotation delete them."""
     candidates = ckpt_io.resume_candidates(resume, run_dir)
     for i, ckpt in enumerate(candidates):
         error, state = None, None
         try:
-            state = ckpt_io.check_checkpoint(ckpt)  # the trainer state, version-checked before any weight is read
-            ckpt_io.load_model_state(model, ckpt, plan)
+            state = ckpt_io.check_checkpoint(ckpt)  # the trainer state, read once, before any weight is read
         except sharded.DamagedCheckpoint as err:
             error = err
         if sharded.agree(error is None):
-            if rank == 0:
-                set_aside(candidates[:i])
-            return model, plan, ckpt, state
+            ds = run_config(cfg, raw_ds, world, (ckpt, state), allow_batch_change, rank)
+            model, plan = new_model(cfg, ds)
+            try:
+                ckpt_io.load_model_state(model, ckpt, plan)
+            except sharded.DamagedCheckpoint as err:
+                error = err
+            if sharded.agree(error is None):
+                if rank == 0:
+                    set_aside(candidates[:i])
+                return model, plan, ds, (ckpt, state)
         if resume != "auto":
             raise error or sharded.DamagedCheckpoint(f"checkpoint {str(ckpt)!r} could not be read on every rank")
         log.warning("skipping damaged checkpoint %s: %s", ckpt, error or "unreadable on another rank")
-        model, plan = new_model(cfg, ds)  # a failed read may have written part of the weights
     if candidates:  # every rank agreed on each: all raise this
         raise sharded.CheckpointError(
             f"--resume auto: all {len(candidates)} checkpoint(s) in {str(candidates[0].parent)!r} are damaged, "
             f"the newest is {str(candidates[0])!r} (see the warnings above); move them away to train from step 0")
-    return model, plan, None, None
+    ds = run_config(cfg, raw_ds, world, None, allow_batch_change, rank)
+    return (*new_model(cfg, ds), ds, None)
 
 
 def build_engine(train: TrainConfig, ds: dict[str, Any], model, plan, device: torch.device, max_steps: int,
@@ -166,18 +189,17 @@ def assemble(cfg: Recipe, ds_config_path: str | dict | None, resume: str | None,
     rank, world = dist.get_rank(), dist.get_world_size()
     setup_logging(rank)
     run_dir = pathlib.Path(cfg.train.output_dir)
-    ds = reconcile_resumed(raw_ds, cfg.train, world, resume, run_dir, allow_batch_change)
-    check_same_data(resume_state(resume, run_dir), cfg.data.seq_len, cfg.train.seed, warn=rank == 0)
-    ds.setdefault("tensorboard", {"enabled": True, "output_path": str(run_dir), "job_name": "tensorboard"})
-    check_with_deepspeed(ds)
-    check_parallel_layout(cfg, ds, world)
+    # the config as the recipe gives it, checked before the run creates anything; a resume reconciles it again with
+    # its checkpoint's global batch once the checkpoint is chosen (load_resumed_model)
+    run_config(cfg, raw_ds, world, None, allow_batch_change, rank)
     check_output_dir(cfg.train.output_dir)
     claim_run_dir(run_dir, resume, overwrite)
     # before any tokenizing (prepare_data), which a tokenizer larger than the model would waste
     agreed(check_tokenizer_fits, cfg.data, cfg.model.vocab_size, run=rank == 0)
     prepared, meta = prepare_data(cfg, rank, int(os.environ.get("LOCAL_RANK", rank)))
     dataset = open_split(prepared, "train", cfg.data.seq_len)
-    model, plan, resume_from, state = load_resumed_model(cfg, ds, resume, run_dir, rank)
+    model, plan, ds, found = load_resumed_model(cfg, raw_ds, resume, run_dir, rank, world, allow_batch_change)
+    resume_from, state = found or (None, None)
     max_steps = total_steps(cfg.train, len(dataset), ds["train_batch_size"])
     start_step = resolve_start_step(cfg, max_steps, resuming=resume_from is not None)  # 0 unless branching
     engine = build_engine(cfg.train, ds, model, plan, device, max_steps, start_step)
@@ -204,5 +226,4 @@ def assemble(cfg: Recipe, ds_config_path: str | dict | None, resume: str | None,
         ckpt_io.warn_model_changes(cfg.model, resume_from)
         if start_branch(run_dir, resume_from, state.step) is None:  # an older checkpoint: a new branch
             drop_rows_after(run_dir, state.step)
-    return dataclasses.replace(parts, resume_from=resume_from, resumed=state,
-                               saved_global_batch=saved_global_batch(state.state_dict()))
+    return dataclasses.replace(parts, resume_from=resume_from, resumed=state)

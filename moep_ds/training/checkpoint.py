@@ -5,7 +5,9 @@ RUN_DIR/checkpoints/step_00000100/
                                    an alias), optim/<name>/<key> Adam moments, all in their true shapes
                                    (checkpointing/sharded.py; torch.distributed.checkpoint.load reads them alone)
     extra_state.json               non-tensor module state (lifecycle event logs)
-    trainer_state.json             step, Adam's step, data position, lr schedule, loss scaler, engine counters
+    trainer_state.json             each part's state_dict under its name (training/trainer_state.py): the
+                                   trainer's position, the train module's step state (engine counters, lr
+                                   schedule, loss scaler, Adam's step), the data loader's position, each callback's
     rng_rank{r}.pt                 each rank's RNG states (tensors and tuples: loads with weights_only=True)
     config.yaml, meta.json, tokenizer files
     MANIFEST.json                  every file's size and checksum (checkpointing/manifest.py), checked at load
@@ -14,9 +16,11 @@ RUN_DIR/checkpoints/step_00000100/
 What a rank owns (distributed/owned_state.py) is written and read as pieces of the global flat tensors, so world
 size, expert-parallel size, ZeRO stage and master precision may all change between save and load.
 
-`Checkpointer` is the one seam: it saves the run's parts ({train_module, trainer, callbacks}: the TrainModule's
-weights, moments and step state, the trainer's position, each named callback's `state_dict`) and, resuming, reads
-the trainer state and checks its version before anything is restored, then restores every part.
+`Checkpointer` is the one seam: it saves the run's parts, a mapping of names to objects with `state_dict` /
+`load_state_dict` (torchtitan's CheckpointManager(states={...})): the train module (whose model and engine also give
+the tensors), the trainer, the data loader, the callbacks (`NamedStates`). Resuming, `choose_checkpoint` picks the
+checkpoint and reads its trainer state once (trainer_state.read) before anything is built; `restore` then puts every
+part back in one place.
 
 A checkpoint is written under `.tmp-<tag>` and renamed once every rank's files are durable (DCP fsyncs and
 gathers the ranks' results before its metadata is written), so a crash at any point leaves the previous
@@ -28,16 +32,14 @@ the ranks verify it in shares and agree (`check_checkpoint`), so flipped bytes m
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import errno
 import functools
-import json
 import logging
 import pathlib
 import random
 import re
 import shutil
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -48,14 +50,37 @@ from moep_ds.checkpointing.model_dir import convert_hint, is_consolidated, read_
 from moep_ds.checkpointing.sharded import MODEL_PREFIX, CheckpointError, DamagedCheckpoint, FlatShard
 from moep_ds.distributed import optimizer_state as st
 from moep_ds.distributed.owned_state import commit_partitions, owned_pieces
-from moep_ds.fsutil import disk_full, free_bytes
+from moep_ds.fsutil import disk_full_reason, exception_chain
 from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
+from moep_ds.training import trainer_state
 from moep_ds.training.rng import rng_state
-from moep_ds.training.trainer_state import TrainerState
+from moep_ds.training.trainer_state import TRAIN_MODULE, TrainerState
 
 log = logging.getLogger(__name__)
 
-TRAINER_STATE_FILE = "trainer_state.json"
+TRAINER_STATE_FILE = trainer_state.FILE
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class NamedStates:
+    """Named parts as one (the callbacks): each one's non-empty `state_dict` under its name; loading gives each the
+    state saved under its name, and one the checkpoint has none for keeps its own."""
+
+    def __init__(self, parts: Mapping[str, Any]):
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: state for name, part in self.parts.items() if (state := part.state_dict())}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        for name, part in self.parts.items():
+            if name in state:
+                part.load_state_dict(state[name])
 
 
 # ---- saving ---------------------------------------------------------------------------------------------
@@ -74,11 +99,11 @@ class CheckpointWriter:
         # DCP's asynchronous writer runs collectives from its own thread: they need a (CPU) group of their own
         self.group = dist.new_group(backend="gloo") if async_save else None
 
-    def save(self, engine, model, cfg, step: int, trainer_state: dict[str, Any], *,
+    def save(self, engine, model, cfg, step: int, state: TrainerState, *,
              plan: ExpertParallelPlan = SINGLE_PROCESS,
              tokenizer_dir: pathlib.Path | None = None, meta: dict | None = None) -> pathlib.Path:
-        """Write checkpoint `step` of `engine` (a distributed.engine.Engine) over `model`, with `trainer_state`
-        (JSON) and the recipe `cfg`; returns its final path (asynchronous: where it will be once written)."""
+        """Write checkpoint `step` of `engine` (a distributed.engine.Engine) over `model`, with the parts' `state`
+        and the recipe `cfg`; returns its final path (asynchronous: where it will be once written)."""
         self.wait()
         rank = dist.get_rank()
         tag = layout.checkpoint_tag(step)
@@ -96,7 +121,7 @@ class CheckpointWriter:
         try:
             torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
             if rank == 0:
-                sharded.save_json(trainer_state, tmp / TRAINER_STATE_FILE)
+                trainer_state.write(state, tmp)
                 sharded.save_json(model_state.extra_states(model), tmp / model_state.EXTRA_STATE_FILE)
                 write_recipe_files(cfg, tmp, tokenizer_dir, {"step": step, **(meta or {})})
         except OSError as err:
@@ -196,34 +221,10 @@ class CheckpointWriter:
 
 
 def save_error_reason(err: BaseException, where: pathlib.Path) -> str:
-    """One line for a failed checkpoint write. A full disk says so, with the path and the space left, whatever
-    wrapped the OSError: DCP's CheckpointException carries each rank's exception, and torch.save's stream writer
-    turns a short write into "[enforce fail at inline_container.cc] unexpected pos N vs M"."""
-    causes = list(exception_chain(err))
-    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in causes)
-    if not full and any("unexpected pos" in str(e) or "No space left" in str(e) for e in causes):
-        full = free_bytes(where) < DISK_FULL_BYTES
-    if full:
-        return disk_full(where, free_bytes(where))
-    return sharded.first_line(next((e for e in causes if isinstance(e, OSError)), err))
-
-
-DISK_FULL_BYTES = 64 << 20  # a short write with less than this left on the file system is taken for a full disk
-
-
-def exception_chain(err: BaseException):
-    """`err`, its causes and contexts, and the per-rank exceptions of a DCP CheckpointException."""
-    seen, todo = set(), [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        todo += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    """One line for a failed checkpoint write: a full disk says so with the path and the space left (fsutil's
+    disk_full_reason, whatever wrapped the OSError), any other error is the first OSError's line."""
+    return disk_full_reason(err, where) or sharded.first_line(
+        next((e for e in exception_chain(err) if isinstance(e, OSError)), err))
 
 
 # ---- loading --------------------------------------------------------------------------------------------
@@ -246,21 +247,23 @@ def check_checkpoint(ckpt: pathlib.Path) -> TrainerState:
     consolidated checkpoint is refused (moep-convert)."""
     if is_consolidated(ckpt):
         raise CheckpointError(convert_hint(ckpt))
-    check_together(ckpt)
-    if not (ckpt / TRAINER_STATE_FILE).exists() and "imported_from" in read_meta(ckpt):
+    data = trainer_state.read_bytes(ckpt)  # once: its checksum is verified on these bytes, then they are parsed
+    check_together(ckpt, {TRAINER_STATE_FILE: data} if data is not None else None)
+    if data is None and "imported_from" in read_meta(ckpt):
         raise CheckpointError(f"checkpoint {str(ckpt)!r} holds a model only (moep-import), no training state to "
                               "resume: start a run from it with model.init_from")
-    return read_trainer_state(ckpt)
+    return trainer_state.read(ckpt, data)
 
 
-def check_together(ckpt: pathlib.Path) -> None:
+def check_together(ckpt: pathlib.Path, read: dict[str, bytes] | None = None) -> None:
     """`manifest.check` with the checksums verified in shares by the ranks in parallel (collective where
-    distributed): every rank raises the same DamagedCheckpoint, that of the lowest rank that found one."""
+    distributed): every rank raises the same DamagedCheckpoint, that of the lowest rank that found one. `read`: files
+    read already (name -> bytes), verified on those bytes."""
     if not (dist.is_available() and dist.is_initialized()):
-        return manifest.check(ckpt)
+        return manifest.check(ckpt, already=read)
     error = None
     try:
-        manifest.check(ckpt, dist.get_rank(), dist.get_world_size())
+        manifest.check(ckpt, dist.get_rank(), dist.get_world_size(), read)
     except DamagedCheckpoint as err:
         error = str(err)
     found = [None] * dist.get_world_size()
@@ -273,16 +276,6 @@ def check_together(ckpt: pathlib.Path) -> None:
 def load_model_state(model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGLE_PROCESS) -> None:
     """Weights, buffers and extra state into the (unwrapped, not yet engine-owned) model."""
     model_state.load_module(model, ckpt, plan)
-
-
-def read_trainer_state(ckpt: pathlib.Path) -> TrainerState:
-    """The trainer state of checkpoint `ckpt`, parsed and its version checked: before anything is restored."""
-    try:
-        raw = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
-    except (OSError, ValueError) as err:
-        raise DamagedCheckpoint(f"checkpoint {str(ckpt)!r} is damaged: {str(ckpt / TRAINER_STATE_FILE)!r} "
-                                f"({sharded.first_line(err)})") from None
-    return TrainerState.from_state_dict(raw, str(ckpt))
 
 
 def load_pieces(engine, model, ckpt: pathlib.Path, plan: ExpertParallelPlan = SINGLE_PROCESS) -> None:
@@ -367,11 +360,20 @@ def restore_rng(ckpt: pathlib.Path, rank: int, state: TrainerState) -> None:
         np.random.seed(seed % 2**32)
 
 
+class TensorPart(Stateful, Protocol):
+    """The part whose tensors a checkpoint holds as pieces (the TrainModule): its model, the engine that owns the
+    masters and moments, the expert-parallel plan the model was built with."""
+
+    engine: Any
+    model: Any
+    plan: ExpertParallelPlan
+
+    def checkpoint_meta(self) -> dict[str, Any]: ...  # for meta.json (tokens read, parameter counts)
+
+
 class Checkpointer:
-    """The one seam through which a run saves and resumes: a checkpoint holds the parts of the `Trainer`
-    ({train_module, trainer, callbacks}) and the recipe; `check_checkpoint` parses and version-checks the trainer
-    state before `restore` puts anything back (collective: every rank calls `save`, `restore` and `wait` at the same
-    steps)."""
+    """The one seam through which a run saves and resumes its parts (module docstring; collective: every rank calls
+    `save`, `restore` and `wait` at the same steps)."""
 
     def __init__(self, run_dir: pathlib.Path, cfg: Any, tokenizer_dir: pathlib.Path | None):
         train = cfg.train.checkpoint
@@ -379,24 +381,24 @@ class Checkpointer:
         self.cfg = cfg
         self.tokenizer_dir = tokenizer_dir
 
-    def save(self, trainer: Any) -> pathlib.Path:
-        """Checkpoint `trainer` (training/trainer.py) at its step: its TrainModule's pieces and state, its own
-        position and its callbacks' states."""
-        module = trainer.module
-        meta = {"tokens": module.tokens_read(), **module.report.as_dict()}
-        return self.writer.save(module.engine, module.model, self.cfg, trainer.step,
-                                trainer.checkpoint_state().state_dict(),
-                                plan=module.plan, tokenizer_dir=self.tokenizer_dir, meta=meta)
+    def save(self, step: int, parts: Mapping[str, Stateful]) -> pathlib.Path:
+        """Checkpoint `parts` at optimizer step `step`: the tensors of parts["train_module"] (a TensorPart) as
+        pieces, each part's `state_dict` under its name."""
+        module: TensorPart = parts[TRAIN_MODULE]  # type: ignore[assignment]
+        return self.writer.save(module.engine, module.model, self.cfg, step, TrainerState.of(parts), plan=module.plan,
+                                tokenizer_dir=self.tokenizer_dir, meta=module.checkpoint_meta())
 
-    def restore(self, ckpt: pathlib.Path, state: TrainerState, trainer: Any, saved_global_batch: int | None) -> None:
-        """Every part from `ckpt`, whose state `check_checkpoint` gave: the module's masters, moments and step state (the
-        weights were loaded into the model before the engine existed), the RNG streams, the trainer's position,
-        then each callback's state (a callback the checkpoint has no state for keeps its own)."""
-        module = trainer.module
+    def restore(self, ckpt: pathlib.Path, state: TrainerState, parts: Mapping[str, Stateful]) -> None:
+        """Every part from `ckpt`, whose `state` choose_checkpoint read: the train module's masters and moments (its
+        weights were loaded into the model before the engine existed), the RNG streams, then each part's state in
+        the order of `parts` (a part the checkpoint has no state for keeps its own)."""
+        module: TensorPart = parts[TRAIN_MODULE]  # type: ignore[assignment]
         load_pieces(module.engine, module.model, ckpt, module.plan)
-        module.load_state_dict(dataclasses.asdict(state), state.step, saved_global_batch)
         restore_rng(ckpt, dist.get_rank(), state)
-        trainer.load_state_dict(state)
+        saved = state.parts()
+        for name, part in parts.items():
+            if name in saved:
+                part.load_state_dict(saved[name])
 
     def failed(self) -> bool:
         return self.writer.failed()

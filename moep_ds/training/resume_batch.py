@@ -7,59 +7,30 @@ DeepSpeed JSON (train_batch_size, or micro-batch and gradient_accumulation_steps
 checkpoint's and DeepSpeed's gradient accumulation (or, without a micro-batch size, the micro-batch) adapts to
 the new number of processes. A recipe or JSON that fixes another G is refused with one line, unless
 --allow_batch_change: then the run continues with the new G from the exact sample the checkpoint reached
-(BatchLoader.load_state_dict with the saved G), replaying and skipping nothing.
+(BatchLoader.load_state_dict with the saved G), replaying and skipping nothing. The checkpoint is the one the run
+resumes (training/assemble.py reconciles the config for each candidate it tries, with the state it read once).
 """
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 from typing import Any
 
-from moep_ds.checkpointing.sharded import DamagedCheckpoint
 from moep_ds.errors import SharedUserError
-from moep_ds.training import checkpoint as ckpt_io
 from moep_ds.train_config import TrainConfig
 from moep_ds.training.ds_config import DeepSpeedConfigError, reconcile
-from moep_ds.training.trainer_state import check_fields
+from moep_ds.training.trainer_state import TrainerState
 
 log = logging.getLogger(__name__)
 
 
-def saved_global_batch(state: dict[str, Any]) -> int | None:
-    """The global batch size a checkpoint's run trained with: saved since 2026-12-03, before that the engine's
-    sample count over its steps (a constant global batch)."""
-    if state.get("global_batch_size"):
-        return int(state["global_batch_size"])
-    step, samples = state.get("step") or 0, state.get("global_samples") or 0
-    return samples // step if step and samples % step == 0 else None
-
-
-def resume_state(resume: str | None, run_dir: pathlib.Path) -> tuple[pathlib.Path, dict[str, Any]] | None:
-    """(checkpoint, trainer state) of the checkpoint a resume would start from, read before the engine exists;
-    None for a fresh start or a state that cannot be read here (the resume's own checks name the damage). A field of
-    the wrong type is damage, as the resume will find (trainer_state.check_fields): what reads the state here never
-    meets one."""
-    try:
-        candidates = ckpt_io.resume_candidates(resume, run_dir)
-    except ckpt_io.CheckpointError:
-        return None
-    for ckpt in candidates:
-        try:
-            raw = json.loads((ckpt / ckpt_io.TRAINER_STATE_FILE).read_text())
-            check_fields(raw, str(ckpt))
-        except (OSError, ValueError, DamagedCheckpoint):
-            continue  # damaged: --resume auto goes on to an older one, as the resume will
-        return ckpt, raw
-    return None
-
-
-def reconcile_resumed(raw_ds: dict[str, Any], train: TrainConfig, world_size: int, resume: str | None,
-                      run_dir: pathlib.Path, allow_batch_change: bool = False) -> dict[str, Any]:
-    """`reconcile(raw_ds, train, world_size)`, with the resumed checkpoint's global batch where nothing fixes it."""
+def reconcile_resumed(raw_ds: dict[str, Any], train: TrainConfig, world_size: int,
+                      found: tuple[pathlib.Path, TrainerState] | None,
+                      allow_batch_change: bool = False) -> dict[str, Any]:
+    """`reconcile(raw_ds, train, world_size)`, with the global batch of the checkpoint resumed, `found` = (its path,
+    its trainer state; None for a fresh start), where nothing fixes it."""
     fresh = reconcile(raw_ds, train, world_size)
-    found = resume_state(resume, run_dir)
-    saved = saved_global_batch(found[1]) if found else None
+    saved = found[1].global_batch_size if found else None
     if saved is None or fresh["train_batch_size"] == saved:
         return fresh
     ckpt = found[0]

@@ -13,22 +13,25 @@ from __future__ import annotations
 
 import logging
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moep_ds.errors import SharedUserError
+
+if TYPE_CHECKING:
+    from moep_ds.training.trainer_state import TrainerState
 
 log = logging.getLogger(__name__)
 
 
-def check_same_data(found: tuple[pathlib.Path, dict[str, Any]] | None, seq_len: int, seed: int,
+def check_same_data(found: tuple[pathlib.Path, TrainerState] | None, seq_len: int, seed: int,
                     warn: bool = True) -> None:
-    """Refuse to resume checkpoint `found` = (path, trainer state) (resume_batch.resume_state; None for a fresh run)
-    with a data.seq_len or train.seed other than its own; `warn`: log the warning for an old checkpoint (rank 0)."""
+    """Refuse to resume checkpoint `found` = (path, its trainer state as read; None for a fresh run) with a
+    data.seq_len or train.seed other than its own; `warn`: log the warning for an old checkpoint (rank 0)."""
     if found is None:
         return
     ckpt, state = found
     way_out = "start a new run (another train.output_dir) from its weights with model.init_from={ckpt!r}"
-    saved = state.get("seq_len")
+    saved = state.seq_len
     if saved is None and warn:
         log.warning("checkpoint %s does not record data.seq_len (saved before 2026-12-04): resuming with %d, the "
                     "data position is only right if it was trained with %d too", ckpt, seq_len, seq_len)
@@ -37,17 +40,18 @@ def check_same_data(found: tuple[pathlib.Path, dict[str, Any]] | None, seq_len: 
             f"data.seq_len ({seq_len}) differs from the {saved} checkpoint {str(ckpt)!r} was trained with: its data "
             f"position, counted in windows of {saved} tokens, would replay or skip text; resume with "
             f"--set data.seq_len={saved}, or {way_out.format(ckpt=str(ckpt))}")
-    if state.get("seed") is not None and state["seed"] != seed:
+    if state.seed is not None and state.seed != seed:
         raise SharedUserError(
-            f"train.seed ({seed}) differs from the {state['seed']} checkpoint {str(ckpt)!r} was trained with: the "
+            f"train.seed ({seed}) differs from the {state.seed} checkpoint {str(ckpt)!r} was trained with: the "
             f"order of the samples drawn from it would replay some and skip others; resume with "
-            f"--set train.seed={state['seed']}, or {way_out.format(ckpt=str(ckpt))}")
+            f"--set train.seed={state.seed}, or {way_out.format(ckpt=str(ckpt))}")
 
 
 def tokens_read(samples: int, seq_len: int, resumed: Any = None) -> int:
     """Tokens read up to sample `samples` (the engine's global_samples, counted over the whole run): those the
-    resumed checkpoint's state (`resumed`, its trainer state as a dict; None for a fresh run) recorded, plus seq_len
-    per sample read since. A checkpoint without a count (before 2026-12-04) counts its samples at seq_len."""
+    resumed checkpoint recorded (`resumed`: the train module's state in it, trainer_state.py; None for a fresh run),
+    plus seq_len per sample read since. A checkpoint without a count (before 2026-12-04) counts its samples at
+    seq_len."""
     if resumed is None or resumed.get("tokens") is None:
         return samples * seq_len
     return resumed["tokens"] + (samples - resumed["global_samples"]) * seq_len

@@ -45,7 +45,7 @@ class TrainModule:
 
     def __post_init__(self) -> None:
         self.balancing = LossFreeBalancing(self.model)
-        self.resumed: dict[str, Any] | None = None  # the state this module was resumed from
+        self.resumed: dict[str, Any] | None = None  # the state this module was resumed from (tokens_read)
         self.accum = self.ds["gradient_accumulation_steps"]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.step_grad_norm: torch.Tensor | None = None  # the last step's, as reduce_step checks it (train_step)
@@ -159,14 +159,16 @@ class TrainModule:
         self.loader.start_at(step)
         self.engine.set_counters(step, step * self.ds["train_batch_size"])
 
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint's meta.json records of the model and the run: tokens read, parameter and FLOP counts."""
+        return {"tokens": self.tokens_read(), **self.report.as_dict()}
+
     def state_dict(self) -> dict[str, Any]:
         """The step's state besides the weights and moments (those are pieces: training/checkpoint.py): engine
-        counters, schedule, loss scaler, Adam's step, the data position and the global batch it counts in."""
-        return {**self.engine.state_dict(), "data": self.loader.state_dict(),
-                "global_batch_size": self.ds["train_batch_size"], "seq_len": self.seq_len, "tokens": self.tokens_read()}
+        counters, schedule, loss scaler, Adam's step, and the tokens read (the data loader is a part of its own)."""
+        return {**self.engine.state_dict(), "seq_len": self.seq_len, "tokens": self.tokens_read()}
 
-    def load_state_dict(self, state: dict[str, Any], step: int, saved_global_batch: int | None) -> None:
-        """`state_dict`'s keys, at optimizer step `step`; the data position counted in `saved_global_batch`."""
-        self.engine.load_state_dict(state, step)
-        self.loader.load_state_dict(state["data"], global_batch_size=saved_global_batch)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`state_dict`'s keys (optional ones left out keep their defaults)."""
+        self.engine.load_state_dict(state, state["global_steps"])
         self.resumed = state

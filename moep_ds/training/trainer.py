@@ -18,11 +18,12 @@ from moep_ds.training.callbacks import (
     Callback, EndEvent, ErrorEvent, LoadEvent, SaveEvent, StepEvent, build_callback, ordered,
 )
 from moep_ds.training.callbacks.builtin import callback_configs
+from moep_ds.training.checkpoint import NamedStates
 from moep_ds.training.run_dir import RunDirInUse
 from moep_ds.training.run_lock import release_run_dir
 from moep_ds.training.startup import total_steps  # noqa: F401 - re-exported
 from moep_ds.training.stop import StopRequest, launcher_chain, launcher_generations  # noqa: F401 - re-exported
-from moep_ds.training.trainer_state import TrainerState
+from moep_ds.training.trainer_state import CALLBACKS, DATA_LOADER, TRAIN_MODULE, TRAINER, TrainerState
 
 if TYPE_CHECKING:
     from moep_ds.training.recipe import Recipe
@@ -43,18 +44,14 @@ class Trainer:
         self.run_dir, self.prepared = parts.run_dir, parts.prepared
         self.max_steps, self.start_step = parts.max_steps, parts.start_step
         self.step = parts.start_step
-        if parts.resumed is not None:
-            self.checkpointer.restore(parts.resume_from, parts.resumed, self, parts.saved_global_batch)
         self.callbacks = named_callbacks(callback_configs(self.cfg.train, seq_len=self.cfg.data.seq_len,
                                                           eval_data_dir=self.cfg.eval.data_dir), callbacks)
         self.order = ordered(self.callbacks)
         for _, callback in self.order:
             callback.trainer = self
             callback.setup()
-        if parts.resumed is not None:
-            for name, callback in self.order:
-                if name in parts.resumed.callbacks:
-                    callback.load_state_dict(parts.resumed.callbacks[name])
+        if parts.resumed is not None:  # every part from the state read once (training/assemble.py), in one place
+            self.checkpointer.restore(parts.resume_from, parts.resumed, self.checkpoint_parts())
             self.fire("on_load", LoadEvent(self.step, parts.resume_from, parts.resumed))
 
     def fire(self, hook: str, event, reverse: bool = False) -> None:
@@ -73,26 +70,29 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the run at this step through the checkpointer (collective)."""
-        path = self.checkpointer.save(self)
+        path = self.checkpointer.save(self.step, self.checkpoint_parts())
         self.fire("on_save", SaveEvent(self.step, path))
 
     def state_dict(self) -> dict[str, Any]:
-        """The trainer's own part of the TrainerState (the TrainModule's and the callbacks' are beside it)."""
+        """The trainer's own part of a checkpoint, its position (the other parts': `checkpoint_parts`)."""
         cfg = self.cfg
         return {"step": self.step, "max_steps": self.max_steps, "world_size": self.world,
                 "expert_parallel_size": cfg.train.expert_parallel_size, "seed": cfg.train.seed,
                 "tokenizer_sha256": self.parts.meta.get("tokenizer_sha256")}
 
-    def load_state_dict(self, state: TrainerState) -> None:
-        self.step = state.step
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
 
-    def callback_states(self) -> dict[str, dict[str, Any]]:
-        return {name: state for name, callback in self.order if (state := callback.state_dict())}
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """The parts a checkpoint keeps, by name, in the order a resume restores them (each with `state_dict` and
+        `load_state_dict`): the TrainModule (its tensors too), its data loader, the trainer's position, the
+        callbacks (each one's state under its name)."""
+        return {TRAIN_MODULE: self.module, DATA_LOADER: self.module.loader, TRAINER: self,
+                CALLBACKS: NamedStates(dict(self.order))}
 
     def checkpoint_state(self) -> TrainerState:
-        """What a checkpoint of this step keeps besides the weights and moments: the trainer's position, the
-        TrainModule's step state and every callback's state."""
-        return TrainerState(**self.state_dict(), **self.module.state_dict(), callbacks=self.callback_states())
+        """What a checkpoint of this step keeps besides the weights and moments: every part's state."""
+        return TrainerState.of(self.checkpoint_parts())
 
     def fit(self) -> int:
         """Train to max_steps or a stop. A non-finite step raises TrainingFailed on every rank alike, after at_end (a

@@ -80,7 +80,7 @@ def test_resume_replays_the_uninterrupted_sequence(dataset, stop):
     full, _ = run(dataset, 30, micro=2, accum=2, dp_size=1)
     head, state = run(dataset, stop, micro=2, accum=2, dp_size=1)
     assert head == full[:stop]
-    assert state == {"epoch": stop // 15, "global_batch": stop % 15}
+    assert state == {"epoch": stop // 15, "global_batch": stop % 15, "global_batch_size": 4}
     tail, _ = run(dataset, 30 - stop, micro=2, accum=2, dp_size=1, state=state)
     assert tail == full[stop:]
     tail_dp2, _ = run(dataset, 30 - stop, micro=1, accum=2, dp_size=2, state=state)  # resumed on 2 ranks
@@ -104,7 +104,7 @@ def test_a_state_at_the_end_of_an_epoch_resumes_at_the_start_of_the_next(dataset
     full, _ = run(dataset, 18, micro=2, accum=2, dp_size=1)  # 15 global batches per epoch
     tail, state = run(dataset, 3, micro=2, accum=2, dp_size=1, state={"epoch": 0, "global_batch": 15})
     assert tail == full[15:18]
-    assert state == {"epoch": 1, "global_batch": 3}
+    assert state == {"epoch": 1, "global_batch": 3, "global_batch_size": 4}
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 3])
@@ -136,21 +136,22 @@ def test_another_global_batch_continues_at_the_sample_reached(dataset):
     first, state = run(dataset, 5, micro=2, accum=2, dp_size=1)
     bigger = [BatchLoader(dataset, micro_batch_size=3, grad_accum=1, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
     for loader in bigger:
-        loader.load_state_dict(state, global_batch_size=4)
-    assert bigger[0].sample() == 20 and bigger[0].state_dict() == {"epoch": 0, "global_batch": 3, "offset": 2}
+        loader.load_state_dict(state)  # saved by a loader of global batch 4: the state says so
+    assert bigger[0].sample() == 20 and bigger[0].state_dict() == {"epoch": 0, "global_batch": 3, "offset": 2,
+                                                                   "global_batch_size": 6}
     second = [window_ids(bigger[0].next_micro_batch()[0]) + window_ids(bigger[1].next_micro_batch()[0])
               for _ in range(3)]
     state = bigger[0].state_dict()
-    assert bigger[0].sample() == 38 and state == {"epoch": 0, "global_batch": 6, "offset": 2}
+    assert bigger[0].sample() == 38 and state == {"epoch": 0, "global_batch": 6, "offset": 2, "global_batch_size": 6}
     back = BatchLoader(dataset, micro_batch_size=2, grad_accum=2, dp_rank=0, dp_size=1, seed=3)
-    back.load_state_dict(state, global_batch_size=6)
-    assert back.state_dict() == {"epoch": 0, "global_batch": 9, "offset": 2}
+    back.load_state_dict(state)
+    assert back.state_dict() == {"epoch": 0, "global_batch": 9, "offset": 2, "global_batch_size": 4}
     rest = []
     while back.epoch == 0:
         rest += window_ids(back.next_micro_batch()[0]) + window_ids(back.next_micro_batch()[0])
     order = epoch_permutation(61, 3, 0).tolist()
     consumed = [w for step in first + second for w in step] + rest
     assert consumed == order[:len(consumed)] and len(consumed) == 38 + (61 - 38) // 4 * 4
-    assert back.state_dict() == {"epoch": 1, "global_batch": 0}  # no offset in the next epoch
+    assert back.state_dict() == {"epoch": 1, "global_batch": 0, "global_batch_size": 4}  # no offset in the next epoch
     full, _ = run(dataset, 1, micro=2, accum=2, dp_size=1, state={"epoch": 1, "global_batch": 0})
     assert window_ids(back.next_micro_batch()[0]) + window_ids(back.next_micro_batch()[0]) == full[0]

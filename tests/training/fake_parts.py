@@ -4,7 +4,6 @@ one process, without a launch. One gloo process group of one rank (the callbacks
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import pathlib
@@ -56,6 +55,7 @@ class FakeModule:
         self.plan = SINGLE_PROCESS
         self.tokens_per_step = 16
         self.ds = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}
+        self.loader = FakeLoader(self)
         self.report = type("Report", (), {"as_dict": staticmethod(lambda: {"params_total": 6})})()
         self.trained = 0  # optimizer steps taken by this module
         self.evaluations = 0
@@ -77,11 +77,24 @@ class FakeModule:
         return 0.5
 
     def state_dict(self):
-        return {"global_samples": self.trained, "data": {"epoch": 0, "global_batch": self.trained},
-                "global_batch_size": 1, "seq_len": 8, "tokens": 8 * self.trained}
+        return {"global_samples": self.trained, "global_steps": self.trained, "seq_len": 8, "tokens": 8 * self.trained}
 
-    def load_state_dict(self, state, step, saved_global_batch):
+    def load_state_dict(self, state):
         self.trained = state["global_samples"]
+
+
+class FakeLoader:
+    """The data loader part: its position is the module's step count."""
+
+    def __init__(self, module: FakeModule):
+        self.module = module
+        self.loaded = None
+
+    def state_dict(self):
+        return {"epoch": 0, "global_batch": self.module.trained, "global_batch_size": 1}
+
+    def load_state_dict(self, state):
+        self.loaded = state
 
 
 class MemoryCheckpointer:
@@ -90,14 +103,16 @@ class MemoryCheckpointer:
     def __init__(self):
         self.saved: dict[int, dict] = {}
 
-    def save(self, trainer) -> pathlib.Path:
+    def save(self, step, parts) -> pathlib.Path:
         # as the JSON file holds it
-        self.saved[trainer.step] = json.loads(json.dumps(trainer.checkpoint_state().state_dict()))
-        return pathlib.Path(f"step_{trainer.step}")
+        self.saved[step] = json.loads(json.dumps(TrainerState.of(parts).state_dict()))
+        return pathlib.Path(f"step_{step}")
 
-    def restore(self, ckpt, state, trainer, saved_global_batch) -> None:
-        trainer.module.load_state_dict(dataclasses.asdict(state), state.step, saved_global_batch)
-        trainer.load_state_dict(state)
+    def restore(self, ckpt, state, parts) -> None:
+        saved = state.parts()
+        for name, part in parts.items():
+            if name in saved:
+                part.load_state_dict(saved[name])
 
     def failed(self) -> bool:
         return False

@@ -6,7 +6,7 @@ import os
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-from moep_ds.training import checkpoint as ckpt_io
+from moep_ds import fsutil
 from moep_ds.training.checkpoint import save_error_reason
 
 from tiny import DS_CONFIGS, metrics, run_pretrain, write_recipe
@@ -15,13 +15,13 @@ from tiny import DS_CONFIGS, metrics, run_pretrain, write_recipe
 def test_a_full_disk_is_named_through_dcps_wrapping(tmp_path, monkeypatch):
     enospc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "__0_0.distcp"))
     dcp_error = CheckpointException("save failed", {0: _wrap_exception(enospc)})
-    monkeypatch.setattr(ckpt_io, "free_bytes", lambda path: 3 << 20)
+    monkeypatch.setattr(fsutil, "free_bytes", lambda path: 3 << 20)
     assert save_error_reason(dcp_error, tmp_path) == \
         f"disk full (No space left on device) writing {str(tmp_path)!r}, 3 MiB free there"
     # torch.save's stream writer reports the short write of a full disk as a position mismatch
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     assert save_error_reason(short, tmp_path).startswith("disk full (No space left on device)")
-    monkeypatch.setattr(ckpt_io, "free_bytes", lambda path: 100 << 30)  # space left: not a full disk
+    monkeypatch.setattr(fsutil, "free_bytes", lambda path: 100 << 30)  # space left: not a full disk
     assert save_error_reason(short, tmp_path) == "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
     denied = OSError(errno.EACCES, os.strerror(errno.EACCES), "x")
     assert save_error_reason(denied, tmp_path) == "[Errno 13] Permission denied: 'x'"

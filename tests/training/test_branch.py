@@ -86,9 +86,10 @@ def test_a_run_started_at_step_n_reads_batch_n_first_at_pythias_lr_of_iteration_
                                                         rel=0)
     # the true token count, Pythia's steps included
     assert [m["tokens"] for m in rows] == [s * GLOBAL_BATCH * SEQ_LEN for s in (START + 1, START + 2, START + 3)]
-    states = {json.loads(p.read_text())["step"]: json.loads(p.read_text())["data"]
+    states = {json.loads(p.read_text())["trainer"]["step"]: json.loads(p.read_text())["data_loader"]
               for p in (tmp / "run").rglob("trainer_state.json")}
-    assert states == {s: {"epoch": 0, "global_batch": s} for s in (START + 2, START + 3)}
+    assert states == {s: {"epoch": 0, "global_batch": s, "global_batch_size": GLOBAL_BATCH}
+                      for s in (START + 2, START + 3)}
 
 
 def test_the_branched_runs_checkpoint_resumes_at_the_next_batch(branched):

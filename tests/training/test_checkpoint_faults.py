@@ -260,7 +260,8 @@ def test_a_failed_start_up_leaves_no_output_dir_it_created(two_checkpoints, tmp_
     other_tokenizer = tmp_path / "other_tokenizer"
     shutil.copytree(ckpt, other_tokenizer)
     state = json.loads((other_tokenizer / "trainer_state.json").read_text())
-    (other_tokenizer / "trainer_state.json").write_text(json.dumps({**state, "tokenizer_sha256": "0" * 64}))
+    state["trainer"]["tokenizer_sha256"] = "0" * 64
+    (other_tokenizer / "trainer_state.json").write_text(json.dumps(state))
     manifest.seal(other_tokenizer)  # a checkpoint written so, not damaged
     ds_configs = {"stage7": {"zero_optimization": {"stage": 7}}, "two": {"gradient_accumulation_steps": "two"},
                   "maybe": {"zero_optimization": {"stage": 2, "overlap_comm": "maybe"}}}

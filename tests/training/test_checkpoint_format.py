@@ -50,7 +50,8 @@ def test_a_version_2_checkpoint_resumes_exactly_and_a_callbacks_count_survives_s
     counts = [json.loads(line) for line in (tmp_path / "counts.jsonl").read_text().splitlines()]
     assert counts == [{"loaded": None, "count": 1, "step": 3}, {"loaded": 1, "count": 2, "step": 4}]
     state = json.loads((run / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
-    assert state["version"] == 3 and state["callbacks"] == {"counter": {"count": 2}}
+    assert state["version"] == 4 and state["callbacks"] == {"counter": {"count": 2}}  # each part under its name
+    assert state["trainer"]["step"] == 4 and state["data_loader"]["global_batch"] == 4
 
 
 @pytest.mark.slow

@@ -33,7 +33,8 @@ def test_rng_streams_continue_at_the_same_world_size_and_are_reseeded_per_rank_a
         nexts.append(draws())  # what this rank of the uninterrupted run draws next
     expected = nexts[0]
     assert nexts[0] != nexts[1]
-    state = TrainerState(world_size=2, step=7, seed=5, global_samples=0, data={})
+    state = TrainerState.from_state_dict({"world_size": 2, "step": 7, "seed": 5, "global_samples": 0,
+                                          "data": {"epoch": 0, "global_batch": 7}})
 
     monkeypatch.setattr(ckpt_io.dist, "get_world_size", lambda group=None: 2)
     for rank in (1, 0):  # each rank continues its own streams, not rank 0's

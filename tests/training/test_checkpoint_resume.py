@@ -135,6 +135,14 @@ def to_legacy(ckpt: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     return out
 
 
+def flat_state(state: dict) -> dict:
+    """A version 4 trainer state as the flat record of version 2, which the consolidated layout's writer wrote."""
+    module = {k: v for k, v in state["train_module"].items() if k != "global_steps"}
+    data = dict(state["data_loader"])
+    batch = data.pop("global_batch_size")
+    return {"version": 2, **state["trainer"], **module, "data": data, "global_batch_size": batch}
+
+
 def to_consolidated(ckpt: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     """`ckpt` in the consolidated layout of before 2026-12-03 (its writer's files, here from one process):
     model.safetensors (fp32 masters and buffers, the tied head left out), extra_state.pt, optimizer.pt
@@ -162,7 +170,7 @@ def to_consolidated(ckpt: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
         moments.setdefault(name, {})[moment] = tensors.pop(key)
     save_file(tensors, str(out / "model.safetensors"))
     torch.save(json.loads((ckpt / "extra_state.json").read_text()), out / "extra_state.pt")
-    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state = flat_state(json.loads((ckpt / "trainer_state.json").read_text()))
     torch.save({"moments": moments, "step": state.pop("optimizer_step")}, out / "optimizer.pt")
     (out / "trainer_state.json").write_text(json.dumps(state))
     for f in [*ckpt.glob("rng_rank*.pt"), ckpt / "config.yaml", ckpt / "meta.json", ckpt / "COMPLETE"]:
@@ -239,7 +247,7 @@ def test_sharded_checkpoint_files_and_model_dir(matrix):
     from moep_ds.training.checkpoint import TRAINER_STATE_FILE
 
     state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
-    assert (state["step"], state["max_steps"]) == (6, cfg.raw["train"]["max_steps"])
+    assert (state["trainer"]["step"], state["trainer"]["max_steps"]) == (6, cfg.raw["train"]["max_steps"])
     from moep_ds.cli.export import main as export
 
     assert export([str(sources[3][1]), "--out", str(tmp / "export")]) == 0  # one process, weights only
@@ -345,7 +353,7 @@ def test_resume_warns_when_the_run_length_changed(tmp_path, caplog, monkeypatch)
     from moep_ds.training.trainer_state import TrainerState
 
     def state(**saved):
-        return TrainerState(global_samples=0, data={}, **saved)
+        return TrainerState.from_state_dict({"global_samples": 0, "data": {"epoch": 0, "global_batch": 0}, **saved})
 
     monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
 

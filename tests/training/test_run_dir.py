@@ -9,7 +9,8 @@ import pytest
 from moep_ds.checkpointing import layout
 from moep_ds.errors import SharedUserError
 from moep_ds.train_config import TrainConfig
-from moep_ds.training.resume_batch import reconcile_resumed, resume_state, saved_global_batch
+from moep_ds.training import trainer_state
+from moep_ds.training.resume_batch import reconcile_resumed
 from moep_ds.training.monitor import drop_rows_after
 from moep_ds.training.resume_data import check_same_data, tokens_read
 from moep_ds.training.run_dir import BRANCHES, claim_run_dir, decide, start_branch
@@ -22,8 +23,15 @@ def fake_run(run_dir: pathlib.Path, steps=(2,), state=None) -> None:
         ckpt = layout.checkpoint_root(run_dir) / layout.checkpoint_tag(step)
         ckpt.mkdir(parents=True)
         (ckpt / layout.COMPLETE).touch()
-        (ckpt / "trainer_state.json").write_text(json.dumps(state or {"step": step, "global_samples": 16 * step}))
+        state = {"data": {"epoch": 0, "global_batch": step}, **(state or {"step": step, "global_samples": 16 * step})}
+        (ckpt / "trainer_state.json").write_text(json.dumps(state))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 3)))
+
+
+def newest(run_dir: pathlib.Path):
+    """(the newest checkpoint, its trainer state read): what a resume hands the global batch and data checks."""
+    ckpt = layout.complete_checkpoints(run_dir)[-1]
+    return ckpt, trainer_state.read(ckpt)
 
 
 def test_a_folder_with_another_run_is_refused_naming_the_ways_out(tmp_path):
@@ -114,17 +122,18 @@ def test_resume_keeps_the_saved_global_batch_unless_fixed(tmp_path):
     fake_run(tmp_path, steps=(2,), state={"step": 2, "global_samples": 32, "global_batch_size": 16})
     auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
     train = TrainConfig(micro_batch_size=8)
-    ds = reconcile_resumed(auto, train, 1, "auto", tmp_path)
+    ds = reconcile_resumed(auto, train, 1, newest(tmp_path))
     assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (16, 2)
-    assert reconcile_resumed(auto, train, 1, None, tmp_path)["train_batch_size"] == 8  # a new run: its own
+    assert reconcile_resumed(auto, train, 1, None)["train_batch_size"] == 8  # a new run: its own
     fixed = {**auto, "gradient_accumulation_steps": 1}
     with pytest.raises(SharedUserError, match=r"global batch 16, this run's train_micro_batch_size_per_gpu \(8\) x "
                                               r"gradient_accumulation_steps \(1\) x 1 processes = 8.*--allow_batch_change"):
-        reconcile_resumed(fixed, train, 1, "auto", tmp_path)
-    assert reconcile_resumed(fixed, train, 1, "auto", tmp_path, allow_batch_change=True)["train_batch_size"] == 8
+        reconcile_resumed(fixed, train, 1, newest(tmp_path))
+    assert reconcile_resumed(fixed, train, 1, newest(tmp_path), allow_batch_change=True)["train_batch_size"] == 8
     with pytest.raises(SharedUserError, match=r"train.global_batch_size \(32\) = 32"):
-        reconcile_resumed(auto, TrainConfig(micro_batch_size=8, global_batch_size=32), 1, "auto", tmp_path)
-    assert saved_global_batch({"step": 3, "global_samples": 48}) == 16  # checkpoints saved before the key
+        reconcile_resumed(auto, TrainConfig(micro_batch_size=8, global_batch_size=32), 1, newest(tmp_path))
+    before_the_key = {"step": 3, "global_samples": 48, "data": {"epoch": 0, "global_batch": 3}}
+    assert trainer_state.TrainerState.from_state_dict(before_the_key).global_batch_size == 16  # samples / steps
 
 
 def test_a_refused_resume_names_the_micro_batch_that_blocks_the_saved_global_batch(tmp_path):
@@ -133,26 +142,26 @@ def test_a_refused_resume_names_the_micro_batch_that_blocks_the_saved_global_bat
     fake_run(tmp_path, steps=(2,), state={"step": 2, "global_samples": 16, "global_batch_size": 8})
     quickstart = json.loads((DS_CONFIGS / "quickstart.json").read_text())
     with pytest.raises(SharedUserError) as err:
-        reconcile_resumed(quickstart, TrainConfig(micro_batch_size=8), 2, "auto", tmp_path)
+        reconcile_resumed(quickstart, TrainConfig(micro_batch_size=8), 2, newest(tmp_path))
     assert str(err.value).endswith(
         "was trained with global batch 8, this run's train_micro_batch_size_per_gpu (8) x gradient_accumulation_steps "
         "(1) x 2 processes = 16: train.micro_batch_size (8) must divide 4 (8 / 2 processes) to keep 8 (e.g. --set "
         "train.micro_batch_size=4), or pass --allow_batch_change to continue with 16 from the sample reached")
-    kept = reconcile_resumed(quickstart, TrainConfig(micro_batch_size=4), 2, "auto", tmp_path)
+    kept = reconcile_resumed(quickstart, TrainConfig(micro_batch_size=4), 2, newest(tmp_path))
     assert (kept["train_batch_size"], kept["gradient_accumulation_steps"]) == (8, 1)  # the advice works
     in_json = {**quickstart, "train_micro_batch_size_per_gpu": 3}
     with pytest.raises(SharedUserError, match=r"ds_config train_micro_batch_size_per_gpu \(3\) must divide 4 .*"
                                               r"\(e.g. train_micro_batch_size_per_gpu 2 in the ds_config\)"):
-        reconcile_resumed(in_json, TrainConfig(), 2, "auto", tmp_path)
+        reconcile_resumed(in_json, TrainConfig(), 2, newest(tmp_path))
     with pytest.raises(SharedUserError, match=r"resume on a number of processes that divides 8 to keep it"):
-        reconcile_resumed(quickstart, TrainConfig(micro_batch_size=1), 3, "auto", tmp_path)
+        reconcile_resumed(quickstart, TrainConfig(micro_batch_size=1), 3, newest(tmp_path))
 
 
 def test_resume_with_another_seq_len_or_seed_is_refused_naming_both_values(tmp_path, caplog, monkeypatch):
     """Issue 40 item 1: the data position is counted in windows of seq_len tokens of an order drawn from the seed."""
     monkeypatch.setattr(logging.getLogger("moep_ds"), "propagate", True)  # a trainer in this process turns it off
     fake_run(tmp_path, steps=(20,), state={"step": 20, "global_samples": 160, "seq_len": 64, "seed": 1234})
-    found = resume_state("auto", tmp_path)
+    found = newest(tmp_path)
     ckpt = str(found[0])
     check_same_data(found, 64, 1234)  # the same data: accepted
     check_same_data(None, 32, 7)  # a fresh run: nothing to compare
@@ -165,7 +174,8 @@ def test_resume_with_another_seq_len_or_seed_is_refused_naming_both_values(tmp_p
     with pytest.raises(SharedUserError, match=r"^train.seed \(7\) differs from the 1234 checkpoint .*"
                                               r"--set train.seed=1234, or start a new run"):
         check_same_data(found, 64, 7)
-    old = (found[0], {"step": 20, "global_samples": 160})  # saved before seq_len (and seed) were recorded
+    old = (found[0], trainer_state.TrainerState.from_state_dict(  # saved before seq_len (and seed) were recorded
+        {"step": 20, "global_samples": 160, "data": {"epoch": 0, "global_batch": 20}}))
     with caplog.at_level("WARNING", logger="moep_ds"):
         check_same_data(old, 32, 7)
     assert "does not record data.seq_len" in caplog.text
@@ -176,11 +186,13 @@ def test_tokens_are_counted_from_the_samples_read_not_the_current_global_batch()
     from moep_ds.training.trainer_state import TrainerState
 
     assert tokens_read(160, 64) == 10_240
-    resumed = TrainerState(step=20, global_samples=160, data={}, seq_len=64, tokens=10_240)
-    assert tokens_read(160 + 16, 64, resumed.state_dict()) == 11_264  # step 21 (21 x 16 x 64 = 21,504 was logged)
-    assert tokens_read(480, 64, resumed.state_dict()) == 30_720  # step 40: 480 samples x 64
-    older = TrainerState(step=20, global_samples=160, data={})  # no count saved: its samples at seq_len
-    assert tokens_read(176, 64, older.state_dict()) == 11_264
+    data = {"epoch": 0, "global_batch": 20}
+    resumed = TrainerState.from_state_dict({"step": 20, "global_samples": 160, "data": data, "seq_len": 64,
+                                            "tokens": 10_240})
+    assert tokens_read(160 + 16, 64, resumed.train_module) == 11_264  # step 21 (21 x 16 x 64 = 21,504 was logged)
+    assert tokens_read(480, 64, resumed.train_module) == 30_720  # step 40: 480 samples x 64
+    older = TrainerState.from_state_dict({"step": 20, "global_samples": 160, "data": data})  # samples x seq_len
+    assert tokens_read(176, 64, older.train_module) == 11_264
     # the count travels in the trainer state
     assert TrainerState.from_state_dict(resumed.state_dict()).tokens == 10_240
 
@@ -230,8 +242,8 @@ def test_two_process_checkpoint_resumed_on_one_keeps_global_batch_and_sample(tmp
     run_pretrain(1, "--config", str(recipe), "--ds_config", str(DS_CONFIGS / "quickstart.json"),
                  "--resume", str(ckpt), "--set", f"train.output_dir={one}")
     state = json.loads((one / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
-    assert (state["global_batch_size"], state["global_samples"], state["world_size"]) == (16, 64, 1)
-    assert state["data"] == {"epoch": 0, "global_batch": 4}
+    assert (state["train_module"]["global_samples"], state["trainer"]["world_size"]) == (64, 1)
+    assert state["data_loader"] == {"epoch": 0, "global_batch": 4, "global_batch_size": 16}
     assert [losses(one)[s] for s in (3, 4)] == pytest.approx([losses(two)[s] for s in (3, 4)], abs=1e-5)
 
     fixed = tmp_path / "accum1.json"
@@ -250,11 +262,11 @@ def test_two_process_checkpoint_resumed_on_one_keeps_global_batch_and_sample(tmp
     run_pretrain(1, *args, "--allow_batch_change")
     state = json.loads((changed / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
     # samples 0-31 in the 2 steps of 16, then 32-47 in the 2 steps of 8: nothing replayed, nothing skipped
-    assert (state["global_batch_size"], state["global_samples"]) == (8, 48)
-    assert state["data"] == {"epoch": 0, "global_batch": 6}
+    assert state["train_module"]["global_samples"] == 48
+    assert state["data_loader"] == {"epoch": 0, "global_batch": 6, "global_batch_size": 8}
     # tokens read: 32 samples x 32 tokens, then 8 per step (not step x 8 x 32: 768 at step 3)
     assert [m["tokens"] for m in metrics(changed) if "loss" in m] == [1280, 1536]
-    assert (state["seq_len"], state["tokens"]) == (32, 1536)
+    assert (state["train_module"]["seq_len"], state["train_module"]["tokens"]) == (32, 1536)
 
 
 @pytest.mark.slow

@@ -123,7 +123,7 @@ def test_ctrl_c_under_deepspeed_checkpoints_at_the_next_step(tmp_path):
     # DeepSpeed's runner prints its own KeyboardInterrupt; the trainers none
     assert "pretrain.py" not in "".join(chunk for chunk in output.split("Traceback")[1:]), output[-4000:]
     state = json.loads((saved[0] / "trainer_state.json").read_text())
-    assert state["step"] == step
+    assert state["trainer"]["step"] == step
 
 
 def free_port():

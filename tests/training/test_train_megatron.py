@@ -66,4 +66,4 @@ def test_resume_continues_in_file_order(runs):
                                rtol=1e-5, atol=1e-6)
     # the checkpoint at step 20 holds the position in file order: 20 global batches of 8 sequences read
     (state_file,) = (out["first_half"]).rglob("trainer_state.json")
-    assert json.loads(state_file.read_text())["data"] == {"epoch": 0, "global_batch": 20}
+    assert json.loads(state_file.read_text())["data_loader"] == {"epoch": 0, "global_batch": 20, "global_batch_size": 8}

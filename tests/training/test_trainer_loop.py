@@ -61,10 +61,13 @@ def test_a_callbacks_state_survives_a_stop_and_a_resume(tmp_path, user_module):
     first.fit()
     assert first.callbacks["counter"].count == 2
     assert checkpointer.saved[2]["callbacks"] == {"counter": {"count": 2}}
-    assert checkpointer.saved[2]["version"] == 3
+    saved = checkpointer.saved[2]  # each part's state under its own name (version 4)
+    assert saved["version"] == 4 and saved["trainer"]["step"] == 2 and saved["train_module"]["global_samples"] == 2
+    assert saved["data_loader"] == {"epoch": 0, "global_batch": 2, "global_batch_size": 1}
     train.pop("exit_at_step")
     second = fake_trainer(tmp_path, train, checkpointer=checkpointer, resume_step=2)
     assert second.callbacks["counter"].loaded == 2 and second.step == 2
+    assert second.module.loader.loaded == saved["data_loader"]  # every part restored from its own state
     second.fit()
     assert second.callbacks["counter"].count == 5 and second.module.trained == 5
     assert checkpointer.saved[5]["callbacks"] == {"counter": {"count": 5}}

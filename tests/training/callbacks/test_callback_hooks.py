@@ -1,6 +1,6 @@
 """The trainer's callbacks (training/callbacks/): recipe entries parsed strictly (a user's own callback class named
 as module:Class; running at its hooks: tests/training/test_trainer_loop.py), the typed trainer state reading the
-checkpoints written before it (versions 1 and 2)."""
+checkpoints written before it (versions 1 to 3)."""
 import pathlib
 
 import pytest
@@ -16,18 +16,21 @@ V1_STATE = {"step": 4, "max_steps": 10, "global_samples": 64, "skipped_steps": 0
             "tokenizer_sha256": "ab", "optimizer_step": 4}
 
 
-def test_trainer_state_reads_versions_1_and_2_and_writes_version_3_without_losing_keys():
+def test_trainer_state_reads_versions_1_and_2_and_writes_version_4_without_losing_keys():
     state = TrainerState.from_state_dict(V1_STATE)
     assert (state.step, state.global_samples, state.global_batch_size, state.world_size) == (4, 64, 16, 2)
-    assert state.data == {"epoch": 0, "global_batch": 4} and state.optimizer_step == 4 and state.callbacks == {}
+    assert state.data_loader == {"epoch": 0, "global_batch": 4, "global_batch_size": 16}
+    assert state.train_module["optimizer_step"] == 4 and state.callbacks == {}
     assert TrainerState.from_state_dict({**V1_STATE, "version": 2, "future_key": 1}).extra == {"future_key": 1}
     out = state.state_dict()
-    # seq_len and tokens: unknown then, absent in version 1
-    assert VERSION == 3 and out == {"version": 3, **V1_STATE, "seq_len": None, "tokens": None, "callbacks": {}}
+    assert VERSION == 4 and out["version"] == 4 and set(out) == {"version", "trainer", "train_module", "data_loader",
+                                                                 "callbacks"}
     assert TrainerState.from_state_dict(out) == state
+    with_key = TrainerState.from_state_dict({**out, "future_key": 1})  # unknown keys of version 4 are kept too
+    assert with_key.state_dict() == {**out, "future_key": 1}
     oldest = {"step": 3, "global_samples": 48, "data": {"epoch": 0, "global_batch": 3}}  # before max_steps existed
     assert TrainerState.from_state_dict(oldest).max_steps is None
-    with pytest.raises(CheckpointError, match=r"^ckpt: trainer state version 9 is newer than this moep_ds reads \(1 to 3\)$"):
+    with pytest.raises(CheckpointError, match=r"^ckpt: trainer state version 9 is newer than this moep_ds reads \(1 to 4\)$"):
         TrainerState.from_state_dict({**V1_STATE, "version": 9}, "ckpt")
     with pytest.raises(CheckpointError, match=r"^ckpt: trainer state lacks data$"):
         TrainerState.from_state_dict({"step": 1, "global_samples": 8}, "ckpt")
