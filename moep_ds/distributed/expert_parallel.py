@@ -162,8 +162,6 @@ def setup_expert_parallel(model: nn.Module, plan: ExpertParallelPlan, comm: Expe
     if plan.size == 1:
         return
     comm = comm if comm is not None else ExpertCommConfig()
-    per_node = node_size(comm, plan.size, dist.get_world_size(), ranks_per_node())
-    nodes = None if per_node is None else node_groups(plan, per_node)
     layers = expert_stages(model)
     if not layers:
         raise ParallelLayoutError(f"train.expert_parallel_size ({plan.size}) > 1 but the model has no routed experts")
@@ -175,6 +173,10 @@ def setup_expert_parallel(model: nn.Module, plan: ExpertParallelPlan, comm: Expe
                 f"a routed stage holds experts [{first}, {first + count}) of {layer.num_experts}; expert-parallel rank "
                 f"{plan.rank} of {plan.size} needs [{needed.start}, {needed.stop}): build the model with this plan, "
                 f"build_model(cfg, plan=plan)")
+    # the layers checked first: a model built for another rank is refused before any process group is needed
+    per_node = node_size(comm, plan.size, dist.get_world_size(), ranks_per_node())
+    nodes = None if per_node is None else node_groups(plan, per_node)
+    for layer in layers:
         layer.set_dispatcher(AllToAllDispatcher(plan, layer.num_experts, comm, nodes))
         deepspeed_adapter.show_as_moe(layer, layer.num_experts, plan.size)
 

@@ -46,10 +46,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from moep_ds.moe import fp8
-from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, WeightedCombine, combine_tokens, gather_tokens
+from moep_ds.moe import fp8, overlap
+from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, RunExperts, WeightedCombine, combine_tokens, gather_tokens
+from moep_ds.moe.overlap import Ints, Rows, chunk_bounds, chunk_index
 from moep_ds.moe.plan import ExpertParallelPlan
-from moep_ds.routing.plan import RoutingPlan
+from moep_ds.routing.plan import RoutingPlan, expert_counts
+from moep_ds.schema import PositiveInt
 
 
 SEQ_ID_STRIDE = 2**32  # more sequences than any rank holds in a micro-batch
@@ -71,6 +73,10 @@ class ExpertCommConfig:
     # the dispatched rows travel as float8 e4m3 with one fp32 scale per 128 values (moe/fp8.py; about half of bf16's
     # bytes); the combine and every gradient stay in the model dtype (DeepSeek-V3). Rows must be multiples of 128 wide
     fp8_dispatch: bool = False
+    # the routed tokens of a micro-batch go in this many chunks (whole sequences where experts attend): a chunk's
+    # all-to-alls travel while another chunk's experts (or the shared expert) compute (moe/overlap.py); 1: blocking.
+    # Node-aware dispatch runs one chunk whatever this says
+    overlap_chunks: PositiveInt = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +120,15 @@ class _Fp8AllToAll(torch.autograd.Function):
         return all_to_all(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
 
 
-def all_to_all(x: torch.Tensor, group: Any, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
+def all_to_all(x: torch.Tensor, group: Any, out_splits: list[int], in_splits: list[int],
+               async_op: bool = False) -> Any:
+    """The buffer received, or (buffer, work) with `async_op` (moe/overlap.py)."""
+    return overlap.all_to_all(x, group, out_splits, in_splits, async_op)
+
+
+def _send(*args: Any) -> Any:
+    """This module's all_to_all as it is at call time (tests count the bytes by wrapping it)."""
+    return all_to_all(*args)
 
 
 def source_to_expert_order(recv_counts_RL: torch.Tensor, num_received: int | None = None) -> torch.Tensor:
@@ -223,10 +234,49 @@ class _NodeRoute:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """One chunk of this rank's tokens (all of them without overlap): its first token, its plan (token indices
+    counted from that token) and what the counts exchange gave per destination / source rank: [L expert counts,
+    (with dedup) pairs], on the host, and the received ones on the device."""
+
+    start: int
+    plan: RoutingPlan
+    send: list[list[int]]
+    recv: list[list[int]]
+    recv_RX: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A chunk's dispatch in flight: its rows, sequence ids and positions, and with dedup (weights, slots, token_P)."""
+
+    chunk: _Chunk
+    rows: Rows
+    meta: Ints | None
+    extra: tuple
+    seq_ids_T: torch.Tensor | None
+    positions_T: torch.Tensor | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pipeline:
+    """What `start` hands `finish`: the chunks, and the first one's dispatch in flight."""
+
+    x_TD: torch.Tensor
+    chunks: list[_Chunk]
+    meta_T2: torch.Tensor | None
+    seq_ids_T: torch.Tensor | None
+    positions_T: torch.Tensor | None
+    run_experts: RunExperts
+    first: _Pending
+
+
+@dataclasses.dataclass(frozen=True)
 class _Route:
     perm_U: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
+    plan: RoutingPlan  # the chunk's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,11 +289,14 @@ class _PairRoute:
     num_received: int
     send_splits: list[int]
     recv_splits: list[int]
+    plan: RoutingPlan  # the chunk's
 
 
 def _splits(counts_RX: list[list[int]], L: int) -> tuple[list[int], list[int], list[list[int]]]:
-    """(assignments per rank, pairs per rank, per-expert counts) of rows [L expert counts, pairs]."""
-    return [sum(row[:L]) for row in counts_RX], [row[L] for row in counts_RX], [row[:L] for row in counts_RX]
+    """(assignments per rank, pairs per rank, per-expert counts) of rows [L expert counts, pairs] (per expert: no
+    pairs, 0)."""
+    return ([sum(row[:L]) for row in counts_RX], [row[L] if len(row) > L else 0 for row in counts_RX],
+            [row[:L] for row in counts_RX])
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -252,6 +305,8 @@ class AllToAllDispatcher(Dispatcher):
     Sequence ids arrive as source rank * SEQ_ID_STRIDE + seq_id: unique across the group, and, since received
     rows are grouped by source rank, non-decreasing within an expert whenever the plan lists each expert's
     tokens in token order (what routed attention over original positions needs; moe/dispatch.in_token_order).
+    `start` exchanges the counts and issues the first chunk's dispatch (moe/overlap.py: `comm.overlap_chunks`
+    chunks pipelined); `finish` runs the chunks. Node-aware dispatch runs its legs blocking, in one chunk.
     """
 
     def __init__(self, plan: ExpertParallelPlan, num_experts: int, comm: ExpertCommConfig | None = None,
@@ -271,65 +326,139 @@ class AllToAllDispatcher(Dispatcher):
         self.nodes = nodes
         self._send_rows = _Fp8AllToAll.apply if self.comm.fp8_dispatch else _AllToAll.apply
 
+    def _check(self, plan: RoutingPlan) -> None:
+        if plan.num_experts != self.num_experts:
+            raise ValueError(f"plan routes to {plan.num_experts} experts, the dispatcher shards {self.num_experts}")
+
     def dispatch(
         self,
         x_TD: torch.Tensor,
         plan: RoutingPlan,
         seq_ids_T: torch.Tensor | None = None,
         positions_T: torch.Tensor | None = None,
-    ) -> tuple[ExpertBatch, _Route | _PairRoute]:
-        if plan.num_experts != self.num_experts:
-            raise ValueError(f"plan routes to {plan.num_experts} experts, the dispatcher shards {self.num_experts}")
+    ) -> tuple[ExpertBatch, _Route | _PairRoute | _NodeRoute]:
+        """All of `plan` in one chunk, blocking."""
+        self._check(plan)
         if self.nodes is not None:
             return self._dispatch_nodes(x_TD, plan, seq_ids_T, positions_T)
-        if self.comm.dedup:
-            return self._dispatch_pairs(x_TD, plan, seq_ids_T, positions_T)
-        R, L = self.ep_size, self.num_local_experts
-        send_counts_RL = plan.counts_E.view(R, L)
-        recv_counts_RL = all_to_all(send_counts_RL.reshape(-1), self.group, [L] * R, [L] * R).view(R, L)
-        send_E = plan.counts()  # static, or one device-to-host copy
-        send_splits = [sum(send_E[r * L : (r + 1) * L]) for r in range(R)]
-        recv_RL = recv_counts_RL.tolist()  # one copy for the splits and the local experts' counts
-        recv_splits = [sum(row) for row in recv_RL]
-        local_counts = tuple(sum(row[e] for row in recv_RL) for e in range(L))
-        perm_U = source_to_expert_order(recv_counts_RL, sum(recv_splits))
-        x_UD = self._send_rows(gather_tokens(x_TD, plan), self.group, recv_splits, send_splits)
-        meta_U2 = self._send_meta(plan, seq_ids_T, positions_T, plan.token_idx_S, recv_splits, send_splits)
-        seq_ids_U, positions_U = self._take_meta(meta_U2, perm_U, seq_ids_T, positions_T)
-        batch = ExpertBatch(x_UD.index_select(0, perm_U), recv_counts_RL.sum(0), seq_ids_U, positions_U,
-                            local_counts)
-        return batch, _Route(perm_U, send_splits, recv_splits)
+        chunk, = self._exchange(plan, [0, plan.num_tokens])
+        meta_T2 = self._meta_rows(plan, seq_ids_T, positions_T)
+        return self._finish_chunk(self._start_chunk(x_TD, chunk, meta_T2, seq_ids_T, positions_T))
 
-    def _dispatch_pairs(
-        self,
-        x_TD: torch.Tensor,
-        plan: RoutingPlan,
-        seq_ids_T: torch.Tensor | None,
-        positions_T: torch.Tensor | None,
-    ) -> tuple[ExpertBatch, _PairRoute]:
-        """Steps 1-3 with dedup (module docstring): one row per (token, rank) pair."""
-        R, L = self.ep_size, self.num_local_experts
-        token_P, pairs_R, slot_S = rank_pairs(plan, R)
-        send_RX = torch.cat([plan.counts_E.view(R, L), pairs_R.view(R, 1)], dim=1)
-        recv_RX = all_to_all(send_RX.reshape(-1), self.group, [L + 1] * R, [L + 1] * R).view(R, L + 1)
-        send_host, recv_host = torch.stack([send_RX, recv_RX]).tolist()  # one copy for every split
-        send_assign, send_pairs, _ = _splits(send_host, L)
-        recv_assign, recv_pairs, recv_RL = _splits(recv_host, L)
-        num_assign, num_pairs = sum(recv_assign), sum(recv_pairs)
-        x_PD = self._send_rows(x_TD.index_select(0, token_P), self.group, recv_pairs, send_pairs)
-        weight_U = _AllToAll.apply(plan.weight_S, self.group, recv_assign, send_assign)
-        slot_U = all_to_all(slot_S, self.group, recv_assign, send_assign)
+    def start(self, x_TD: torch.Tensor, plan: RoutingPlan, run_experts: RunExperts,
+              seq_ids_T: torch.Tensor | None = None, positions_T: torch.Tensor | None = None) -> Any:
+        """Steps 1 and 2 of the first chunk: the counts of every chunk (blocking), the first chunk's rows issued."""
+        self._check(plan)
+        if self.nodes is not None:
+            return super().start(x_TD, plan, run_experts, seq_ids_T, positions_T)
+        chunks = self._exchange(plan, chunk_bounds(plan.num_tokens, self.comm.overlap_chunks, seq_ids_T))
+        meta_T2 = self._meta_rows(plan, seq_ids_T, positions_T)
+        first = self._start_chunk(x_TD, chunks[0], meta_T2, seq_ids_T, positions_T)
+        return _Pipeline(x_TD, chunks, meta_T2, seq_ids_T, positions_T, run_experts, first)
+
+    def finish(self, handle: Any) -> torch.Tensor:
+        """Chunk i+1's dispatch travels while chunk i's experts compute, chunk i's combine while chunk i+1's do."""
+        if not isinstance(handle, _Pipeline):
+            return super().finish(handle)
+        h, combines, pending = handle, [], handle.first
+        for i in range(len(h.chunks)):
+            following = None if i + 1 == len(h.chunks) else self._start_chunk(
+                h.x_TD, h.chunks[i + 1], h.meta_T2, h.seq_ids_T, h.positions_T)
+            batch, route = self._finish_chunk(pending)
+            combines.append(self._start_combine(h.run_experts(batch), route))
+            pending = following
+        outs = [self._finish_combine(c, h.x_TD.dtype) for c in combines]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _exchange(self, plan: RoutingPlan, bounds: list[int]) -> list[_Chunk]:
+        """Step 1 for every chunk of tokens [bounds[c], bounds[c+1]) at once: per destination rank and chunk the L
+        expert counts (and, with dedup, the (token, rank) pairs), one all-to-all of R*C*(L+1) ints and one copy to
+        the host; then each chunk's plan (its assignments in the plan's order, tokens counted from its first)."""
+        R, L, E, C = self.ep_size, self.num_local_experts, plan.num_experts, len(bounds) - 1
+        chunk_S = chunk_index(plan.token_idx_S, bounds) if C > 1 else torch.zeros_like(plan.token_idx_S)
+        expert_S = plan.expert_idx_S()
+        counts_CE = expert_counts(chunk_S * E + expert_S, C * E).view(C, E) if C > 1 else plan.counts_E.view(1, E)
+        parts = [counts_CE.view(C, R, L)]
+        if self.comm.dedup:
+            T = max(plan.num_tokens, 1)
+            key_P = torch.unique((expert_S // L) * T + plan.token_idx_S)  # the (rank, token) pairs
+            chunk_P = chunk_index(key_P % T, bounds) if C > 1 else torch.zeros_like(key_P)
+            parts.append(expert_counts(chunk_P * R + key_P // T, C * R).view(C, R, 1))
+        send_RCX = torch.cat(parts, dim=2).transpose(0, 1).contiguous()  # by destination rank
+        X = send_RCX.shape[-1]
+        recv_RCX = all_to_all(send_RCX.reshape(-1), self.group, [C * X] * R, [C * X] * R).view(R, C, X)
+        send_host, recv_host = torch.stack([send_RCX, recv_RCX]).tolist()  # one copy for every split
+        if C == 1:
+            return [_Chunk(0, plan, [row[0] for row in send_host], [row[0] for row in recv_host], recv_RCX[:, 0])]
+        order_S = torch.argsort(chunk_S, stable=True)  # by chunk, then in the plan's order (grouped by expert)
+        token_S, weight_S = plan.token_idx_S.index_select(0, order_S), plan.weight_S.index_select(0, order_S)
+        chunks, first = [], 0
+        for c in range(C):
+            counts = tuple(n for r in range(R) for n in send_host[r][c][:L])
+            rows = slice(first, first + sum(counts))
+            sub = RoutingPlan(token_S[rows] - bounds[c], weight_S[rows], counts_CE[c], bounds[c + 1] - bounds[c],
+                              static_counts=counts)
+            chunks.append(_Chunk(bounds[c], sub, [row[c] for row in send_host], [row[c] for row in recv_host],
+                                 recv_RCX[:, c]))
+            first = rows.stop
+        return chunks
+
+    def _rows(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Rows:
+        """Rows in flight to the experts (FP8 with `comm.fp8_dispatch`: packed there, unpacked on arrival)."""
+        if not self.comm.fp8_dispatch:
+            return Rows(x, self.group, out_splits, in_splits, send=_send)
+        if x.shape[-1] % fp8.BLOCK:
+            raise ValueError(f"fp8 dispatch: rows of {x.shape[-1]} values are not a multiple of {fp8.BLOCK}")
+        width, dtype = x.shape[-1], x.dtype
+        return Rows(x, self.group, out_splits, in_splits, fp8.pack, lambda t: fp8.unpack(t, width, dtype), _send)
+
+    def _start_chunk(self, x_TD: torch.Tensor, chunk: _Chunk, meta_T2: torch.Tensor | None,
+                     seq_ids_T: torch.Tensor | None, positions_T: torch.Tensor | None) -> _Pending:
+        """Step 2 of one chunk, issued: its rows (per assignment, or per (token, rank) pair with dedup), and with
+        dedup each assignment's weight and row among its source's pairs; sequence ids and positions."""
+        L, plan = self.num_local_experts, chunk.plan
+        x_TD = x_TD[chunk.start:chunk.start + plan.num_tokens]
+        meta_T2 = None if meta_T2 is None else meta_T2[chunk.start:chunk.start + plan.num_tokens]
+        send_assign, send_pairs, _ = _splits(chunk.send, L)
+        recv_assign, recv_pairs, _ = _splits(chunk.recv, L)
+        if not self.comm.dedup:
+            rows, token_idx, send_rows, recv_rows, extra = gather_tokens(x_TD, plan), plan.token_idx_S, \
+                send_assign, recv_assign, ()
+        else:
+            token_idx, _, slot_S = rank_pairs(plan, self.ep_size)
+            rows, send_rows, recv_rows = x_TD.index_select(0, token_idx), send_pairs, recv_pairs
+            extra = (Rows(plan.weight_S, self.group, recv_assign, send_assign, send=_send),
+                     Ints(slot_S, self.group, recv_assign, send_assign, _send), token_idx)
+        meta = None if meta_T2 is None else Ints(meta_T2.index_select(0, token_idx), self.group, recv_rows,
+                                                 send_rows, _send)
+        return _Pending(chunk, self._rows(rows, recv_rows, send_rows), meta, extra, seq_ids_T, positions_T)
+
+    def _finish_chunk(self, p: _Pending) -> tuple[ExpertBatch, _Route | _PairRoute]:
+        """Step 3 of one chunk: wait for its rows and order them by (local expert, source rank, plan order)."""
+        R, L, chunk = self.ep_size, self.num_local_experts, p.chunk
+        send_assign, send_pairs, _ = _splits(chunk.send, L)
+        recv_assign, recv_pairs, recv_RL = _splits(chunk.recv, L)
+        num_assign = sum(recv_assign)
+        local_counts = tuple(sum(row[e] for row in recv_RL) for e in range(L))
+        counts_L = chunk.recv_RX[:, :L].sum(0)
+        perm_U = source_to_expert_order(chunk.recv_RX[:, :L], num_assign)
+        x_rows = p.rows.result()
+        meta = None if p.meta is None else p.meta.result()
+        if not self.comm.dedup:
+            seq_ids_U, positions_U = self._take_meta(meta, perm_U, p.seq_ids_T, p.positions_T)
+            batch = ExpertBatch(x_rows.index_select(0, perm_U), counts_L, seq_ids_U, positions_U, local_counts)
+            return batch, _Route(perm_U, send_assign, recv_assign, chunk.plan)
+        weights, slots, token_P = p.extra
+        weight_U, slot_U = weights.result(), slots.result()
         # a slot counts rows within its source's block: offset it by the rows of the sources before
         first_R = torch.tensor([0, *recv_pairs[:-1]], device=slot_U.device).cumsum(0)
         source_U = torch.arange(R, device=slot_U.device).repeat_interleave(
             torch.tensor(recv_assign, device=slot_U.device), output_size=num_assign)
-        perm_U = source_to_expert_order(recv_RX[:, :L], num_assign)
         row_S = (slot_U + first_R[source_U]).index_select(0, perm_U)
-        meta_P2 = self._send_meta(plan, seq_ids_T, positions_T, token_P, recv_pairs, send_pairs)
-        seq_ids_S, positions_S = self._take_meta(meta_P2, row_S, seq_ids_T, positions_T)
-        local_counts = tuple(sum(row[e] for row in recv_RL) for e in range(L))
-        batch = ExpertBatch(x_PD.index_select(0, row_S), recv_RX[:, :L].sum(0), seq_ids_S, positions_S, local_counts)
-        return batch, _PairRoute(token_P, row_S, weight_U.index_select(0, perm_U), num_pairs, send_pairs, recv_pairs)
+        seq_ids_S, positions_S = self._take_meta(meta, row_S, p.seq_ids_T, p.positions_T)
+        batch = ExpertBatch(x_rows.index_select(0, row_S), counts_L, seq_ids_S, positions_S, local_counts)
+        return batch, _PairRoute(token_P, row_S, weight_U.index_select(0, perm_U), sum(recv_pairs), send_pairs,
+                                 recv_pairs, chunk.plan)
 
     def _dispatch_nodes(
         self,
@@ -383,21 +512,6 @@ class AllToAllDispatcher(Dispatcher):
         pos_T = zeros if positions_T is None else positions_T.to(torch.int64)
         return torch.stack([seq_T, pos_T], dim=1)
 
-    def _send_meta(
-        self,
-        plan: RoutingPlan,
-        seq_ids_T: torch.Tensor | None,
-        positions_T: torch.Tensor | None,
-        token_idx: torch.Tensor,
-        recv_splits: list[int],
-        send_splits: list[int],
-    ) -> torch.Tensor | None:
-        """[received rows, 2] (sequence id, position) of the tokens `token_idx` sent, or None without either."""
-        meta_T2 = self._meta_rows(plan, seq_ids_T, positions_T)
-        if meta_T2 is None:
-            return None
-        return all_to_all(meta_T2.index_select(0, token_idx), self.group, recv_splits, send_splits)
-
     @staticmethod
     def _take_meta(
         meta_U2: torch.Tensor | None,
@@ -414,22 +528,31 @@ class AllToAllDispatcher(Dispatcher):
                 out_dtype: torch.dtype) -> torch.Tensor:
         if isinstance(state, _NodeRoute):
             return self._combine_nodes(y_SD, state, out_dtype)
-        if isinstance(state, _PairRoute):
-            return self._combine_pairs(y_SD, plan, state, out_dtype)
-        inverse_U = torch.empty_like(state.perm_U)
-        inverse_U[state.perm_U] = torch.arange(state.perm_U.numel(), device=state.perm_U.device)
-        y_back = _AllToAll.apply(y_SD.index_select(0, inverse_U), self.group, state.send_splits, state.recv_splits)
-        return combine_tokens(y_back, plan, out_dtype)
+        return self._finish_combine(self._start_combine(y_SD, state), out_dtype)
 
-    def _combine_pairs(self, y_SD: torch.Tensor, plan: RoutingPlan, route: _PairRoute,
-                       out_dtype: torch.dtype) -> torch.Tensor:
-        """Step 4 with dedup: the expert side reduces each pair's weighted outputs (fp32 or wider), one row per pair
-        returns in the experts' dtype (the per-expert path's), and the source adds its pairs to their tokens."""
+    def _start_combine(self, y_SD: torch.Tensor, route: _Route | _PairRoute) -> tuple[Rows, _Route | _PairRoute, Any]:
+        """Step 4 of one chunk, issued. Per expert: each output returns to its source in the received order. With
+        dedup the expert side reduces each pair's weighted outputs (fp32 or wider) and one row per pair returns in
+        the experts' dtype (the per-expert path's)."""
+        if isinstance(route, _Route):
+            inverse_U = torch.empty_like(route.perm_U)
+            inverse_U[route.perm_U] = torch.arange(route.perm_U.numel(), device=route.perm_U.device)
+            back = y_SD.index_select(0, inverse_U)
+            return Rows(back, self.group, route.send_splits, route.recv_splits, send=_send), route, None
         acc = torch.promote_types(y_SD.dtype, route.weight_S.dtype)
         z_PD = WeightedCombine.apply(y_SD.to(acc), route.weight_S.to(acc), route.row_S, route.num_received)
-        z_back = _AllToAll.apply(z_PD.to(y_SD.dtype), self.group, route.send_splits, route.recv_splits)
-        out_TD = z_back.new_zeros(plan.num_tokens, z_back.shape[-1], dtype=acc)
-        return out_TD.index_add(0, route.token_P, z_back.to(acc)).to(out_dtype)
+        return Rows(z_PD.to(y_SD.dtype), self.group, route.send_splits, route.recv_splits, send=_send), route, acc
+
+    @staticmethod
+    def _finish_combine(pending: tuple[Rows, _Route | _PairRoute, Any], out_dtype: torch.dtype) -> torch.Tensor:
+        """The chunk's tokens: per expert, the outputs scatter-added with the combine weights (which never
+        travelled); with dedup, each returned pair added to its token (in the wider dtype)."""
+        rows, route, acc = pending
+        y_back = rows.result()
+        if acc is None:
+            return combine_tokens(y_back, route.plan, out_dtype)
+        out_TD = y_back.new_zeros(route.plan.num_tokens, y_back.shape[-1], dtype=acc)
+        return out_TD.index_add(0, route.token_P, y_back.to(acc)).to(out_dtype)
 
     @staticmethod
     def _combine_nodes(y_SD: torch.Tensor, route: _NodeRoute, out_dtype: torch.dtype) -> torch.Tensor:

@@ -118,6 +118,18 @@ class Dispatcher:
         experts live here: `x` itself."""
         return x
 
+    def start(self, x_TD: torch.Tensor, plan: RoutingPlan, run_experts: RunExperts,
+              seq_ids_T: torch.Tensor | None = None, positions_T: torch.Tensor | None = None) -> Any:
+        """Begin moving the tokens; compute independent of the experts' output may run before `finish` (the
+        all-to-all dispatcher's first chunk travels meanwhile). Here nothing moves before `finish`."""
+        return x_TD, plan, run_experts, seq_ids_T, positions_T
+
+    def finish(self, handle: Any) -> torch.Tensor:
+        """y_TD of what `start` began: dispatch, experts, combine."""
+        x_TD, plan, run_experts, seq_ids_T, positions_T = handle
+        batch, state = self.dispatch(x_TD, plan, seq_ids_T, positions_T)
+        return self.combine(run_experts(batch), plan, state, x_TD.dtype)
+
     def __call__(
         self,
         x_TD: torch.Tensor,
@@ -126,8 +138,7 @@ class Dispatcher:
         seq_ids_T: torch.Tensor | None = None,
         positions_T: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        batch, state = self.dispatch(x_TD, plan, seq_ids_T, positions_T)
-        return self.combine(run_experts(batch), plan, state, x_TD.dtype)
+        return self.finish(self.start(x_TD, plan, run_experts, seq_ids_T, positions_T))
 
 
 class LocalDispatcher(Dispatcher):

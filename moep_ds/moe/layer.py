@@ -4,7 +4,8 @@
 
     plan = router(x)                       (which tokens each expert processes, combine weights, aux losses)
     y    = dispatcher(x, plan, experts)    (local, or all-to-all across an expert-parallel group)
-    y    = shared.combine(y, x)            (with `shared_expert`: an always-active FFN beside them, moe/shared.py)
+    y    = shared.combine(y, x)            (with `shared_expert`: an always-active FFN beside them, moe/shared.py;
+                                            computed between dispatcher.start and .finish, while tokens travel)
 
 Expert parallelism comes with the plan the layer is built with (moe/plan.py): `MoELayer(cfg, d_model=D,
 plan=plan)` holds this rank's experts only (`shard_experts(layer, plan)` cuts a layer built with every expert down
@@ -71,9 +72,12 @@ class MoELayer(ExpertStage, LifecycleManaged):
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         plan = self.router(x_BTD)
-        y_TD = self.dispatch(x_TD, plan)
-        if self.shared is not None:
-            y_TD = self.shared.combine(y_TD, x_TD)
+        pending = self.dispatcher.start(x_TD, plan, self.run_experts)
+        # the shared expert needs no routed output: it computes while the first chunk's tokens travel
+        shared = None if self.shared is None else self.shared.compute(x_TD)
+        y_TD = self.dispatcher.finish(pending)
+        if shared is not None:
+            y_TD = self.shared.mix(y_TD, shared)
         stats = plan.stats
         if self.experts.num_local_experts < self.num_experts:  # expert parallelism: how far tokens travel
             stats = {**stats, "destination_ranks": destination_ranks(plan, self.experts.num_local_experts)}

@@ -44,12 +44,21 @@ class SharedExpert(nn.Module):
             self.gate = nn.Linear(d_model, 2, bias=True)
 
     def combine(self, y_routed_TD: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.mix(y_routed_TD, self.compute(x_TD))
+
+    def compute(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The shared FFN's output and its gate's (or None): independent of the routed experts, so it may run
+        while their tokens travel (moe/layer.py)."""
         shared_TD = self.ffn(x_TD)
+        return shared_TD, None if self.gate_kind == "none" else self.gate(x_TD)
+
+    def mix(self, y_routed_TD: torch.Tensor, computed: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        shared_TD, gate_TX = computed
         if self.gate_kind == "none":
             return y_routed_TD + shared_TD
         if self.gate_kind == "sigmoid":
-            return y_routed_TD + torch.sigmoid(self.gate(x_TD)) * shared_TD
-        coef_T2 = torch.softmax(self.gate(x_TD), dim=-1)
+            return y_routed_TD + torch.sigmoid(gate_TX) * shared_TD
+        coef_T2 = torch.softmax(gate_TX, dim=-1)
         return y_routed_TD * coef_T2[..., 0:1] + shared_TD * coef_T2[..., 1:]
 
     def extra_repr(self) -> str:

@@ -70,9 +70,9 @@ def run(name: str, rank: int, dedup: bool) -> dict:
     sent = []
     original = a2a.all_to_all
 
-    def counted(t, group, out_splits, in_splits):
+    def counted(t, group, out_splits, in_splits, *async_op):
         sent.append(t.numel() * t.element_size())
-        return original(t, group, out_splits, in_splits)
+        return original(t, group, out_splits, in_splits, *async_op)
 
     a2a.all_to_all = counted
     try:

@@ -70,7 +70,8 @@ def run(name: str, rank: int, mode: str, fp8: bool = False, d_model: int = D) ->
     """Output, gradients and all-to-all bytes (all, and those to another node) of one forward and backward."""
     layer = build(name, d_model)
     plan = ExpertParallelPlan(size=WORLD, rank=rank, group=dist.group.WORLD)
-    comm = ExpertCommConfig(dedup=mode != "per_expert", node_aware=None if mode == "nodes" else False, fp8_dispatch=fp8)
+    comm = ExpertCommConfig(dedup=mode != "per_expert", node_aware=None if mode == "nodes" else False, fp8_dispatch=fp8,
+                            overlap_chunks=1)  # node-aware legs run in one chunk; flat and per expert alike here
     nodes = node_groups(plan, ranks_per_node()) if mode == "nodes" else None
     for stage in [m for m in layer.modules() if isinstance(m, ExpertStage)]:
         shard_experts(stage, plan)
@@ -80,13 +81,13 @@ def run(name: str, rank: int, mode: str, fp8: bool = False, d_model: int = D) ->
     x.requires_grad_()
     between, crossing, original = [0], [0], a2a.all_to_all
 
-    def counted(t, group, out_splits, in_splits):
+    def counted(t, group, out_splits, in_splits, *async_op):
         row = t[:1].numel() * t.element_size()
         nodes = [peer // PER_NODE for peer in dist.get_process_group_ranks(group)]
         if len(set(nodes)) == len(nodes) > 1:  # a group of one rank per node: the leg between nodes
             between[0] += t.numel() * t.element_size()
         crossing[0] += row * sum(n for node, n in zip(nodes, in_splits) if node != rank // PER_NODE)
-        return original(t, group, out_splits, in_splits)
+        return original(t, group, out_splits, in_splits, *async_op)
 
     a2a.all_to_all = counted
     try:

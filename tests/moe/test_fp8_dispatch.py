@@ -31,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training")
 from tiny import recipe  # noqa: E402
 
 WORLD, B, T, D = 2, 2, 8, 256
+CHUNKS = ExpertCommConfig().overlap_chunks  # the layer is built with the defaults: its rows go in chunks
 # a group per rank, one group a token: each token to exactly one rank (the rows are fixed: T a rank)
 LAYER = MoEConfig(num_experts=4, expert=FFNConfig(type="swiglu", hidden_size=64), router=TopKConfig(
     k=2, score="sigmoid", renormalize=True, num_groups=2, group_topk=1))
@@ -71,9 +72,9 @@ def run(rank: int, fp8_dispatch: bool) -> dict:
     x.requires_grad_()
     calls, original, phase = [], a2a.all_to_all, ["forward"]
 
-    def counted(t, group, out_splits, in_splits):
+    def counted(t, group, out_splits, in_splits, *async_op):
         calls.append((phase[0], t.dtype, tuple(t.shape), t.numel() * t.element_size()))
-        return original(t, group, out_splits, in_splits)
+        return original(t, group, out_splits, in_splits, *async_op)
 
     a2a.all_to_all = counted
     try:
@@ -106,14 +107,17 @@ def test_fp8_dispatch_sends_e4m3_rows_forward_and_the_model_dtype_back(tmp_path)
             error = (fp8_[key] - bf16[key]).norm() / bf16[key].norm()
             assert 0 < error < 0.05, (rank, key, error)
         packed = [c for c in fp8_["calls"] if c[1] == torch.uint8]
-        assert [c[0] for c in packed] == ["forward"]  # the one dispatch of rows; everything else in bf16
-        assert packed[0][2] == (B * T, D + 4 * D // 128) and packed[0][3] == there.total
+        # the dispatch of rows, once per chunk (overlap_chunks, 2 by default); everything else in bf16
+        assert [c[0] for c in packed] == ["forward"] * CHUNKS
+        assert {c[2][1:] for c in packed} == {(D + 4 * D // 128,)} and sum(c[2][0] for c in packed) == B * T
+        assert sum(c[3] for c in packed) == there.total
         rows = [c for c in fp8_["calls"] if c[1] == torch.bfloat16]
         assert all(c[2][1:] == (D,) for c in rows)
         back_bytes += sum(c[3] for c in rows)  # what a rank returns: the rows the others sent it
-        bf16_there = [c for c in bf16["calls"] if c[1] == torch.bfloat16 and c[0] == "forward"][0]
-        assert bf16_there[2] == (B * T, D)
-        assert packed[0][3] / bf16_there[3] == (1 + 4 / 128) / 2  # half of bf16's, and the scales
+        bf16_there = [c for c in bf16["calls"] if c[1] == torch.bfloat16 and c[0] == "forward"][:CHUNKS]
+        assert sum(c[2][0] for c in bf16_there) == B * T
+        # half of bf16's, and the scales
+        assert sum(c[3] for c in packed) / sum(c[3] for c in bf16_there) == (1 + 4 / 128) / 2
     assert back_bytes == WORLD * back.total
 
 
