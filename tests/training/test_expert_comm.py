@@ -1,7 +1,8 @@
-"""Dispatch once per destination rank (train.expert_comm.dedup) trains as the blocking per-expert all-to-all: on 2
+"""Dispatch once per destination rank (train.expert_comm.dedup), alone and with the all-to-all in chunks in flight
+behind compute (train.expert_comm.overlap_chunks 2: the defaults), trains as the blocking per-expert all-to-all: on 2
 processes at expert_parallel_size 2 (ZeRO-2 fp32), 5 steps give the same losses (1e-6) for top-k without and with
 groups (DeepSeek-V3's routing, with a shared expert), expert choice and MSIT's branches. (Layer outputs and gradients:
-tests/moe/test_all_to_all_dedup.py; the bytes it moves: tests/planning/test_plan_comm.py.) Node-aware dispatch on 4
+tests/moe/test_all_to_all_dedup.py, test_all_to_all_overlap.py; the bytes: tests/planning/test_plan_comm.py.) Node-aware dispatch on 4
 processes as 2 nodes: the same, against the per-expert path. FP8 dispatch: 200 steps of configs/deepseek_tiny.yaml
 near the bf16 dispatch's losses."""
 import pytest
@@ -10,6 +11,9 @@ from tiny import DS_CONFIGS, REPO, losses, run_jobs, write_recipe
 
 pytestmark = pytest.mark.slow
 STACKS = ["top2", "deepseek", "nova_moe", "msit"]
+BLOCKING = {"dedup": False, "overlap_chunks": 1}  # the blocking per-expert all-to-all: a row per (token, expert)
+# mode: train.expert_comm; "defaults": once per rank, in 2 chunks in flight
+MODES = {"per_expert": BLOCKING, "once_per_rank": {"dedup": True, "overlap_chunks": 1}, "defaults": {}}
 
 
 @pytest.fixture(scope="module")
@@ -17,21 +21,22 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("expert_comm")
     jobs, out = [], {}
     for name in STACKS:
-        for dedup in (False, True):
-            out[name, dedup] = tmp / f"{name}_dedup_{dedup}"
-            recipe = write_recipe(tmp / f"{name}_{dedup}.yaml", name, out[name, dedup], max_steps=5,
-                                  expert_parallel_size=2, global_batch_size=8, expert_comm={"dedup": dedup})
+        for mode, comm in MODES.items():
+            out[name, mode] = tmp / f"{name}_{mode}"
+            recipe = write_recipe(tmp / f"{name}_{mode}.yaml", name, out[name, mode], max_steps=5,
+                                  expert_parallel_size=2, global_batch_size=8, expert_comm=comm)
             jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")})
     run_jobs(2, jobs, timeout=1200)
     return out
 
 
 @pytest.mark.parametrize("name", STACKS)
-def test_five_steps_once_per_rank_equal_the_per_expert_path(runs, name):
-    per_expert, once = losses(runs[name, False]), losses(runs[name, True])
-    assert sorted(per_expert) == sorted(once) == [1, 2, 3, 4, 5]
+@pytest.mark.parametrize("mode", ["once_per_rank", "defaults"])
+def test_five_steps_equal_the_blocking_per_expert_path(runs, name, mode):
+    per_expert, got = losses(runs[name, "per_expert"]), losses(runs[name, mode])
+    assert sorted(per_expert) == sorted(got) == [1, 2, 3, 4, 5]
     for step in range(1, 6):
-        assert once[step] == pytest.approx(per_expert[step], rel=0, abs=1e-6), (name, step, per_expert, once)
+        assert got[step] == pytest.approx(per_expert[step], rel=0, abs=1e-6), (name, mode, step, per_expert, got)
     assert per_expert[5] != per_expert[1]  # it trained
 
 
@@ -46,7 +51,7 @@ def node_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("expert_comm_nodes")
     jobs, out = [], {}
     for name in NODE_STACKS:
-        for mode, comm in (("per_expert", {"dedup": False}), ("nodes", {})):
+        for mode, comm in (("per_expert", BLOCKING), ("nodes", {})):  # node-aware: one blocking chunk
             out[name, mode] = tmp / f"{name}_{mode}"
             recipe = write_recipe(tmp / f"{name}_{mode}.yaml", name, out[name, mode], max_steps=5,
                                   expert_parallel_size=4, micro_batch_size=2, global_batch_size=8, expert_comm=comm)
