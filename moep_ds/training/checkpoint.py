@@ -18,9 +18,9 @@ size, expert-parallel size, ZeRO stage and master precision may all change betwe
 
 `Checkpointer` is the one seam: it saves the run's parts, a mapping of names to objects with `state_dict` /
 `load_state_dict` (torchtitan's CheckpointManager(states={...})): the train module (whose model and engine also give
-the tensors), the trainer, the data loader, the callbacks (`NamedStates`). Resuming, `choose_checkpoint` picks the
-checkpoint and reads its trainer state once (trainer_state.read) before anything is built; `restore` then puts every
-part back in one place.
+the tensors), the trainer, the data loader, the callbacks (`NamedStates`). Resuming, training/assemble.py picks the
+checkpoint, whose trainer state `check_checkpoint` reads once (its bytes checksum-verified, then parsed) before
+anything is built; `restore` then puts every part back in one place.
 
 A checkpoint is written under `.tmp-<tag>` and renamed once every rank's files are durable (DCP fsyncs and
 gathers the ranks' results before its metadata is written), so a crash at any point leaves the previous
@@ -389,7 +389,7 @@ class Checkpointer:
                                 tokenizer_dir=self.tokenizer_dir, meta=module.checkpoint_meta())
 
     def restore(self, ckpt: pathlib.Path, state: TrainerState, parts: Mapping[str, Stateful]) -> None:
-        """Every part from `ckpt`, whose `state` choose_checkpoint read: the train module's masters and moments (its
+        """Every part from `ckpt`, whose `state` check_checkpoint read: the train module's masters and moments (its
         weights were loaded into the model before the engine existed), the RNG streams, then each part's state in
         the order of `parts` (a part the checkpoint has no state for keeps its own)."""
         module: TensorPart = parts[TRAIN_MODULE]  # type: ignore[assignment]
