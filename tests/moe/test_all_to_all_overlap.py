@@ -3,7 +3,8 @@ moe/overlap.py) on 2 gloo processes: layer output, input gradient and every para
 per-expert path's (fp32, 1e-6) for top-k with and without groups, a shared expert, expert choice and MSIT's branches
 (chunks of whole sequences), per expert and once per rank; the rows' bytes are the blocking path's, the counts of
 every chunk travel in one exchange; chunk i+1's dispatch is issued before chunk i's experts run, chunk i's combine
-before chunk i+1's, and in backward the gradients' all-to-alls are issued before they are waited for."""
+before chunk i+1's; in backward every all-to-all is issued without waiting, the combine's gradients before the
+experts' backward and a chunk's dispatch gradient before the next chunk's experts' backward."""
 import os
 
 import pytest
@@ -38,9 +39,13 @@ def run(name: str, rank: int, dedup: bool, chunks: int) -> dict:
 
         def logged(batch, run_experts=run_experts):
             events.append(("experts", batch.x_SD.shape[0]))
-            return run_experts(batch)
+            y_SD = run_experts(batch)
+            y_SD.register_hook(lambda grad: events.append(("experts_backward", grad.shape[0])))
+            return y_SD
 
         stage.run_experts = logged
+    if getattr(block, "shared", None) is not None:
+        block.shared.ffn.register_forward_hook(lambda *_: events.append(("shared", 0)))
     gen = torch.Generator().manual_seed(1 + rank)
     x, g = torch.randn(2, B, T, D, generator=gen).unbind(0)
     x.requires_grad_()
@@ -48,7 +53,10 @@ def run(name: str, rank: int, dedup: bool, chunks: int) -> dict:
 
     def counted(t, group, out_splits, in_splits, async_op=False):
         events.append(("issue" if async_op else "blocking", t.numel() * t.element_size()))
-        return original(t, group, out_splits, in_splits, async_op)
+        if not async_op:
+            return original(t, group, out_splits, in_splits)
+        out, work = original(t, group, out_splits, in_splits, True)
+        return out, Logged(work, events)
 
     a2a.all_to_all = counted
     try:
@@ -60,6 +68,27 @@ def run(name: str, rank: int, dedup: bool, chunks: int) -> dict:
         a2a.all_to_all = original
     return {"y": y.detach(), "x_grad": x.grad, "grads": {n: p.grad for n, p in block.named_parameters()},
             "forward": events[:forward], "backward": events[forward:]}
+
+
+class Logged:
+    """A collective's work that notes when it is waited for."""
+
+    def __init__(self, work, events: list):
+        self.work, self.events = work, events
+
+    def wait(self):
+        self.events.append(("wait", 0))
+        return self.work.wait()
+
+
+def in_flight_at(events: list, kind: str) -> list[int]:
+    """How many issued all-to-alls were not yet waited for at each event of `kind`."""
+    out, flying = [], 0
+    for what, _ in events:
+        flying += {"issue": 1, "wait": -1}.get(what, 0)
+        if what == kind:
+            out.append(flying)
+    return out
 
 
 def _worker(out_dir: str) -> None:
@@ -98,23 +127,20 @@ def test_chunks_in_flight_equal_the_blocking_per_expert_path(tmp_path):
 
 def check_schedule(got: dict, one_chunk: dict, chunks: int, what: str) -> None:
     """One blocking counts exchange (C times the ints of one chunk) before each stage's chunks; the rows' bytes of one
-    chunk; chunk i+1's rows issued before chunk i's experts run and chunk i's combine before chunk i+1's experts."""
+    chunk; an all-to-all in flight whenever a chunk's experts compute, and while the shared expert does."""
     fwd, ref = got["forward"], one_chunk["forward"]
+    kinds = [kind for kind, _ in fwd]
     counts = [n for kind, n in fwd if kind == "blocking"]
     assert counts == [chunks * n for kind, n in ref if kind == "blocking"], what
     assert row_bytes(fwd) == row_bytes(ref), what
     # both directions in backward (the rows' gradients, and with dedup the weights'), all issued without waiting
     assert row_bytes(got["backward"]) == row_bytes(one_chunk["backward"]) > 0, what
-    assert all(kind == "issue" for kind, _ in got["backward"]), what
-    kinds = [kind for kind, _ in fwd]
-    experts = [i for i, kind in enumerate(kinds) if kind == "experts"]
-    stages = kinds.count("blocking")
-    assert len(experts) == chunks * stages, what
-    for s in range(stages):
-        mine = experts[s * chunks:(s + 1) * chunks]
-        for i in range(chunks - 1):
-            assert kinds[mine[i] - 1] == "issue", what  # chunk i+1's rows, issued just before
-            assert "issue" in kinds[mine[i] + 1:mine[i + 1]], what
+    assert {kind for kind, _ in got["backward"]} == {"issue", "wait", "experts_backward"}, what
+    # whenever a chunk's experts compute, forward or backward, another chunk's all-to-all is in flight: a dispatch, a
+    # combine, or their gradients (one chunk: none)
+    for flying in (in_flight_at(fwd, "experts"), in_flight_at(got["backward"], "experts_backward")):
+        assert len(flying) == chunks * kinds.count("blocking") and all((n > 0) == (chunks > 1) for n in flying), what
+    assert all(n > 0 for n in in_flight_at(fwd, "shared")), what  # the shared expert: while the first chunk travels
 
 
 def test_chunks_are_contiguous_tokens_or_whole_sequences():
