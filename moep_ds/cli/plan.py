@@ -31,7 +31,7 @@ def plan_parser() -> Parser:
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpus_per_node", type=int, default=None, help="GPUs per node (default: 8, or --gpus "
                    "when fewer)")
-    p.add_argument("--gpu", default="h100", help="h100, h200, a100 or mi300x, any case (default h100)")
+    p.add_argument("--gpu", default="h100", help="h100, h200, h800, a100 or mi300x, any case (default h100)")
     p.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="recipe overrides, e.g. train.expert_parallel_size=8 train.micro_batch_size=4")
     p.add_argument("--hardware", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
@@ -41,8 +41,9 @@ def plan_parser() -> Parser:
                    help="override the assumptions: compute_efficiency (0.45), comm_efficiency (0.7), hbm_efficiency "
                         "(0.8), overlap (0.5), reserve_gib (2), micro_step_ms (3)")
     p.add_argument("--search", action="store_true",
-                   help="every layout (expert parallel x ZeRO stage x micro-batch x activation checkpointing) that "
-                        "fits, ordered by predicted step time")
+                   help="every layout (expert parallel x ZeRO stage x micro-batch x activation checkpointing x "
+                        "train.expert_comm: once per rank, node-aware, FP8 dispatch, overlap chunks) that fits, "
+                        "ordered by predicted step time")
     p.add_argument("--json", action="store_true", help="print the plan (with --search: every fitting layout) as JSON")
     p.add_argument("--png", type=pathlib.Path, help="write the memory breakdown per rank as a PNG")
     return p
@@ -85,7 +86,9 @@ def searched(cfg, ds, cluster, gpu, assumed, args: argparse.Namespace) -> int:
     global_batch = recipe_global_batch(cfg, ds, cluster)  # kept by every layout searched
     runs = search(cfg, ds, cluster, gpu, assumed, global_batch)
     if not runs:
-        raise UserError(f"no layout of {global_batch} sequences per step on {cluster.gpus} GPUs is possible")
+        why = (f": every rank is data-parallel, and {global_batch} is not a multiple of {cluster.gpus}"
+               if global_batch % cluster.gpus else "")
+        raise UserError(f"no layout of {global_batch} sequences per step on {cluster.gpus} GPUs is possible{why}")
     fitting = [r for r in runs if r.fits]
     if args.json:
         print(json.dumps([report.as_dict(r) for r in fitting], indent=1))

@@ -8,7 +8,7 @@ recipe on a cluster shape, from the code training runs.
     layout.py      the cluster shape and the recipe's layout, checked and reconciled as training does it
     memory.py      memory per rank, itemised by ZeRO stage as DeepSpeed keeps it
     comm.py        collectives per step (all-reduce, reduce-scatter, all-gather, all-to-all) and bytes per link
-    hardware.py    H100, H200, A100, MI300X and the assumed efficiencies
+    hardware.py    H100, H200, H800, A100, MI300X and the assumed efficiencies
     timing.py      step time, tokens/s, MFU, the run's time and GPU-hours
     plan.py        one layout's plan, and the search over layouts
     report.py      text, JSON and PNG

@@ -49,6 +49,15 @@ from moep_ds.planning.memory import ALIGN, padded, zero3_gathered
 from moep_ds.planning.trace import RoutedStage, StepTrace
 
 KINDS = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+# the legs of a routed stage's all-to-all in one micro-batch: the blocking count exchange of each forward, the rows
+# to the experts (with their weights, rows and positions) and back in each forward, and in backward the gradients of
+# the combine (to the experts) and of the dispatch (back, with the weights' gradients)
+LEGS = ("counts", "dispatch", "combine", "combine_grad", "dispatch_grad")
+
+
+def forward_legs(forwards: int, *legs: str) -> tuple[str, ...]:
+    """`legs` once in each forward (twice where the recomputation dispatches again)."""
+    return legs * forwards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +72,10 @@ class Collective:
     # same experts: every expert_parallel-th rank), or node-aware dispatch's "expert_node" (an expert-parallel group's
     # ranks on one node) and "expert_peers" (its ranks of one local rank, one per node)
     span: str = "data"
+    # an expert all-to-all's routed stage and the leg of that stage's schedule (LEGS) each of its calls of a
+    # micro-batch serves, in order: what planning/timing.py overlaps with the experts' compute
+    stage: str = ""
+    legs: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
@@ -154,16 +167,18 @@ def all_to_all_collectives(trace: StepTrace, layout: Layout) -> list[Collective]
         S, dedup = stage.assignments, layout.expert_dedup
         rows = expected_pairs(stage.choice, stage.tokens, S, stage.num_experts, ep) if dedup else S
         out.append(Collective(f"{stage.name}: expert counts" + (" and pairs per rank" if dedup else ""), "all_to_all",
-                              8 * (stage.num_experts + (ep if dedup else 0)), ep, A * forwards, False, "expert"))
-        out += row_collectives(f"{stage.name}: tokens", rows, stage.width, layout, ep, "expert")
+                              8 * (stage.num_experts + (ep if dedup else 0)), ep, A * forwards, False, "expert",
+                              stage.name, forward_legs(forwards, "counts")))
+        out += row_collectives(f"{stage.name}: tokens", rows, stage.width, layout, ep, "expert", stage.name)
         if dedup:  # fp32 combine weights (their gradients come back) and each assignment's row (int64)
             out.append(Collective(f"{stage.name}: combine weights", "all_to_all", 4 * S, ep, A * (forwards + 1),
-                                  False, "expert"))
+                                  False, "expert", stage.name, forward_legs(forwards, "dispatch") + ("dispatch_grad",)))
             out.append(Collective(f"{stage.name}: rows of the assignments", "all_to_all", 8 * S, ep, A * forwards,
-                                  False, "expert"))
+                                  False, "expert", stage.name, forward_legs(forwards, "dispatch")))
         if stage.with_positions:
             out.append(Collective(f"{stage.name}: sequence ids and positions", "all_to_all",
-                                  round(16 * rows), ep, A * forwards, False, "expert"))
+                                  round(16 * rows), ep, A * forwards, False, "expert", stage.name,
+                                  forward_legs(forwards, "dispatch")))
     return out
 
 
@@ -179,30 +194,36 @@ def node_aware_collectives(stage: RoutedStage, layout: Layout) -> list[Collectiv
     for leg, group, span, rows, extra in (("between nodes", ep // n, "expert_peers", node_pairs(stage, ep // n), 0),
                                           ("inside the node", n, "expert_node", node_pairs(stage, ep), L)):
         name = f"{stage.name} ({leg})"
-        out += [Collective(f"{name}: counts", "all_to_all", 8 * (extra + 2) * group, group, A * forwards, False, span),
-                *row_collectives(f"{name}: tokens", rows, stage.width, layout, group, span),
-                Collective(f"{name}: combine weights", "all_to_all", 4 * S, group, A * (forwards + 1), False, span),
+        dispatch = forward_legs(forwards, "dispatch")
+        out += [Collective(f"{name}: counts", "all_to_all", 8 * (extra + 2) * group, group, A * forwards, False, span,
+                           stage.name, forward_legs(forwards, "counts")),
+                *row_collectives(f"{name}: tokens", rows, stage.width, layout, group, span, stage.name),
+                Collective(f"{name}: combine weights", "all_to_all", 4 * S, group, A * (forwards + 1), False, span,
+                           stage.name, dispatch + ("dispatch_grad",)),
                 Collective(f"{name}: rows and experts of the assignments", "all_to_all", 8 * S, group, A * forwards,
-                           False, span)]
+                           False, span, stage.name, dispatch)]
         if stage.with_positions:
             out.append(Collective(f"{name}: sequence ids and positions", "all_to_all", round(16 * rows), group,
-                                  A * forwards, False, span))
+                                  A * forwards, False, span, stage.name, dispatch))
     return out
 
 
-def row_collectives(name: str, rows: float, width: int, layout: Layout, group: int, span: str) -> list[Collective]:
+def row_collectives(name: str, rows: float, width: int, layout: Layout, group: int, span: str,
+                    stage: str = "") -> list[Collective]:
     """The rows of a dispatch: there and back in each forward (twice with the recomputation), and the gradients
     both ways in backward, in the model's dtype; with fp8_dispatch the rows there in forward in FP8 (a byte a value
     and an fp32 scale per 128: moe/fp8.py), the rest as before."""
     A, p = layout.grad_accum, layout.param_bytes
     forwards = 2 if layout.activation_checkpointing else 1
+    grads = ("combine_grad", "dispatch_grad")
     if not layout.expert_fp8_dispatch:
         return [Collective(f"{name} to experts and back", "all_to_all", round(rows * width * p), group,
-                           A * (2 * forwards + 2), False, span)]
+                           A * (2 * forwards + 2), False, span, stage,
+                           forward_legs(forwards, "dispatch", "combine") + grads)]
     return [Collective(f"{name} to experts (fp8 and scales)", "all_to_all", round(rows * fp8.packed_width(width)),
-                       group, A * forwards, False, span),
+                       group, A * forwards, False, span, stage, forward_legs(forwards, "dispatch")),
             Collective(f"{name} back, and gradients", "all_to_all", round(rows * width * p), group, A * (forwards + 2),
-                       False, span)]
+                       False, span, stage, forward_legs(forwards, "combine") + grads)]
 
 
 def node_pairs(stage: RoutedStage, parts: int) -> float:
@@ -271,4 +292,4 @@ def link_bytes(c: Collective, layout: Layout) -> LinkBytes:
     return LinkBytes(intra, inter)
 
 
-__all__ = ["Collective", "CommPlan", "KINDS", "LinkBytes", "comm_plan", "link_bytes", "placement"]
+__all__ = ["Collective", "CommPlan", "KINDS", "LEGS", "LinkBytes", "comm_plan", "link_bytes", "placement"]

@@ -2,7 +2,9 @@
 
 Peak numbers are dense (no 2:4 sparsity), per GPU, from the vendors' data sheets: H100 and H200 SXM, A100 SXM 80 GB,
 MI300X OAM. Link bandwidths are per GPU and per direction: NVLink / Infinity Fabric within a node, one 400 Gb/s
-(200 Gb/s on A100 systems) InfiniBand / RoCE NIC per GPU between nodes.
+(200 Gb/s on A100 systems) InfiniBand / RoCE NIC per GPU between nodes. H800 SXM (DeepSeek-V3's cluster): the
+H100's compute and HBM with NVLink cut to 400 GB/s (the data sheet's both directions together, as H100's 900: 200
+each way), 8 GPUs a node, one 400 Gb/s InfiniBand NIC per GPU (the DeepSeek-V3 report: IB 50 GB/s).
 
     gpu = hardware("h100", ["hbm_gbps=3000", "inter_node_gbps=25"])      # --gpu h100 --hardware ...
     assumed = assumptions(["compute_efficiency=0.4"])                   # --assume ...
@@ -35,6 +37,7 @@ class Accelerator:
 ACCELERATORS = {
     "h100": Accelerator("h100", 80, 989.0, 67.0, 3350, 450, 50),
     "h200": Accelerator("h200", 141, 989.0, 67.0, 4800, 450, 50),
+    "h800": Accelerator("h800", 80, 989.0, 67.0, 3350, 200, 50),
     "a100": Accelerator("a100", 80, 312.0, 19.5, 2039, 300, 25),
     "mi300x": Accelerator("mi300x", 192, 1307.0, 163.4, 5300, 448, 50),
 }

@@ -77,6 +77,9 @@ class Layout:
     expert_dedup: bool = True  # train.expert_comm.dedup: a token crosses to a rank once (planning/dedup.py)
     expert_node_aware: bool = False  # train.expert_comm.node_aware as it resolves here: once per node, then fan out
     expert_fp8_dispatch: bool = False  # train.expert_comm.fp8_dispatch: rows there in FP8 with their scales
+    # train.expert_comm.overlap_chunks: a routed stage's tokens in this many chunks, each one's all-to-all in flight
+    # while a neighbour's experts compute (planning/timing.py; 1: the dispatch beside the shared expert only)
+    expert_overlap_chunks: int = 1
 
     @property
     def gpus(self) -> int:
@@ -105,17 +108,28 @@ class Layout:
         return value
 
     def describe(self) -> str:
+        comm = f" ({self.expert_comm()})" if self.expert_parallel > 1 else ""
         return (f"{self.gpus} GPUs ({self.cluster.nodes} x {self.cluster.gpus_per_node}), data parallel {self.gpus}, "
-                f"expert parallel {self.expert_parallel}, ZeRO-{self.zero_stage} {self.precision}, micro-batch "
+                f"expert parallel {self.expert_parallel}{comm}, ZeRO-{self.zero_stage} {self.precision}, micro-batch "
                 f"{self.micro_batch} x {self.grad_accum} accumulation x {self.seq_len} tokens, activation "
                 f"checkpointing {'on' if self.activation_checkpointing else 'off'}")
 
+    def expert_comm(self) -> str:
+        """The train.expert_comm options in effect, in words ("once per rank, fp8, 2 chunks overlapped")."""
+        chunks = 1 if self.expert_node_aware else self.expert_overlap_chunks  # node-aware legs: one blocking chunk
+        return ", ".join([("once per rank" if self.expert_dedup else "per expert")]
+                         + ["node-aware (blocking)"] * self.expert_node_aware + ["fp8"] * self.expert_fp8_dispatch
+                         + [f"{chunks} chunk{'s' * (chunks > 1)} overlapped"] * (not self.expert_node_aware))
 
-def with_settings(cfg, *, expert_parallel: int, micro_batch: int, activation_checkpointing: bool, global_batch: int):
-    """A copy of the recipe with the layout's own train fields replaced (the recipe is never modified)."""
+
+def with_settings(cfg, *, expert_parallel: int, micro_batch: int, activation_checkpointing: bool, global_batch: int,
+                  expert_comm: dict[str, Any] | None = None):
+    """A copy of the recipe with the layout's own train fields replaced (the recipe is never modified);
+    `expert_comm`: train.expert_comm fields to replace."""
+    comm = dataclasses.replace(cfg.train.expert_comm, **(expert_comm or {}))
     return dataclasses.replace(cfg, train=dataclasses.replace(
         cfg.train, expert_parallel_size=expert_parallel, micro_batch_size=micro_batch,
-        activation_checkpointing=activation_checkpointing, global_batch_size=global_batch))
+        activation_checkpointing=activation_checkpointing, global_batch_size=global_batch, expert_comm=comm))
 
 
 def make_layout(cfg, ds: dict[str, Any], cluster: Cluster) -> Layout:
@@ -134,7 +148,8 @@ def make_layout(cfg, ds: dict[str, Any], cluster: Cluster) -> Layout:
         zero=dict(full.get("zero_optimization", {})), overflow_check=overflow_check(full),
         expert_dedup=cfg.train.expert_comm.dedup,
         expert_node_aware=node_size(cfg.train.expert_comm, ep, cluster.gpus, cluster.gpus_per_node) is not None,
-        expert_fp8_dispatch=cfg.train.expert_comm.fp8_dispatch)
+        expert_fp8_dispatch=cfg.train.expert_comm.fp8_dispatch,
+        expert_overlap_chunks=cfg.train.expert_comm.overlap_chunks)
 
 
 def overflow_check(ds: dict[str, Any]) -> bool:

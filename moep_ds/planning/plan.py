@@ -8,6 +8,7 @@ over layouts.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 from moep_ds.errors import UserError
@@ -70,13 +71,15 @@ def traced(cfg, layout: Layout) -> StepTrace:
     return TRACES[key]
 
 
-def plan_layout(cfg, layout: Layout, gpu: Accelerator, assumed: Assumptions) -> RunPlan:
+def plan_layout(cfg, layout: Layout, gpu: Accelerator, assumed: Assumptions,
+                memory: MemoryPlan | None = None) -> RunPlan:
+    """`memory`: the plan's memory where it is known already (the expert all-to-all's options do not change it)."""
     inv = inventory(cfg, layout.expert_parallel)
     trace = traced(cfg, layout)
-    memory = memory_plan(inv, layout, trace, async_save=cfg.train.checkpoint.async_save)
+    memory = memory or memory_plan(inv, layout, trace, async_save=cfg.train.checkpoint.async_save)
     comm = comm_plan(inv, layout, trace)
-    return RunPlan(layout, inv, memory, comm, step_time(inv, layout, comm, gpu, assumed, run_steps(cfg)), gpu,
-                   assumed)
+    return RunPlan(layout, inv, memory, comm,
+                   step_time(inv, layout, comm, gpu, assumed, run_steps(cfg), trace.routed), gpu, assumed)
 
 
 def plan_run(cfg, ds: dict[str, Any], cluster: Cluster, gpu: Accelerator, assumed: Assumptions) -> RunPlan:
@@ -98,32 +101,70 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(cfg, ds: dict[str, Any], cluster: Cluster, global_batch: int) -> list[Layout]:
-    """Every layout of data x expert parallelism, ZeRO stage, micro-batch and activation checkpointing that
-    training accepts for `global_batch` sequences per step (the recipe's)."""
+    """Every layout of data x expert parallelism, ZeRO stage, micro-batch, activation checkpointing and expert
+    all-to-all options (`comm_choices`, OVERLAP_CHOICES chunks) that training accepts for `global_batch` sequences
+    per step (the recipe's)."""
     from moep_ds.models.plan import routed_stages
 
     stages = routed_stages(cfg.model)
     eps = [ep for ep in divisors(cluster.gpus) if all(s.num_experts % ep == 0 for s in stages)] if stages else [1]
     per_rank = global_batch // cluster.gpus if global_batch % cluster.gpus == 0 else 0
+    fp8_ok = fp8_accepted(cfg)
     layouts = []
     for ep in eps:
-        for stage in (0, 1, 2, 3):
-            for micro in divisors(per_rank) if per_rank else []:
-                for checkpointing in (False, True):
-                    recipe = with_settings(cfg, expert_parallel=ep, micro_batch=micro,
-                                           activation_checkpointing=checkpointing, global_batch=global_batch)
-                    try:
-                        layouts.append(make_layout(recipe, with_zero_stage(ds, stage), cluster))
-                    except UserError:
-                        continue  # a combination training refuses (e.g. ZeRO-3 with expert parallelism)
+        for stage, micro, checkpointing in itertools.product((0, 1, 2, 3), divisors(per_rank) if per_rank else [],
+                                                             (False, True)):
+            for comm in comm_choices(ep, cluster, fp8_ok):
+                recipe = with_settings(cfg, expert_parallel=ep, micro_batch=micro, global_batch=global_batch,
+                                       activation_checkpointing=checkpointing, expert_comm=comm)
+                try:
+                    layout = make_layout(recipe, with_zero_stage(ds, stage), cluster)
+                except UserError:
+                    continue  # a combination training refuses (e.g. ZeRO-3 with expert parallelism)
+                # node-aware dispatch runs blocking in one chunk whatever overlap_chunks says (moe/all_to_all.py)
+                chunks = OVERLAP_CHOICES if ep > 1 and not layout.expert_node_aware else (1,)
+                layouts += [dataclasses.replace(layout, expert_overlap_chunks=c) for c in chunks]
     return layouts
+
+
+OVERLAP_CHOICES = (1, 2, 4)  # train.expert_comm.overlap_chunks a search tries (planning/timing.py: why only a few)
+
+
+def fp8_accepted(cfg) -> bool:
+    """Whether training accepts train.expert_comm.fp8_dispatch for this model (every dispatched width a multiple of
+    128: distributed/expert_parallel.py check_fp8_dispatch)."""
+    from moep_ds.distributed.expert_parallel import check_fp8_dispatch
+
+    comm = dataclasses.replace(cfg.train.expert_comm, fp8_dispatch=True)
+    try:
+        check_fp8_dispatch(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, expert_comm=comm)))
+    except UserError:
+        return False
+    return True
+
+
+def comm_choices(ep: int, cluster: Cluster, fp8_ok: bool) -> list[dict[str, Any]]:
+    """The train.expert_comm settings a search tries at expert parallelism `ep` (the recipe's own without it): per
+    expert or once per rank, node-aware where the group spans nodes (it needs once per rank), FP8 dispatch where
+    the widths allow it; training's checks (make_layout) refuse what cannot run."""
+    if ep == 1:
+        return [{}]
+    routes = [(False, False), (True, False)] + [(True, True)] * (ep > cluster.gpus_per_node)
+    return [{"dedup": dedup, "node_aware": nodes, "fp8_dispatch": fp8}
+            for dedup, nodes in routes for fp8 in (False, True)[:1 + fp8_ok]]
 
 
 def search(cfg, ds: dict[str, Any], cluster: Cluster, gpu: Accelerator, assumed: Assumptions,
            global_batch: int) -> list[RunPlan]:
-    """Every candidate layout planned, fastest first (those that fit and those that do not)."""
-    plans = [plan_layout(cfg, layout, gpu, assumed) for layout in candidate_layouts(cfg, ds, cluster, global_batch)]
+    """Every candidate layout planned, fastest first (those that fit and those that do not). The chunks of the
+    overlapped all-to-all change no memory the plan counts: one memory plan serves every choice of them."""
+    plans, memory = [], {}
+    for layout in candidate_layouts(cfg, ds, cluster, global_batch):
+        key = dataclasses.replace(layout, expert_overlap_chunks=1)
+        plans.append(plan_layout(cfg, layout, gpu, assumed, memory.get(key)))
+        memory[key] = plans[-1].memory
     return sorted(plans, key=lambda p: (p.time.step_s, p.memory.peak))  # ties: the more headroom first
 
 
-__all__ = ["RunPlan", "candidate_layouts", "plan_layout", "plan_run", "recipe_global_batch", "run_steps", "search"]
+__all__ = ["OVERLAP_CHOICES", "RunPlan", "candidate_layouts", "comm_choices", "plan_layout", "plan_run",
+           "recipe_global_batch", "run_steps", "search"]

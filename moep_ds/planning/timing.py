@@ -7,18 +7,44 @@
                moments, gradient, the new 16-bit weight), at hbm_efficiency x HBM bandwidth
     comm       each collective's bytes on the slower of its links (planning/comm.py), at comm_efficiency x
                bandwidth; `overlap` of the overlappable ones (ZeRO-3 gathers and reductions, ZeRO-2 reduction
-               under overlap_comm) hidden behind compute, the rest (and every all-to-all) exposed
+               under overlap_comm) hidden behind compute, the rest exposed; the expert all-to-all exposed as its
+               schedule leaves it (below)
     step = compute + optimizer + exposed comm; tokens/s = tokens per step / step; MFU = FLOPs per token x tokens/s /
     (GPUs x peak): model FLOPs only, recomputation not counted
+
+The expert all-to-all as moe/all_to_all.py and moe/overlap.py run it, per routed stage and pass (exact for two
+streams, one of communication and one of compute, each in issue order; an all-to-all waits for the compute issued
+before it, as an NCCL collective waits for its caller's stream). Flat dispatch, C = train.expert_comm.overlap_chunks
+chunks of equal size: a the dispatch of one chunk (rows, weights, rows and positions there), b its combine (rows
+back), e its experts' compute (a rank computes as many assignments as it sends, under balanced routing), h the
+shared expert's; the count exchange of each forward blocks before it all. Forward, in issue order:
+
+    send D1; compute shared; for i = 1..C: send D(i+1) (i < C), wait D(i), compute E(i), send C(i); wait every C(i)
+
+Backward is that program reversed (autograd: an all-to-all's gradient is sent where the forward waited for it and
+waited for where the forward sent it), with the gradients of the combines as the a's and of the dispatches as the
+b's, every compute doubled (backward's FLOPs):
+
+    send gC(C) .. gC(1); for i = C..1: wait gC(i), compute E'(i), send gD(i), wait gD(i+1) (i < C);
+    compute shared'; wait gD(1)
+
+exposed = the program's span - its compute. Where the communication of a step is shorter than the experts'
+(b + a <= e) all but the first dispatch and the last combine hide: max(0, a - h) + b forward (C = 1 included: the
+whole dispatch travels while the shared expert computes); where it is longer, each step exposes the difference.
+Node-aware dispatch runs its legs blocking, in one chunk, after the shared expert: a + b whole. A checkpointed
+block's recomputation repeats the forward's program. No latency per call is modelled (a chunk's all-to-all costs
+its bytes only), nor the lower efficiency of a chunk's smaller GEMMs: both would favour fewer chunks, so the search
+tries few (planning/plan.py OVERLAP_CHOICES).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from moep_ds.planning.comm import CommPlan, link_bytes
+from moep_ds.planning.comm import Collective, CommPlan, link_bytes
 from moep_ds.planning.hardware import GB, Accelerator, Assumptions
 from moep_ds.planning.inventory import Inventory
 from moep_ds.planning.layout import Layout
+from moep_ds.planning.trace import RoutedStage
 
 ADAM_BYTES_PER_PARAM = 32
 
@@ -45,20 +71,95 @@ def optimizer_share(inv: Inventory, layout: Layout) -> int:
     return int(share)
 
 
-def comm_seconds(comm: CommPlan, layout: Layout, gpu: Accelerator, assumed: Assumptions) -> tuple[float, float]:
-    """(all communication, the part not hidden behind compute) in seconds per step."""
+def seconds_of(c: Collective, layout: Layout, gpu: Accelerator, assumed: Assumptions) -> float:
+    """All calls of `c` in a step, on the slower of its links."""
+    links = link_bytes(c, layout)
+    seconds = max(links.intra / (gpu.intra_node_gbps * GB), links.inter / (gpu.inter_node_gbps * GB))
+    return seconds / assumed.comm_efficiency
+
+
+def span(program: list[tuple]) -> float:
+    """Seconds from the first issue to the last completion of `program`, a list of ("send", key, s) on the
+    communication stream, ("compute", key, s) on the compute stream and ("wait", key): the compute stream waits
+    for an all-to-all. A send starts when the communication stream is free and the compute issued before it is
+    done."""
+    comm = compute = ready = 0.0
+    done: dict[str, float] = {}
+    for op in program:
+        if op[0] == "send":
+            comm = done[op[1]] = max(comm, compute) + op[2]
+        elif op[0] == "compute":
+            compute = done[op[1]] = max(compute, ready) + op[2]
+        else:
+            ready = max(ready, done[op[1]])
+    return max([compute, *done.values()])
+
+
+def forward_program(a: float, b: float, e: float, h: float, chunks: int, blocking: bool) -> list[tuple]:
+    """One forward of a routed stage (module docstring); `blocking`: node-aware dispatch's legs after the shared
+    expert, in one chunk."""
+    if blocking:
+        return [("compute", "S", h), ("send", "D1", a), ("wait", "D1"), ("compute", "E1", e), ("send", "C1", b),
+                ("wait", "C1")]
+    program: list[tuple] = [("send", "D1", a), ("compute", "S", h)]
+    for i in range(1, chunks + 1):
+        program += [("send", f"D{i + 1}", a)] * (i < chunks)
+        program += [("wait", f"D{i}"), ("compute", f"E{i}", e), ("send", f"C{i}", b)]
+    return program + [("wait", f"C{i}") for i in range(1, chunks + 1)]
+
+
+def backward_program(a: float, b: float, e: float, h: float, chunks: int, blocking: bool) -> list[tuple]:
+    """One backward of a routed stage: the forward reversed, `a` the combines' gradients, `b` the dispatches'."""
+    if blocking:
+        return [("send", "C1", a), ("wait", "C1"), ("compute", "E1", e), ("send", "D1", b), ("wait", "D1"),
+                ("compute", "S", h)]
+    program: list[tuple] = [("send", f"C{i}", a) for i in range(chunks, 0, -1)]
+    for i in range(chunks, 0, -1):
+        program += [("wait", f"C{i}"), ("compute", f"E{i}", e), ("send", f"D{i}", b)]
+        program += [("wait", f"D{i + 1}")] * (i < chunks)
+    return program + [("compute", "S", h), ("wait", "D1")]
+
+
+def exposed_pass(program: list[tuple]) -> float:
+    return span(program) - sum(op[2] for op in program if op[0] == "compute")
+
+
+def expert_exposed(stage: RoutedStage, legs: dict[str, float], layout: Layout, flop_s: float) -> float:
+    """Exposed seconds per step of one routed stage's all-to-all; `legs`: the step's seconds on each leg."""
+    A, C, blocking = layout.grad_accum, layout.expert_overlap_chunks, layout.expert_node_aware
+    C = 1 if blocking else C
+    forwards = 2 if layout.activation_checkpointing else 1
+    per = {leg: seconds / A / C for leg, seconds in legs.items()}  # one chunk of one micro-batch (all its forwards)
+    e, h = stage.expert_flops / flop_s / C, stage.beside_flops / flop_s
+    forward = exposed_pass(forward_program(per.get("dispatch", 0) / forwards, per.get("combine", 0) / forwards, e, h,
+                                           C, blocking))
+    backward = exposed_pass(backward_program(per.get("combine_grad", 0), per.get("dispatch_grad", 0), 2 * e, 2 * h,
+                                             C, blocking))
+    return legs.get("counts", 0) + A * (forwards * forward + backward)
+
+
+def comm_seconds(comm: CommPlan, layout: Layout, gpu: Accelerator, assumed: Assumptions,
+                 routed: tuple[RoutedStage, ...] = ()) -> tuple[float, float]:
+    """(all communication, the part not hidden behind compute) in seconds per step: the expert all-to-all of the
+    stages in `routed` as its schedule exposes it, `overlap` of the other overlappable collectives."""
     total = exposed = 0.0
+    legs: dict[str, dict[str, float]] = {}
+    stages = {s.name: s for s in routed}
     for c in comm.collectives:
-        links = link_bytes(c, layout)
-        seconds = max(links.intra / (gpu.intra_node_gbps * GB), links.inter / (gpu.inter_node_gbps * GB))
-        seconds /= assumed.comm_efficiency
+        seconds = seconds_of(c, layout, gpu, assumed)
         total += seconds
-        exposed += seconds * (1 - assumed.overlap) if c.overlappable else seconds
-    return total, exposed
+        if c.stage in stages and c.legs:
+            for leg in c.legs:  # each call of a micro-batch alike
+                legs.setdefault(c.stage, {}).setdefault(leg, 0.0)
+                legs[c.stage][leg] += seconds / len(c.legs)
+        else:
+            exposed += seconds * (1 - assumed.overlap) if c.overlappable else seconds
+    flop_s = gpu.peak_flops(layout.precision) * assumed.compute_efficiency
+    return total, exposed + sum(expert_exposed(stages[name], by_leg, layout, flop_s) for name, by_leg in legs.items())
 
 
 def step_time(inv: Inventory, layout: Layout, comm: CommPlan, gpu: Accelerator, assumed: Assumptions,
-              steps: int | None) -> StepTime:
+              steps: int | None, routed: tuple[RoutedStage, ...] = ()) -> StepTime:
     peak = gpu.peak_flops(layout.precision)
     tokens_per_rank = layout.micro_batch * layout.grad_accum * layout.seq_len
     flops = inv.report.flops_per_token
@@ -66,7 +167,7 @@ def step_time(inv: Inventory, layout: Layout, comm: CommPlan, gpu: Accelerator, 
     compute = tokens_per_rank * flops * recompute / (peak * assumed.compute_efficiency)
     compute += layout.grad_accum * assumed.micro_step_ms / 1e3
     optimizer = optimizer_share(inv, layout) * ADAM_BYTES_PER_PARAM / (gpu.hbm_gbps * GB * assumed.hbm_efficiency)
-    comm_total, exposed = comm_seconds(comm, layout, gpu, assumed)
+    comm_total, exposed = comm_seconds(comm, layout, gpu, assumed, routed)
     step = compute + optimizer + exposed
     tokens_per_s = layout.tokens_per_step / step
     run = None if steps is None else steps * step / 3600
@@ -75,4 +176,5 @@ def step_time(inv: Inventory, layout: Layout, comm: CommPlan, gpu: Accelerator, 
                     None if run is None else run * layout.gpus)
 
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "StepTime", "comm_seconds", "optimizer_share", "step_time"]
+__all__ = ["ADAM_BYTES_PER_PARAM", "StepTime", "backward_program", "comm_seconds", "expert_exposed",
+           "forward_program", "optimizer_share", "span", "step_time"]

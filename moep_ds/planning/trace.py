@@ -282,7 +282,10 @@ class RoutedStage:
     """What one routed stage dispatches per micro-batch (its first forward; a checkpointed block's recomputation
     repeats it): `assignments` (token, expert) pairs of `width` features, with sequence ids and positions
     (`with_positions`: experts that attend over the original sequence, MSIT branches and MoEP paths), of `tokens`
-    routed tokens, picked as `choice` says (how many distinct ranks a token's experts span: planning/dedup.py)."""
+    routed tokens, picked as `choice` says (how many distinct ranks a token's experts span: planning/dedup.py).
+    The FLOPs are what the overlapped all-to-all hides behind (planning/timing.py): 2 per parameter of one expert per
+    assignment (attention inside experts, MSIT's and MoEP's, not counted: less to hide behind, never more), and
+    2 per shared-expert parameter per routed token."""
 
     name: str
     num_experts: int
@@ -291,6 +294,8 @@ class RoutedStage:
     with_positions: bool
     tokens: int = 0
     choice: Choice = Choice()
+    expert_flops: float = 0.0  # forward matmul FLOPs of the routed experts on the micro-batch's assignments
+    beside_flops: float = 0.0  # forward FLOPs of the shared expert, which runs while the first dispatch travels
 
 
 def record_choices(model: nn.Module) -> dict[int, Choice]:
@@ -317,16 +322,34 @@ def unnamed_choice(plan: RoutingPlan) -> Choice:
 
 
 def record_dispatch(name: str, stage: nn.Module, seen: dict[str, RoutedStage], choices: dict[int, Choice]) -> None:
-    dispatch = stage.dispatch
+    """Record the stage's first dispatch, whichever way it reaches its dispatcher: `stage.dispatch`, or the
+    dispatcher's `start` (a layer that computes beside the tokens' journey: moe/layer.py)."""
+    dispatch, dispatcher = stage.dispatch, stage.dispatcher
+    start = getattr(dispatcher, "start", None)
+    per_expert = sum(p.numel() for p in stage.experts.parameters()) / stage.num_experts  # the traced model holds all
+    shared = getattr(stage, "shared", None)
+    shared_params = 0 if shared is None else sum(p.numel() for p in shared.parameters())
+
+    def record(x_TD: torch.Tensor, plan: RoutingPlan, seq_ids_T: Any, positions_T: Any) -> None:
+        if name not in seen:
+            S = plan.token_idx_S.numel()
+            seen[name] = RoutedStage(name, stage.num_experts, S, x_TD.shape[-1],
+                                     seq_ids_T is not None or positions_T is not None, plan.num_tokens,
+                                     choices.get(id(plan.counts_E)) or unnamed_choice(plan), 2.0 * S * per_expert,
+                                     2.0 * plan.num_tokens * shared_params)
 
     def run(x_TD: torch.Tensor, plan: RoutingPlan, seq_ids_T: Any = None, positions_T: Any = None) -> torch.Tensor:
-        if name not in seen:
-            seen[name] = RoutedStage(name, stage.num_experts, plan.token_idx_S.numel(), x_TD.shape[-1],
-                                     seq_ids_T is not None or positions_T is not None, plan.num_tokens,
-                                     choices.get(id(plan.counts_E)) or unnamed_choice(plan))
+        record(x_TD, plan, seq_ids_T, positions_T)
         return dispatch(x_TD, plan, seq_ids_T, positions_T)
 
+    def run_start(x_TD: torch.Tensor, plan: RoutingPlan, run_experts: Any, seq_ids_T: Any = None,
+                  positions_T: Any = None) -> Any:
+        record(x_TD, plan, seq_ids_T, positions_T)
+        return start(x_TD, plan, run_experts, seq_ids_T, positions_T)
+
     stage.dispatch = run
+    if start is not None:
+        dispatcher.start = run_start
 
 
 __all__ = ["GradPolicy", "RoutedStage", "StepTrace", "balanced", "fused_attention", "trace_step", "traced_model"]

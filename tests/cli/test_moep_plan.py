@@ -27,7 +27,8 @@ def test_the_plan_prints_memory_communication_and_time(recipe, capsys):
     assert plan(recipe, "--gpus", "8", "--gpus_per_node", "4", "--set", "train.expert_parallel_size=2") == 0
     out = capsys.readouterr().out
     for line in ("## memory per rank", "## communication per step per rank", "## step time", "| **peak** |",
-                 "expert parallel 2, ZeRO-1 bf16, micro-batch 4 x 1 accumulation",
+                 "expert parallel 2 (once per rank, 2 chunks overlapped), ZeRO-1 bf16, micro-batch 4 x 1 accumulation",
+                 "% of the step) = step ",
                  "| all_to_all | blocks.1.moe: tokens to experts and back |", "assumed: compute efficiency 0.45",
                  "1,000 steps: "):
         assert line in out, line
@@ -54,10 +55,14 @@ def test_search_lists_fitting_layouts_and_draws_them(recipe, tmp_path, capsys):
     assert out.startswith(f"# moep-plan {recipe} --search: ") and "fastest first" in out
     rows = [line for line in out.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1
+    assert "| expert all-to-all |" in out and "| exposed comm. |" in out
+    assert "chunks overlapped |" in out  # the all-to-all's options are searched and the chosen ones shown
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plan(recipe, "--gpus", "8", "--search", "--json") == 0
     runs = json.loads(capsys.readouterr().out)
     assert len(runs) > 20 and {r["layout"]["expert_parallel"] for r in runs} == {1, 2, 4}
+    options = {tuple(r["layout"]["expert_comm"].values()) for r in runs if r["layout"]["expert_parallel"] > 1}
+    assert {chunks for *_, chunks in options} == {1, 2, 4} and {dedup for dedup, *_ in options} == {False, True}
     assert [r["time"]["step_s"] for r in runs] == sorted(r["time"]["step_s"] for r in runs)
 
 
@@ -74,7 +79,7 @@ def test_a_layout_that_does_not_fit_exits_1_saying_by_how_much(recipe, capsys):
     (["--gpus", "12", "--gpus_per_node", "8"], "error: --gpus (12) must be a multiple of --gpus_per_node (8)"),
     (["--gpus", "6", "--set", "train.expert_parallel_size=3"],
      "error: model.layers[1].moe.num_experts (4) must be divisible by expert_parallel_size (3)"),
-    (["--gpus", "4", "--gpu", "v100"], "error: --gpu ('v100') must be one of h100, h200, a100, mi300x"),
+    (["--gpus", "4", "--gpu", "v100"], "error: --gpu ('v100') must be one of h100, h200, h800, a100, mi300x"),
     (["--gpus", "4", "--hardware", "hbm=1"], "error: --hardware 'hbm=1': expected KEY=VALUE with KEY one of "
                                               "memory_gib, bf16_tflops, fp32_tflops, hbm_gbps, intra_node_gbps, "
                                               "inter_node_gbps"),
@@ -93,6 +98,15 @@ def test_a_layout_that_does_not_fit_exits_1_saying_by_how_much(recipe, capsys):
 def test_bad_input_is_one_line_and_exit_2(recipe, capsys, args, message):
     assert plan(recipe, *args) == 2
     assert capsys.readouterr().err.strip().splitlines() == [message]
+
+
+def test_deepseek_v3_batch_on_2048_gpus_is_refused_saying_why(capsys):
+    # every rank is data-parallel: 15,360 sequences a step do not divide over 2,048 (7.5 a rank)
+    args = [str(REPO / "configs" / "deepseek_v3_671b.yaml"), "--ds_config", str(DS_CONFIGS / "zero2_bf16.json"),
+            "--gpus", "2048", "--gpu", "h800", "--search"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == ("error: no layout of 15360 sequences per step on 2048 GPUs is possible: "
+                                               "every rank is data-parallel, and 15360 is not a multiple of 2048")
 
 
 def test_gpu_names_are_case_insensitive(recipe, capsys):

@@ -1,0 +1,146 @@
+"""moep-plan's overlapped expert all-to-all (train.expert_comm.overlap_chunks, issue #44): the two-stream program of
+planning/timing.py against the schedule worked by hand, the search over the all-to-all's options, H800, and the
+real recipes' numbers: OLMoE-1B-7B on 64 H100s at expert parallel 8, DeepSeek-V3 671B on H800s."""
+import json
+import math
+import pathlib
+
+import pytest
+import yaml
+
+from moep_ds.cli.pretrain import dry_run
+from moep_ds.config import config_from_dict, load_config
+from moep_ds.interop.moe_layout import MOE_ARCHITECTURES
+from moep_ds.planning.hardware import assumptions, hardware
+from moep_ds.planning.layout import Cluster
+from moep_ds.planning.plan import plan_run, search
+from moep_ds.planning.timing import backward_program, exposed_pass, forward_program
+from moep_ds.training.ds_config import read_ds_config
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+OLMOE, DSV3 = REPO / "configs" / "olmoe_1b_7b.yaml", REPO / "configs" / "deepseek_v3_671b.yaml"
+ZERO2 = read_ds_config(str(REPO / "ds_configs" / "zero2_bf16.json"))
+PUBLISHED_GPU_HOURS = 2.664e6  # DeepSeek-V3's pre-training on H800s (its report, table 1)
+
+
+def share(run):
+    return run.time.exposed_comm_s / run.time.step_s
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 8])
+def test_compute_bound_chunks_expose_the_first_dispatch_less_the_shared_expert_and_the_last_combine(chunks):
+    a, b, e = 1.0, 1.5, 3.0  # per chunk: dispatch + combine shorter than the experts' compute
+    for h, first in ((0.0, 1.0), (0.4, 0.6), (2.0, 0.0)):
+        assert exposed_pass(forward_program(a, b, e, h, chunks, False)) == pytest.approx(first + b)
+    # backward: the first combine gradient, and the last dispatch gradient less the shared expert's backward
+    assert exposed_pass(backward_program(b, a, 2 * e, 0.0, chunks, False)) == pytest.approx(b + a)
+    assert exposed_pass(backward_program(b, a, 2 * e, 0.6, chunks, False)) == pytest.approx(b + a - 0.6)
+
+
+def test_communication_bound_chunks_expose_the_difference_by_hand():
+    # C = 3, a = b = 2, e = 1, no shared expert: D1 0-2, D2 2-4, E1 2-3, C1 4-6, D3 6-8, E2 4-5, C2 8-10, E3 8-9,
+    # C3 10-12: span 12, compute 3
+    assert exposed_pass(forward_program(2.0, 2.0, 1.0, 0.0, 3, False)) == pytest.approx(9.0)
+    # every all-to-all waits for the compute issued before it: D2 starts after the shared expert (0-3)
+    # D1 0-1, S 0-3, D2 3-4, E1 3-4, C1 4-5, E2 4-5, C2 5-6: span 6, compute 5
+    assert exposed_pass(forward_program(1.0, 1.0, 1.0, 3.0, 2, False)) == pytest.approx(1.0)
+
+
+def test_node_aware_dispatch_is_blocking_whatever_the_chunks():
+    assert exposed_pass(forward_program(1.0, 1.5, 3.0, 2.0, 1, True)) == pytest.approx(2.5)
+    assert exposed_pass(backward_program(1.5, 1.0, 6.0, 4.0, 1, True)) == pytest.approx(2.5)
+
+
+def test_h800_is_an_h100_with_deepseeks_links():
+    h800, h100 = hardware("H800"), hardware("h100")
+    assert (h800.bf16_tflops, h800.hbm_gbps, h800.memory_gib) == (h100.bf16_tflops, h100.hbm_gbps, h100.memory_gib)
+    assert (h800.intra_node_gbps, h800.inter_node_gbps) == (200, 50)  # NVLink 400 GB/s both ways, IB 50 GB/s
+
+
+def olmoe_plan(*overrides):
+    return plan_run(load_config(OLMOE, list(overrides)), ZERO2, Cluster(64, 8), hardware("h100"), assumptions())
+
+
+def test_olmoe_at_expert_parallel_8_exposes_less_communication_with_the_schedule():
+    """The recipe's layout (expert parallel 8, ZeRO-2, 4 x 4 micro-batches, checkpointing): 31.2% of the step
+    exposed with the dispatch blocking (before the schedule every all-to-all was exposed: the same 31.2%), 25.4% at
+    the default 2 chunks, 22.1% at 4; its ZeRO-2 gradient reduction per micro-batch is most of the rest."""
+    blocking = olmoe_plan("train.expert_comm.overlap_chunks=1")
+    two, four = olmoe_plan(), olmoe_plan("train.expert_comm.overlap_chunks=4")
+    assert two.layout.expert_overlap_chunks == 2 and two.layout.expert_parallel == 8
+    assert share(blocking) == pytest.approx(0.312, abs=0.002)
+    assert share(two) == pytest.approx(0.254, abs=0.002)
+    assert share(four) == pytest.approx(0.221, abs=0.002)
+    assert blocking.time.comm_s == pytest.approx(two.time.comm_s)  # the same bytes, less of them exposed
+    assert blocking.time.compute_s == two.time.compute_s
+
+
+def test_olmoe_search_at_expert_parallel_8_picks_the_options_that_expose_least():
+    """The fastest layout at expert parallel 8: ZeRO-1 (its reduction once a step), no checkpointing, once per
+    rank, FP8 dispatch, 4 chunks: 12.6% of the step exposed (the issue's goal was 10%: the all-to-all leaves 3.8%,
+    ZeRO-1's expert gradient all-reduce and parameter all-gather over one rank per node 8.8%, which the planner
+    does not overlap with overlap_comm false)."""
+    cfg = load_config(OLMOE)
+    runs = [r for r in search(cfg, ZERO2, Cluster(64, 8), hardware("h100"), assumptions(), 1024)
+            if r.fits and r.layout.expert_parallel == 8]
+    best = runs[0].layout
+    assert (best.zero_stage, best.activation_checkpointing, best.expert_dedup, best.expert_fp8_dispatch,
+            best.expert_overlap_chunks) == (1, False, True, True, 4)
+    assert share(runs[0]) == pytest.approx(0.126, abs=0.002)
+    blocking = [r for r in runs if r.layout.expert_overlap_chunks == 1]
+    assert share(blocking[0]) > 0.2
+
+
+DSV3_CONFIG_JSON = {  # deepseek-ai/DeepSeek-V3 config.json, the keys the recipe reads
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000, "attention_bias": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False}
+
+
+def test_deepseek_v3_recipe_is_its_config_json_at_671b_and_37b_active(capsys):
+    cfg = load_config(DSV3)
+    raw = yaml.safe_load(DSV3.read_text())
+    imported = config_from_dict({**raw, "model": MOE_ARCHITECTURES["deepseek_v3"].recipe(DSV3_CONFIG_JSON)})
+    assert cfg.model == imported.model
+    assert dry_run(cfg) == 0
+    counts = json.loads(capsys.readouterr().out)
+    assert round(counts["params_total"] / 1e9) == 671 and round(counts["params_active"] / 1e9, 1) == 37.6
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    assert (cfg.train.global_batch_size, cfg.data.seq_len) == (15360, 4096)
+    assert cfg.train.max_steps == math.ceil(14.8e12 / tokens)
+
+
+def dsv3_plan(*overrides):
+    cfg = load_config(DSV3, list(overrides))
+    return plan_run(cfg, ZERO2, Cluster(1920, 8), hardware("h800"), assumptions())
+
+
+def test_deepseek_v3_on_h800s_against_the_published_gpu_hours():
+    """15,360 sequences on 1,920 H800s (2,048 cannot divide them, every rank being data-parallel): the recipe's
+    layout fits and needs 2.22x the published 2.664M GPU-hours (2.37x with the other 128 GPUs of 2,048 counted);
+    in one chunk and bf16, 3.04x. The issue's goal was 1.4x: the compute alone, at the assumed 45% of
+    the bf16 peak with checkpointing's recomputation, is 1.30x (DeepSeek: FP8 GEMMs); the all-to-all over
+    InfiniBand at expert parallel 128 is longer than the experts' compute that hides it (DeepSeek: DualPipe's
+    pipeline parallelism hides it behind another micro-batch's whole layer)."""
+    run = dsv3_plan()
+    assert run.fits and run.layout.expert_parallel == 128 and run.layout.expert_overlap_chunks == 4
+    assert run.time.gpu_hours / PUBLISHED_GPU_HOURS == pytest.approx(2.22, abs=0.01)
+    compute_only = run.time.compute_s * run.time.steps * 1920 / 3600
+    assert compute_only / PUBLISHED_GPU_HOURS == pytest.approx(1.30, abs=0.01)
+    blocking = dsv3_plan("train.expert_comm.overlap_chunks=1", "train.expert_comm.fp8_dispatch=false")
+    assert blocking.time.gpu_hours / PUBLISHED_GPU_HOURS == pytest.approx(3.04, abs=0.01)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_recipe_holds_the_fastest_layout_the_search_finds():
+    cfg = load_config(DSV3)
+    runs = [r for r in search(cfg, ZERO2, Cluster(1920, 8), hardware("h800"), assumptions(), 15360) if r.fits]
+    assert runs[0].layout == dsv3_plan().layout
