@@ -100,6 +100,18 @@ def test_bad_input_is_one_line_and_exit_2(recipe, capsys, args, message):
     assert capsys.readouterr().err.strip().splitlines() == [message]
 
 
+def test_olmoe_plan_says_how_much_of_the_step_its_all_to_all_schedule_exposes(capsys):
+    # the recipe's layout (expert parallel 8, the default 2 chunks) on 64 H100s; 31.2% in one chunk
+    args = [str(REPO / "configs" / "olmoe_1b_7b.yaml"), "--ds_config", str(DS_CONFIGS / "zero2_bf16.json"),
+            "--gpus", "64"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "expert parallel 8 (once per rank, 2 chunks overlapped), ZeRO-2 bf16" in out
+    assert "; 25.4% of the step) = step " in out
+    assert main([*args, "--set", "train.expert_comm.overlap_chunks=1"]) == 0
+    assert "; 31.2% of the step) = step " in capsys.readouterr().out
+
+
 def test_deepseek_v3_batch_on_2048_gpus_is_refused_saying_why(capsys):
     # every rank is data-parallel: 15,360 sequences a step do not divide over 2,048 (7.5 a rank)
     args = [str(REPO / "configs" / "deepseek_v3_671b.yaml"), "--ds_config", str(DS_CONFIGS / "zero2_bf16.json"),
