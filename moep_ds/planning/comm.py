@@ -179,6 +179,22 @@ def all_to_all_collectives(trace: StepTrace, layout: Layout) -> list[Collective]
             out.append(Collective(f"{stage.name}: sequence ids and positions", "all_to_all",
                                   round(16 * rows), ep, A * forwards, False, "expert", stage.name,
                                   forward_legs(forwards, "dispatch")))
+    return chunked(out, layout.expert_overlap_chunks)
+
+
+def chunked(collectives: list[Collective], chunks: int) -> list[Collective]:
+    """The flat all-to-all (span "expert") in `chunks` chunks of tokens (train.expert_comm.overlap_chunks,
+    moe/overlap.py): every chunk's counts in one exchange (`chunks` times the ints, once per forward), each other
+    collective once per chunk with a chunk's share of its rows (the mean, rounded; the same bytes in all). Every rank
+    cuts as many chunks, empty ones included. Node-aware dispatch's legs run in one chunk and stay as they are."""
+    out = []
+    for c in collectives:
+        if c.span != "expert" or chunks == 1:
+            out.append(c)
+        elif ": expert counts" in c.what:
+            out.append(dataclasses.replace(c, bytes=c.bytes * chunks))
+        else:
+            out.append(dataclasses.replace(c, bytes=round(c.bytes / chunks), calls=c.calls * chunks))
     return out
 
 

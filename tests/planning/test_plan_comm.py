@@ -2,8 +2,8 @@
 collective wrapped and its bytes counted (scripts/count_collectives.py) over one steady-state step, per kind of
 collective and group size, for ZeRO-2 and ZeRO-3, expert parallelism 1 and 2, top-k and expert choice (and ZeRO-0/1,
 bf16, accumulation, activation checkpointing, MSIT's positions, ZeRO-3 persistence and padding, gradients reduced to
-their owner only with use_multi_rank_bucket_allreduce false, dispatch per expert and once per rank). All layouts train
-in one launch."""
+their owner only with use_multi_rank_bucket_allreduce false, dispatch per expert and once per rank, in 1, 2 (the
+default) or 4 chunks). All layouts train in one launch."""
 import json
 import pathlib
 import sys
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "count_collectives.py"
 STEPS = 5  # counted: the last; ZeRO-3 records its module trace (and checks it with broadcasts) in the first ones
 
-PER_EXPERT = {"expert_comm": {"dedup": False}}  # the blocking per-expert all-to-all: a row per (token, expert)
+PER_EXPERT = {"expert_comm": {"dedup": False}}  # the per-expert all-to-all: a row per (token, expert), in 2 chunks
+BLOCKING = {"expert_comm": {"dedup": False, "overlap_chunks": 1}}  # ... in one, blocking
 RANK_GROUPS = ["model.layers[0].moe.router.num_groups=2", "model.layers[0].moe.router.group_topk=1"]
 # name: (tiny.py layers, ds_config, recipe train fields, overrides)
 LAYOUTS = {
@@ -58,6 +59,12 @@ LAYOUTS = {
     "msit_every_token_zero2_ep2_dedup": ("msit", "zero2_fp32", {"expert_parallel_size": 2},
                                          ["model.layers[0].router.type=expert_choice",
                                           "model.layers[0].router.capacity_factor=4.0"]),
+    # train.expert_comm.overlap_chunks (2 above, the default): blocking; 4 chunks of one sequence each
+    "topk_zero2_ep2_blocking": ("top2", "zero2_fp32", {"expert_parallel_size": 2, **BLOCKING}, []),
+    "msit_every_token_zero2_ep2_dedup_4_chunks": ("msit", "zero2_fp32", {"expert_parallel_size": 2,
+                                                                         "expert_comm": {"overlap_chunks": 4}},
+                                                  ["model.layers[0].router.type=expert_choice",
+                                                   "model.layers[0].router.capacity_factor=4.0"]),
 }
 TO_OWNER = {"contiguous_gradients": True, "use_multi_rank_bucket_allreduce": False}
 

@@ -56,8 +56,9 @@ def test_expert_choice_pairs_are_the_mean_over_every_balanced_selection():
     assert count == math.comb(T, capacity) ** E
 
 
-def plan(dedup, layers="top2", overrides=()):
-    raw = recipe(layers, pathlib.Path("/nonexistent"), expert_parallel_size=2, expert_comm={"dedup": dedup})
+def plan(dedup, layers="top2", overrides=(), chunks=1):
+    raw = recipe(layers, pathlib.Path("/nonexistent"), expert_parallel_size=2,
+                 expert_comm={"dedup": dedup, "overlap_chunks": chunks})
     for path, value in overrides:
         raw["model"]["layers"][0]["moe"]["router"][path] = value
     return plan_run(config_from_dict(raw), {"zero_optimization": {"stage": 2}}, Cluster(4, 2), hardware("h100"),
@@ -148,7 +149,8 @@ def test_node_aware_dispatch_moves_the_node_pairs_between_nodes_and_the_rank_pai
 
 def test_fp8_dispatch_sends_the_rows_there_as_a_byte_a_value_and_a_scale_per_128():
     def run(fp8, precision):
-        raw = recipe("top2", pathlib.Path("/nonexistent"), expert_parallel_size=2, expert_comm={"fp8_dispatch": fp8})
+        raw = recipe("top2", pathlib.Path("/nonexistent"), expert_parallel_size=2,
+                     expert_comm={"fp8_dispatch": fp8, "overlap_chunks": 1})
         raw["model"]["d_model"] = 128
         ds = {"zero_optimization": {"stage": 2}, **({"bf16": {"enabled": True}} if precision == "bf16" else {})}
         return {c.what: c for c in plan_run(config_from_dict(raw), ds, Cluster(4, 2), hardware("h100"),
@@ -166,3 +168,17 @@ def test_fp8_dispatch_sends_the_rows_there_as_a_byte_a_value_and_a_scale_per_128
         # bf16: half, and the scales (0.516); fp32: about a quarter
         ratio = there.bytes / off["blocks.0.moe: tokens to experts and back"].bytes
         assert ratio == pytest.approx(132 / (128 * p), rel=1e-4)  # up to the bytes' rounding
+
+
+def test_chunks_move_the_same_rows_in_more_calls_and_every_chunks_counts_in_one_exchange():
+    # train.expert_comm.overlap_chunks (moe/overlap.py): C calls of a chunk's rows each, one exchange of C chunks' counts
+    for dedup in (False, True):
+        one, two = plan(dedup), plan(dedup, chunks=2)
+        before = {c.what: c for c in one.comm.collectives if c.kind == "all_to_all"}
+        after = {c.what: c for c in two.comm.collectives if c.kind == "all_to_all"}
+        assert before.keys() == after.keys()
+        for what, c in before.items():
+            if ": expert counts" in what:
+                assert (after[what].bytes, after[what].calls) == (2 * c.bytes, c.calls), what
+            else:
+                assert (after[what].bytes, after[what].calls) == (round(c.bytes / 2), 2 * c.calls), what
