@@ -31,6 +31,10 @@ With `dedup: false` (the blocking per-expert path) one row travels per assignmen
 With `fp8_dispatch` the rows of step 2 (of each leg, node-aware) travel as float8 e4m3 with one fp32 scale per 128
 values (moe/fp8.py), dequantised on arrival; the combine and every gradient stay in the model dtype (DeepSeek-V3's
 FP8 dispatch, BF16 combine): a straight-through rule for the rounding.
+With `overlap_chunks` C > 1 (moe/overlap.py) the flat paths run steps 2-4 per chunk of this rank's tokens (contiguous,
+whole sequences where experts attend), the counts of all C chunks exchanged at once in step 1: chunk i+1's step 2
+travels while chunk i's experts compute, chunk i's step 4 while chunk i+1's do; each expert sees, per chunk, exactly
+the rows the blocking path gives it for those tokens. Node-aware dispatch runs one blocking chunk.
 The all-to-all is differentiable (its backward is the reverse all-to-all; with dedup the weights travel through it
 too, so the router's gradient comes back the same way), so gradients of the inputs, the router and the expert
 weights equal those of LocalDispatcher on the same global batch (up to summation order).

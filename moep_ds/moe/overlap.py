@@ -118,6 +118,8 @@ def chunk_bounds(num_tokens: int, chunks: int, seq_ids_T: torch.Tensor | None) -
     """Token offsets [0, ..., num_tokens] of `chunks` chunks of near-equal size: contiguous tokens, or whole
     sequences where `seq_ids_T` is given (sequences contiguous, as a flattened [B, T] batch keeps them; experts that
     attend over a sequence must see all its selected tokens together). One device-to-host copy with sequences."""
+    if chunks == 1:
+        return [0, num_tokens]
     if seq_ids_T is None or num_tokens == 0:
         starts = list(range(num_tokens))
     else:

@@ -146,6 +146,7 @@ def check_schedule(got: dict, one_chunk: dict, chunks: int, what: str) -> None:
 def test_chunks_are_contiguous_tokens_or_whole_sequences():
     assert chunk_bounds(10, 3, None) == [0, 3, 6, 10]
     assert chunk_bounds(2, 3, None) == [0, 0, 1, 2]  # as many chunks on every rank: empty ones where too few tokens
+    assert chunk_bounds(9, 1, torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])) == [0, 9]  # one chunk: no copy to the host
     assert chunk_bounds(0, 2, None) == [0, 0, 0]
     seq = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
     assert chunk_bounds(9, 2, seq) == [0, 3, 9]  # whole sequences: a branch attends over its selected tokens
