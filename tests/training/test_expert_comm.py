@@ -1,16 +1,16 @@
 """Dispatch once per destination rank (train.expert_comm.dedup), alone and with the all-to-all in chunks in flight
 behind compute (train.expert_comm.overlap_chunks 2: the defaults), trains as the blocking per-expert all-to-all: on 2
 processes at expert_parallel_size 2 (ZeRO-2 fp32), 5 steps give the same losses (1e-6) for top-k without and with
-groups (DeepSeek-V3's routing, with a shared expert), expert choice and MSIT's branches. (Layer outputs and gradients:
-tests/moe/test_all_to_all_dedup.py, test_all_to_all_overlap.py; the bytes: tests/planning/test_plan_comm.py.) Node-aware dispatch on 4
-processes as 2 nodes: the same, against the per-expert path. FP8 dispatch: 200 steps of configs/deepseek_tiny.yaml
-near the bf16 dispatch's losses."""
+groups (DeepSeek-V3's routing, with a shared expert), expert choice, MSIT's branches and MoEP's paths. (Layer outputs
+and gradients: tests/moe/test_all_to_all_dedup.py, test_all_to_all_overlap.py; the bytes:
+tests/planning/test_plan_comm.py.) Node-aware dispatch on 4 processes as 2 nodes: the same, against the per-expert
+path. FP8 dispatch: 200 steps of configs/deepseek_tiny.yaml near the bf16 dispatch's losses."""
 import pytest
 
 from tiny import DS_CONFIGS, REPO, losses, run_jobs, write_recipe
 
 pytestmark = pytest.mark.slow
-STACKS = ["top2", "deepseek", "nova_moe", "msit"]
+STACKS = ["top2", "deepseek", "nova_moe", "msit", "paths"]  # paths: MoEP paths and projection experts
 BLOCKING = {"dedup": False, "overlap_chunks": 1}  # the blocking per-expert all-to-all: a row per (token, expert)
 # mode: train.expert_comm; "defaults": once per rank, in 2 chunks in flight
 MODES = {"per_expert": BLOCKING, "once_per_rank": {"dedup": True, "overlap_chunks": 1}, "defaults": {}}
