@@ -9,9 +9,10 @@ LOCAL_WORLD_SIZE tells node-aware dispatch the ranks per node), training one job
 same process group:
   ep2   expert parallel 2, one rank per node
   ep4   expert parallel 4, two ranks per node (node-aware dispatch)
-Rows: `blocking` (dedup false, node_aware false: a row per (token, expert)), `dedup`, `dedup + node_aware` (ep4:
-node-aware needs dedup), `fp8_dispatch` (on the blocking path; where the option exists in this tree), `all` (every
-option that applies: node-aware only where a node holds several ranks of the group).
+Rows: `blocking` (dedup false, node_aware false, overlap_chunks 1: a row per (token, expert)), `dedup`, `dedup +
+node_aware` (ep4: node-aware needs dedup), `fp8_dispatch`, `overlap_chunks` (2 chunks in flight behind the experts'
+compute) (each on the blocking path; where the option exists in this tree), `all` (every option that applies:
+node-aware only where a node holds several ranks of the group; node-aware dispatch runs one chunk).
 The recipe: one FFN-MoE block (llama attention, --experts SwiGLU experts of --expert_hidden) at --d_model, expert
 choice with capacity factor = experts by default, so every expert takes every token: the rows each path sends are
 then fixed by the layout alone (as in tests/planning/test_plan_comm.py), not by where the router sends tokens (the
@@ -67,7 +68,8 @@ from moep_ds.distributed.commands import positive_int  # noqa: E402
 log = logging.getLogger("expert_comm")
 SUBNET = "10.78.0"  # node i: SUBNET.(i + 1); only inside the two namespaces
 LAYOUTS = {"ep2": (2, 1), "ep4": (4, 2)}  # name: (expert parallel = world size, ranks per node)
-OPTIONS = ("blocking", "dedup", "dedup + node_aware", "fp8_dispatch", "all")
+OPTIONS = ("blocking", "dedup", "dedup + node_aware", "fp8_dispatch", "overlap_chunks", "all")
+OVERLAP_CHUNKS = 2  # train.expert_comm.overlap_chunks of the rows with it on (the recipe's default)
 TOOLS = {"ip": "iproute2", "tc": "iproute2", "ss": "iproute2"}
 MB = 1e6
 
@@ -91,14 +93,16 @@ class Row:
 
 
 def comm_options(option: str, layout: str, fp8: bool) -> dict:
-    """train.expert_comm of a row; the blocking path is every option off."""
+    """train.expert_comm of a row; the blocking path is every option off (`fp8`: the option exists)."""
     nodes_share = LAYOUTS[layout][1] > 1  # node-aware applies where a node holds several of the group's ranks
     on = {"blocking": set(), "dedup": {"dedup"}, "dedup + node_aware": {"dedup", "node_aware"},
-          "fp8_dispatch": {"fp8_dispatch"},
-          "all": {"dedup", "fp8_dispatch"} | ({"node_aware"} if nodes_share else set())}
+          "fp8_dispatch": {"fp8_dispatch"}, "overlap_chunks": {"overlap_chunks"},
+          "all": {"dedup", "fp8_dispatch", "overlap_chunks"} | ({"node_aware"} if nodes_share else set())}
     comm = {"dedup": "dedup" in on[option], "node_aware": "node_aware" in on[option]}
     if fp8:
         comm["fp8_dispatch"] = "fp8_dispatch" in on[option]
+    if overlap_available():
+        comm["overlap_chunks"] = OVERLAP_CHUNKS if "overlap_chunks" in on[option] else 1
     return comm
 
 
@@ -421,9 +425,16 @@ def fp8_available() -> bool:
     return "fp8_dispatch" in {f.name for f in dataclasses.fields(ExpertCommConfig)}
 
 
+def overlap_available() -> bool:
+    from moep_ds.moe.all_to_all import ExpertCommConfig
+
+    return "overlap_chunks" in {f.name for f in dataclasses.fields(ExpertCommConfig)}
+
+
 def layout_options(layout: str, fp8: bool) -> list[str]:
     nodes_share = LAYOUTS[layout][1] > 1
-    return [o for o in OPTIONS if (o != "dedup + node_aware" or nodes_share) and (o != "fp8_dispatch" or fp8)]
+    return [o for o in OPTIONS if (o != "dedup + node_aware" or nodes_share) and (o != "fp8_dispatch" or fp8)
+            and (o != "overlap_chunks" or overlap_available())]
 
 
 def measure(args: argparse.Namespace, nodes: Nodes, layout: str, work: pathlib.Path, fp8: bool) -> list[Row]:

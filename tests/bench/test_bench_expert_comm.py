@@ -47,13 +47,17 @@ def test_a2a_share_check(bench):
 
 
 def test_rows_per_layout(bench):
-    assert bench.layout_options("ep2", fp8=True) == ["blocking", "dedup", "fp8_dispatch", "all"]
-    assert bench.layout_options("ep4", fp8=False) == ["blocking", "dedup", "dedup + node_aware", "all"]
+    assert bench.layout_options("ep2", fp8=True) == ["blocking", "dedup", "fp8_dispatch", "overlap_chunks", "all"]
+    assert bench.layout_options("ep4", fp8=False) == ["blocking", "dedup", "dedup + node_aware", "overlap_chunks",
+                                                      "all"]
     assert bench.comm_options("blocking", "ep4", fp8=True) == {"dedup": False, "node_aware": False,
-                                                               "fp8_dispatch": False}
-    assert bench.comm_options("all", "ep4", fp8=True) == {"dedup": True, "node_aware": True, "fp8_dispatch": True}
+                                                               "fp8_dispatch": False, "overlap_chunks": 1}
+    assert bench.comm_options("all", "ep4", fp8=True) == {"dedup": True, "node_aware": True, "fp8_dispatch": True,
+                                                          "overlap_chunks": 2}
     # one rank per node: node-aware would be dedup with an extra hop, so every ep2 row leaves it off
-    assert bench.comm_options("all", "ep2", fp8=False) == {"dedup": True, "node_aware": False}
+    assert bench.comm_options("all", "ep2", fp8=False) == {"dedup": True, "node_aware": False, "overlap_chunks": 2}
+    assert bench.comm_options("overlap_chunks", "ep2", fp8=False) == {"dedup": False, "node_aware": False,
+                                                                      "overlap_chunks": 2}
 
 
 def test_gloo_ring_between_nodes(bench):
