@@ -22,7 +22,8 @@ move off. ZeRO-0 fp32: the only other traffic is the dense parameters' gradient 
 data-parallel replica at expert parallel = world size) and the trainer's step all-reduce.
 Per row, over --steps optimizer steps after --warmup (between two barriers, rank 0 reading the link there):
   step s        median step time (after_step to after_step)
-  a2a share     time inside torch.distributed.all_to_all_single / step time, mean over the ranks
+  a2a share     time inside torch.distributed.all_to_all_single and waiting for the asynchronous ones (chunks
+                in flight) / step time, mean over the ranks: the exposed communication
   link MB       bytes the veth carried (node 0's eth0 rx + tx, frames as the kernel counts them) per step
   payload MB    TCP payload between the nodes per step (`ss -ti` bytes_acked + bytes_received of node 0's sockets
                 to node 1): what gloo wrote, its own message headers included
@@ -48,9 +49,7 @@ import json
 import logging
 import os
 import pathlib
-import re
 import secrets
-import shutil
 import signal
 import statistics
 import subprocess
@@ -62,15 +61,15 @@ import yaml
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))  # two_nodes.py beside this script, also where a test loads it by path
 
 from moep_ds.distributed.commands import positive_int  # noqa: E402
+from two_nodes import SUBNET, Nodes, NodesError, counted, link_counters, stop, unavailable  # noqa: E402
 
 log = logging.getLogger("expert_comm")
-SUBNET = "10.78.0"  # node i: SUBNET.(i + 1); only inside the two namespaces
 LAYOUTS = {"ep2": (2, 1), "ep4": (4, 2)}  # name: (expert parallel = world size, ranks per node)
 OPTIONS = ("blocking", "dedup", "dedup + node_aware", "fp8_dispatch", "overlap_chunks", "all")
 OVERLAP_CHUNKS = 2  # train.expert_comm.overlap_chunks of the rows with it on (the recipe's default)
-TOOLS = {"ip": "iproute2", "tc": "iproute2", "ss": "iproute2"}
 MB = 1e6
 
 
@@ -176,47 +175,27 @@ def planned_bytes(recipe_path: pathlib.Path, layout: str) -> tuple[float, float]
     return gloo, own
 
 
-# ---- the link: reading it (rank 0, inside node 0) ---------------------------------------------------------------
-
-
-def veth_bytes() -> int:
-    """rx + tx bytes of this network namespace's eth0 (/proc/net/dev is per namespace)."""
-    for line in pathlib.Path("/proc/net/dev").read_text().splitlines():
-        name, _, counters = line.partition(":")
-        if name.strip() == "eth0":
-            fields = counters.split()
-            return int(fields[0]) + int(fields[8])
-    raise RuntimeError("no eth0 in this network namespace")
-
-
-def tcp_payload(peer: str) -> dict[str, int]:
-    """TCP payload per connection to `peer` (`ss -ti`: bytes_acked + bytes_received), by (local, peer) address."""
-    out = subprocess.run(["ss", "-tinH", "state", "established", "dst", peer], capture_output=True, text=True,
-                         check=True).stdout
-    sockets, key = {}, None
-    for line in out.splitlines():
-        if line and not line[0].isspace():
-            fields = line.split()
-            key = f"{fields[-2]} {fields[-1]}"
-            sockets[key] = 0
-        elif key is not None:
-            sockets[key] += sum(int(m) for m in re.findall(r"\bbytes_(?:acked|received):(\d+)", line))
-    return sockets
-
-
-def link_counters() -> dict:
-    return {"veth": veth_bytes(), "tcp": tcp_payload(f"{SUBNET}.2")}
-
-
-def counted(before: dict, after: dict) -> tuple[int, int]:
-    """(veth bytes, TCP payload) between two readings; a connection opened between them counts from zero."""
-    payload = sum(v - before["tcp"].get(k, 0) for k, v in after["tcp"].items())
-    return after["veth"] - before["veth"], payload
-
-
 # ---- worker: the jobs of one layout on this rank -----------------------------------------------------------------
 
 A2A_SECONDS = [0.0]  # time inside all_to_all_single on this rank since the last reset
+
+
+class TimedWork:
+    """An asynchronous all-to-all's work whose wait() counts as time in the all-to-all: what the overlap leaves
+    exposed (issuing a chunk costs little; waiting for it is the communication compute did not hide)."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.work.wait(*args, **kwargs)
+        finally:
+            A2A_SECONDS[0] += time.perf_counter() - start
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
 
 
 def time_all_to_all() -> None:
@@ -227,9 +206,10 @@ def time_all_to_all() -> None:
     def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return inner(*args, **kwargs)
+            out = inner(*args, **kwargs)
         finally:
             A2A_SECONDS[0] += time.perf_counter() - start
+        return TimedWork(out) if kwargs.get("async_op", len(args) > 5 and args[5]) else out
 
     dist.all_to_all_single = timed
 
@@ -316,58 +296,6 @@ def worker(jobs_path: str, out_path: str) -> None:
     os._exit(0)  # skip the interpreter's last collection of torch's and DeepSpeed's objects
 
 
-# ---- the two nodes -----------------------------------------------------------------------------------------------
-
-
-def unavailable(euid: int | None = None, which=shutil.which) -> str | None:
-    """Why this machine cannot build the two nodes, or None."""
-    euid = os.geteuid() if euid is None else euid
-    if euid != 0:
-        return f"needs root to build two nodes (network namespaces, a veth pair, tc): running as uid {euid}"
-    for tool, package in TOOLS.items():
-        if which(tool) is None:
-            return f"needs `{tool}` ({package}) to build two nodes and throttle their link: not on PATH"
-    return None
-
-
-class Nodes:
-    """Two network namespaces joined by a veth pair `eth0` (SUBNET.1 and SUBNET.2), each end's egress throttled by
-    a token bucket; close() deletes the namespaces (the veth pair goes with them)."""
-
-    def __init__(self, rate_mbit: float):
-        tag = secrets.token_hex(3)
-        self.names, self.made, self.rate = [f"moepbench{tag}{i}" for i in (1, 2)], [], rate_mbit
-
-    def up(self) -> "Nodes":
-        for ns in self.names:
-            run_ip("ip", "netns", "add", ns)
-            self.made.append(ns)
-            run_ip("ip", "-n", ns, "link", "set", "lo", "up")
-        run_ip("ip", "link", "add", "name", "eth0", "netns", self.names[0], "type", "veth", "peer", "name", "eth0",
-               "netns", self.names[1])
-        for i, ns in enumerate(self.names):
-            run_ip("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "eth0")
-            run_ip("ip", "-n", ns, "link", "set", "eth0", "up")
-            run_ip("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{self.rate:g}mbit",
-                   "burst", "128kb", "latency", "100ms")
-        return self
-
-    def close(self) -> None:
-        for ns in self.made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        self.made = []
-
-
-def run_ip(*cmd: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise NodesError(f"`{' '.join(cmd)}` failed: {' '.join(proc.stderr.split()) or proc.returncode}")
-
-
-class NodesError(RuntimeError):  # the two nodes could not be built here (one line)
-    pass
-
-
 def worker_env() -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": str(REPO)}
@@ -399,21 +327,6 @@ def launch(nodes: Nodes, layout: str, jobs: pathlib.Path, out: pathlib.Path, tim
     finally:
         for proc in procs:
             stop(proc)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """End a launch this script started (its own process group, by id), if it is still running."""
-    if proc.poll() is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
 
 
 # ---- the rows of a layout ----------------------------------------------------------------------------------------
