@@ -128,14 +128,14 @@ def check_fp8_dispatch(cfg: Any) -> None:
 
 def check_parallel_layout(cfg: Any, ds: dict, world_size: int, per_node: int | None = None) -> None:
     """The recipe's expert parallelism on `world_size` ranks of `per_node` per node (None: as the launcher says)."""
-    check_node_layout(cfg, world_size, per_node or ranks_per_node())
-    check_fp8_dispatch(cfg)
     ep = cfg.train.expert_parallel_size
-    if ep == 1:
-        return
-    if world_size % ep:
+    if world_size % ep:  # first: the node layout below is read in groups of ep ranks
         raise ParallelLayoutError(
             f"train.expert_parallel_size ({ep}) must divide the world size ({world_size})")
+    check_node_layout(cfg, world_size, per_node or ranks_per_node())
+    check_fp8_dispatch(cfg)
+    if ep == 1:
+        return
     if zero_stage(ds) == 3:
         raise ParallelLayoutError(
             f"train.expert_parallel_size ({ep}) > 1 is not supported with ZeRO stage 3 (DeepSpeed refuses expert "
