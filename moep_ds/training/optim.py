@@ -7,6 +7,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from moep_ds.moe.shard import full_shape
 from moep_ds.train_config import OptimizerConfig, ScheduleConfig
@@ -70,7 +71,7 @@ def neox_annealing(step: int, warmup: int, end: int, min_ratio: float) -> float:
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, max_steps: int, start_step: int = 0):
     """LambdaLR whose counter is the run's step: at `start_step` for a run that starts there (the optimizer's lr
     set from it), so that the engine's one step per optimizer step and a checkpoint's counter stay the step."""
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
+    scheduler = LambdaLR(
         optimizer, lambda step: lr_multiplier(step, cfg, max_steps, start_step))
     if start_step:
         scheduler.last_epoch = start_step - 1
