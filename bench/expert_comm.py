@@ -38,7 +38,7 @@ Per row, over --steps optimizer steps after --warmup (between two barriers, rank
 The last line: `blocking / best: R.RRx`, the smaller over the layouts of the blocking row's step time over the
 fastest row's. Needs root (namespaces, veth, tc) and iproute2; without them it exits 2 with one line saying why.
 
-    python bench/expert_comm.py                                   # 100 Mbit/s, ep2 and ep4, ~5 min on 2 cores
+    python bench/expert_comm.py                                   # 100 Mbit/s, ep2 and ep4, ~4 min on 2 cores
     python bench/expert_comm.py --layouts ep2 --steps 3 --warmup 1 --rate 50
 """
 from __future__ import annotations
