@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 
 from torch import nn
@@ -60,6 +61,7 @@ def untouched(choice: Choice, num_experts: int, ranks: int, rank: int) -> float:
     return sum(n * math.comb(N - a, k) for (m, a), n in ways.items() if m == M) / (math.comb(G, M) * math.comb(N, k))
 
 
+@functools.lru_cache(maxsize=None)  # a search asks it for every layout and stage: a few distinct arguments
 def ranks_per_token(choice: Choice, num_experts: int, ranks: int) -> float:
     """Expected distinct ranks a token's experts live on (token choice)."""
     return sum(1 - untouched(choice, num_experts, ranks, r) for r in range(ranks))
