@@ -56,13 +56,18 @@ def test_expert_choice_pairs_are_the_mean_over_every_balanced_selection():
     assert count == math.comb(T, capacity) ** E
 
 
-def plan(dedup, layers="top2", overrides=(), chunks=1):
-    raw = recipe(layers, pathlib.Path("/nonexistent"), expert_parallel_size=2,
-                 expert_comm={"dedup": dedup, "overlap_chunks": chunks})
+def routed_plan(layers, expert_comm, overrides=(), layer=0, expert_parallel=2, gpus=4):
+    """moep-plan of a tiny recipe under ZeRO-2 on `gpus` H100s of 2 a node, with `overrides` of layer `layer`'s
+    router."""
+    raw = recipe(layers, pathlib.Path("/nonexistent"), expert_parallel_size=expert_parallel, expert_comm=expert_comm)
     for path, value in overrides:
-        raw["model"]["layers"][0]["moe"]["router"][path] = value
-    return plan_run(config_from_dict(raw), {"zero_optimization": {"stage": 2}}, Cluster(4, 2), hardware("h100"),
+        raw["model"]["layers"][layer]["moe"]["router"][path] = value
+    return plan_run(config_from_dict(raw), {"zero_optimization": {"stage": 2}}, Cluster(gpus, 2), hardware("h100"),
                     assumptions())
+
+
+def plan(dedup, layers="top2", overrides=(), chunks=1):
+    return routed_plan(layers, {"dedup": dedup, "overlap_chunks": chunks}, overrides)
 
 
 def test_dedup_moves_the_pairs_of_a_routing_and_its_weights_instead_of_a_row_per_assignment():
@@ -109,12 +114,7 @@ def test_groups_placed_whole_on_nodes_bound_the_nodes_a_token_reaches():
 
 
 def node_plan(node_aware, overrides=()):
-    raw = recipe("deepseek", pathlib.Path("/nonexistent"), expert_parallel_size=4,
-                 expert_comm={"node_aware": node_aware})
-    for path, value in overrides:
-        raw["model"]["layers"][1]["moe"]["router"][path] = value
-    return plan_run(config_from_dict(raw), {"zero_optimization": {"stage": 2}}, Cluster(8, 2), hardware("h100"),
-                    assumptions())
+    return routed_plan("deepseek", {"node_aware": node_aware}, overrides, layer=1, expert_parallel=4, gpus=8)
 
 
 def test_node_aware_dispatch_moves_the_node_pairs_between_nodes_and_the_rank_pairs_inside():
