@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from moep_ds.errors import UserError
+from moep_ds.interop.rules import Rule, concatenated, same, transposed, with_bias
 
 log = logging.getLogger(__name__)
 
@@ -104,34 +105,6 @@ def check_dense_attention(att: Any) -> None:
 # ---- tensors ------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """Our tensor `ours` from the HF tensors `theirs` (`to_ours`), and back (`to_theirs`, in the order of `theirs`).
-    `stacked`: row e of ours comes from theirs[e] alone (an expert stack), so rows are read from their tensors only;
-    `rowwise`: ours is theirs[0] as it is, so any rows of ours are those rows of theirs, read alone."""
-
-    ours: str
-    theirs: tuple[str, ...]
-    to_ours: Callable[[list[torch.Tensor]], torch.Tensor]
-    to_theirs: Callable[[torch.Tensor], list[torch.Tensor]]
-    stacked: bool = False
-    rowwise: bool = False
-
-
-def same(ours: str, theirs: str) -> Rule:
-    return Rule(ours, (theirs,), lambda ts: ts[0], lambda t: [t], rowwise=True)
-
-
-def transposed(ours: str, theirs: str) -> Rule:
-    """GPT-2's Conv1D stores a Linear's weight as [in, out]."""
-    return Rule(ours, (theirs,), lambda ts: ts[0].t().contiguous(), lambda t: [t.t().contiguous()])
-
-
-def concatenated(ours: str, theirs: tuple[str, ...], rows: list[int]) -> Rule:
-    """Our fused w_qkv rows [q | k | v] from separate q_proj, k_proj, v_proj."""
-    return Rule(ours, theirs, lambda ts: torch.cat(ts, 0), lambda t: [p.contiguous() for p in t.split(rows, 0)])
-
-
 def neox_qkv(ours: str, theirs: str, heads: int, head_dim: int) -> Rule:
     """GPT-NeoX's query_key_value rows are [H, 3, Dh] (q, k, v interleaved per head); ours are [3, H, Dh]."""
 
@@ -142,10 +115,6 @@ def neox_qkv(ours: str, theirs: str, heads: int, head_dim: int) -> Rule:
         return [t.unflatten(0, (3, heads, head_dim)).transpose(0, 1).flatten(0, 2).contiguous()]
 
     return Rule(ours, (theirs,), to_ours, to_theirs)
-
-
-def with_bias(make: Callable[[str, str], Rule], ours: str, theirs: str, bias: bool) -> list[Rule]:
-    return [make(f"{ours}.weight", f"{theirs}.weight")] + ([make(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
 
 
 def norm_rules(ours: str, theirs: str, has_bias: bool) -> list[Rule]:

@@ -100,20 +100,25 @@ class TensorFiles:
         return self.shapes[file][key]
 
     def read(self, key: str) -> torch.Tensor:
-        """The tensor in fp32 (what the checkpoint stores: fp32, fp16 or bf16)."""
+        """The tensor in fp32 (what the checkpoint stores: fp32, fp16 or bf16); integer tensors (MXFP4's packed
+        blocks and exponents) as stored."""
         file = self.files[key]
         if file.suffix == ".safetensors":
             with safetensors_file(file) as f:
-                return f.get_tensor(key).float()
-        return load_bin(file)[key].float()
+                return as_read(f.get_tensor(key))
+        return as_read(load_bin(file)[key])
 
     def read_rows(self, key: str, first: int, end: int) -> torch.Tensor:
-        """Rows [first, end) of the tensor in fp32, only their bytes read from the file."""
+        """Rows [first, end) of the tensor (as `read` gives it), only their bytes read from the file."""
         file = self.files[key]
         if file.suffix == ".safetensors":
             with safetensors_file(file) as f:
-                return f.get_slice(key)[first:end].float()
-        return load_bin(file)[key][first:end].float()
+                return as_read(f.get_slice(key)[first:end])
+        return as_read(load_bin(file)[key][first:end])
+
+
+def as_read(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
 
 
 def inside(name: Any, key: str, index: Path) -> str:
@@ -249,8 +254,9 @@ def weight_of(rule: Rule, files: TensorFiles, keys: dict[str, str]) -> Weight:
     read_rows = None
     if rule.stacked:  # an expert stack: experts [first, end) from their own tensors only
         read_rows = lambda first, end: rule.to_ours([files.read(keys[k]) for k in rule.theirs[first:end]])  # noqa: E731
-    elif rule.rowwise and len(shape) >= 2:  # the tensor as stored: its rows alone
-        read_rows = lambda first, end: files.read_rows(keys[rule.theirs[0]], first, end)  # noqa: E731
+    elif rule.rowwise and len(shape) >= 2:  # rows of ours from the same rows of theirs alone
+        read_rows = lambda first, end: rule.to_ours([files.read_rows(keys[k], first, end)  # noqa: E731
+                                                     for k in rule.theirs])
     return Weight(shape, lambda: rule.to_ours([files.read(keys[k]) for k in rule.theirs]), read_rows)
 
 

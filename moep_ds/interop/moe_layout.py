@@ -43,7 +43,8 @@ from typing import Any, Callable
 import torch
 
 from moep_ds.errors import UserError
-from moep_ds.interop.hf_layout import GATED_ACTIVATIONS, Rule, activation, concatenated, same, unsupported
+from moep_ds.interop.hf_layout import GATED_ACTIVATIONS, activation, unsupported
+from moep_ds.interop.rules import Rule, concatenated, expert_stack, permuted, same
 
 Raw = dict[str, Any]
 LOSS_FREE_RATE = 0.001  # DeepSeek-V3's bias update speed (section 2.1.2), for training to continue the bias
@@ -249,12 +250,6 @@ def repeated(blocks: list[Raw]) -> list[Raw]:
     return out
 
 
-def expert_stack(ours: str, theirs: list[str]) -> Rule:
-    """Our [E, a, b] stack from E tensors [b, a] (a Linear's weight per expert), row e from tensor e."""
-    return Rule(ours, tuple(theirs), lambda ts: torch.stack([t.t() for t in ts]).contiguous(),
-                lambda t: [t[e].t().contiguous() for e in range(t.shape[0])], stacked=True)
-
-
 def mlp_rules(ours: str, theirs: str) -> list[Rule]:
     return [same(f"{ours}.{a}.weight", f"{theirs}.{b}.weight")
             for a, b in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))]
@@ -280,13 +275,6 @@ def rope_rows(total: int, block: int, rope: int, interleaved: bool) -> torch.Ten
     inner = torch.arange(block)
     inner[block - rope:] = block - rope + torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
     return (torch.arange(0, total, block)[:, None] + inner).reshape(-1)
-
-
-def permuted(ours: str, theirs: str, perm: torch.Tensor | None) -> Rule:
-    if perm is None:
-        return same(ours, theirs)
-    inverse = torch.argsort(perm)
-    return Rule(ours, (theirs,), lambda ts: ts[0][perm].contiguous(), lambda t: [t[inverse].contiguous()])
 
 
 def mla_rules(att: Any, ours: str, theirs: str, interleaved: bool) -> list[Rule]:

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from moep_ds.checkpointing.sharded import FlatShard
 from moep_ds.interop import weights as weights_module
-from moep_ds.interop.hf_layout import same, transposed
+from moep_ds.interop.rules import same, transposed
 from moep_ds.interop.hf_weights import TensorFiles, weight_of
 from moep_ds.interop.weights import fill_pieces
 
