@@ -34,7 +34,7 @@ setup(
         "xxhash",  # checkpoint checksums (checkpointing/manifest.py); datasets needs it too
         "psutil",  # the trainer watches its launcher processes
     ],
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "import-linter>=2.1", "mpi4py>=4"]},
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "import-linter>=2.1", "mpi4py>=4"]},
     entry_points={
         "console_scripts": [
             "moep-pretrain = moep_ds.cli.pretrain:main",

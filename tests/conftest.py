@@ -24,3 +24,15 @@ def shared_data():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA} (set MOEP_DATA_DIR to run this case)")
     return SHARED_DATA
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's `-n 2 --dist loadgroup` (the README's test command): the cluster tests, which mostly
+    wait on SLURM's timers (a requeue, a time limit checked every 30 s), run on one worker while the rest of the
+    suite runs in order on the other; one process per group, so session fixtures are built once."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    for item in items:
+        group = "cluster" if "cluster" in item.path.relative_to(config.rootpath).parts[:2] else "suite"
+        item.add_marker(pytest.mark.xdist_group(group))
+
