@@ -9,6 +9,11 @@ input of all ranks' shards; all-gather: the output; all-to-all: what this rank s
   ZeRO-0     gradient all-reduce at the step (p N; expert gradients over their group)
   ZeRO-1/2   gradient all-reduce of every gradient (DeepSpeed reduces the buckets by all-reduce, each rank keeping its
              slice: `use_multi_rank_bucket_allreduce`, the default), once per step (ZeRO-1) or per micro-batch (ZeRO-2);
+             under overlap_comm in reduce_bucket_size buckets on a stream of its own as backward produces them (stage 1
+             and 2 are one optimizer, stage_1_and_2.py: its gradient hooks reduce when `partition_gradients or
+             overlap_comm`, stage 1 only in the backward of the step's last micro-batch, the accumulation boundary);
+             without it ZeRO-1 reduces after that backward (reduce_gradients) and ZeRO-2 in its hooks, on the compute
+             stream;
              with `use_multi_rank_bucket_allreduce: false` (and contiguous_gradients and reduce_scatter, the path that
              reads it: stage_1_and_2.py average_tensor) a reduce of each slice to the rank that owns it instead, the
              same size in all but half the bytes on the wire; all-gather of the updated flat groups after the step;
@@ -76,6 +81,9 @@ class Collective:
     # micro-batch serves, in order: what planning/timing.py overlaps with the experts' compute
     stage: str = ""
     legs: tuple[str, ...] = ()
+    # the compute an overlappable collective can hide behind: "step" (any of the step's), or "last backward" (ZeRO-1's
+    # reduction under overlap_comm: the backward of the step's last micro-batch only)
+    window: str = "step"
 
     @property
     def total(self) -> int:
@@ -129,7 +137,8 @@ def gradient_collectives(inv: Inventory, layout: Layout) -> list[Collective]:
             numel = sum(gr.numel for gr in groups)
             calls = A if stage == 2 else 1
             out.append(Collective(f"{name}gradients", zero12_reduction(layout) if stage else "all_reduce", numel * p, g,
-                                  calls, overlap and stage == 2, span))
+                                  calls, overlap and stage in (1, 2), span,
+                                  window="last backward" if stage == 1 else "step"))
         if stage in (1, 2):
             flat = sum(padded(gr.numel, ALIGN * g) for gr in groups)
             out.append(Collective(f"{name}parameters after the step", "all_gather", flat * p, g, 1, False, span))

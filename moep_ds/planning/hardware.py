@@ -51,7 +51,8 @@ class Assumptions:
     comm_efficiency: float = 0.7  # achieved / peak link bandwidth of a large collective (NCCL's bus bandwidth)
     hbm_efficiency: float = 0.8  # achieved / peak HBM bandwidth of the optimizer step (memory bound)
     overlap: float = 0.5  # share of the overlappable communication hidden behind compute (ZeRO-3 prefetch, and
-    #                       ZeRO-1/2 gradient reduction under overlap_comm); the all-to-all is never hidden
+    #                       ZeRO-1/2 gradient reduction under overlap_comm); the expert all-to-all as its schedule
+    #                       hides it (planning/timing.py), not by this share
     reserve_gib: float = 2.0  # per GPU, beyond what the plan counts: CUDA context, NCCL buffers, fragmentation
     micro_step_ms: float = 3.0  # fixed cost of each micro-batch (kernel launches, hooks, Python): small micro-batches
     #                             do not run at the efficiency of large ones

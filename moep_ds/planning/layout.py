@@ -80,6 +80,9 @@ class Layout:
     # train.expert_comm.overlap_chunks: a routed stage's tokens in this many chunks, each one's all-to-all in flight
     # while a neighbour's experts compute (planning/timing.py; 1: the dispatch beside the shared expert only)
     expert_overlap_chunks: int = 1
+    # zero_optimization.overlap_comm as DeepSpeed resolves it (its default: true at stage 3 only); a field of its
+    # own, not only in `zero`, because a search varies it at stages 1 and 2 and layouts compare by their fields
+    overlap_comm: bool = False
 
     @property
     def gpus(self) -> int:
@@ -102,17 +105,22 @@ class Layout:
         return BYTES[self.precision]
 
     def zero_setting(self, key: str) -> Any:
-        value = self.zero.get(key, ZERO_DEFAULTS[key])
-        if key == "overlap_comm" and value is None:
-            return self.zero_stage == 3
-        return value
+        if key == "overlap_comm":
+            return self.overlap_comm
+        return self.zero.get(key, ZERO_DEFAULTS[key])
 
     def describe(self) -> str:
         comm = f" ({self.expert_comm()})" if self.expert_parallel > 1 else ""
         return (f"{self.gpus} GPUs ({self.cluster.nodes} x {self.cluster.gpus_per_node}), data parallel {self.gpus}, "
-                f"expert parallel {self.expert_parallel}{comm}, ZeRO-{self.zero_stage} {self.precision}, micro-batch "
+                f"expert parallel {self.expert_parallel}{comm}, {self.zero_name()}, micro-batch "
                 f"{self.micro_batch} x {self.grad_accum} accumulation x {self.seq_len} tokens, activation "
                 f"checkpointing {'on' if self.activation_checkpointing else 'off'}")
+
+    def zero_name(self) -> str:
+        """"ZeRO-1 bf16", with ", overlap_comm" where stage 1 or 2 reduces during backward (the choice a search
+        varies; ZeRO-3 overlaps by default and ZeRO-0 has no such setting)."""
+        overlap = ", overlap_comm" if self.overlap_comm and self.zero_stage in (1, 2) else ""
+        return f"ZeRO-{self.zero_stage} {self.precision}{overlap}"
 
     def expert_comm(self) -> str:
         """The train.expert_comm options in effect, in words ("once per rank, fp8, 2 chunks overlapped")."""
@@ -149,7 +157,14 @@ def make_layout(cfg, ds: dict[str, Any], cluster: Cluster) -> Layout:
         expert_dedup=cfg.train.expert_comm.dedup,
         expert_node_aware=node_size(cfg.train.expert_comm, ep, cluster.gpus, cluster.gpus_per_node) is not None,
         expert_fp8_dispatch=cfg.train.expert_comm.fp8_dispatch,
-        expert_overlap_chunks=cfg.train.expert_comm.overlap_chunks)
+        expert_overlap_chunks=cfg.train.expert_comm.overlap_chunks, overlap_comm=resolved_overlap_comm(full))
+
+
+def resolved_overlap_comm(ds: dict[str, Any]) -> bool:
+    """zero_optimization.overlap_comm as DeepSpeed 0.19 resolves it (zero/config.py overlap_comm_valid: absent or
+    null means true at stage 3, false below)."""
+    value = ds.get("zero_optimization", {}).get("overlap_comm")
+    return zero_stage(ds) == 3 if value is None else bool(value)
 
 
 def overflow_check(ds: dict[str, Any]) -> bool:
@@ -159,10 +174,13 @@ def overflow_check(ds: dict[str, Any]) -> bool:
     return precision(ds) == "bf16" and bool(ds.get("bf16", {}).get("check_grad_overflow", True))
 
 
-def with_zero_stage(ds: dict[str, Any], stage: int) -> dict[str, Any]:
-    """`ds` at another ZeRO stage, its batch sizes left to the recipe (a search varies the micro-batch)."""
+def with_zero_stage(ds: dict[str, Any], stage: int, overlap_comm: bool | None = None) -> dict[str, Any]:
+    """`ds` at another ZeRO stage (and `overlap_comm` where given), its batch sizes left to the recipe (a search
+    varies the micro-batch)."""
     out = copy.deepcopy(ds)
     out.setdefault("zero_optimization", {})["stage"] = stage
+    if overlap_comm is not None:
+        out["zero_optimization"]["overlap_comm"] = overlap_comm
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         out.pop(key, None)
     return out

@@ -10,8 +10,9 @@ model states:
   ZeRO-1/2 parameters in one flat buffer per optimizer group, padded to a multiple of 2g (p N); fp32 masters and
            Adam moments of this rank's partition (12 N/g, also in fp32: DeepSpeed copies the partition)
            ZeRO-1 keeps every gradient (p N) until the step; ZeRO-2 keeps its partition's (p N/g) and, with
-           contiguous_gradients, one reduce bucket (reduce_bucket_size elements); without it the all-reduce runs on
-           a flat copy of up to reduce_bucket_size gradients
+           contiguous_gradients, one reduce bucket (reduce_bucket_size elements), two under overlap_comm (one fills
+           while the other reduces: stage_1_and_2.py setup_buckets); without it the all-reduce runs on a flat copy
+           of up to reduce_bucket_size gradients
   ZeRO-3   partitions (p N/g, each parameter padded to a multiple of g), masters and moments 12 N/g, gradient
            partitions p N/g, the reduce bucket, parameters smaller than stage3_param_persistence_threshold whole,
            and the gathered parameters: a module's parameters stay gathered after its forward when their next use
@@ -193,6 +194,9 @@ def model_state_items(inv: Inventory, layout: Layout) -> list[Item]:
         elif stage == 1 and contiguous:
             items.append(Item("reduce bucket (contiguous gradients)", p * bucket, "static",
                               f"reduce_bucket_size {bucket:,} elements"))
+        if contiguous and layout.overlap_comm:
+            items.append(Item("second reduce bucket (overlap_comm)", p * bucket, "static",
+                              "fills while the first reduces"))
         items.append(Item("fp32 gradients of the partition", 4 * part, "step"))
         if not contiguous and layout.gpus > 1:  # ZeRO-1 reduces at the step; ZeRO-2 when a bucket is full
             items.append(Item("gradient all-reduce bucket", min(N, bucket) * p, "reduce",

@@ -101,9 +101,9 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(cfg, ds: dict[str, Any], cluster: Cluster, global_batch: int) -> list[Layout]:
-    """Every layout of data x expert parallelism, ZeRO stage, micro-batch, activation checkpointing and expert
-    all-to-all options (`comm_choices`, OVERLAP_CHOICES chunks) that training accepts for `global_batch` sequences
-    per step (the recipe's)."""
+    """Every layout of data x expert parallelism, ZeRO stage (1 and 2 with overlap_comm off and on, the others as
+    `ds` sets it), micro-batch, activation checkpointing and expert all-to-all options (`comm_choices`,
+    OVERLAP_CHOICES chunks) that training accepts for `global_batch` sequences per step (the recipe's)."""
     from moep_ds.models.plan import routed_stages
 
     stages = routed_stages(cfg.model)
@@ -112,13 +112,13 @@ def candidate_layouts(cfg, ds: dict[str, Any], cluster: Cluster, global_batch: i
     fp8_ok = fp8_accepted(cfg)
     layouts = []
     for ep in eps:
-        for stage, micro, checkpointing in itertools.product((0, 1, 2, 3), divisors(per_rank) if per_rank else [],
-                                                             (False, True)):
+        for (stage, overlap), micro, checkpointing in itertools.product(ZERO_CHOICES, divisors(per_rank) if per_rank
+                                                                        else [], (False, True)):
             for comm in comm_choices(ep, cluster, fp8_ok):
                 recipe = with_settings(cfg, expert_parallel=ep, micro_batch=micro, global_batch=global_batch,
                                        activation_checkpointing=checkpointing, expert_comm=comm)
                 try:
-                    layout = make_layout(recipe, with_zero_stage(ds, stage), cluster)
+                    layout = make_layout(recipe, with_zero_stage(ds, stage, overlap), cluster)
                 except UserError:
                     continue  # a combination training refuses (e.g. ZeRO-3 with expert parallelism)
                 # node-aware dispatch runs blocking in one chunk whatever overlap_chunks says (moe/all_to_all.py)
@@ -127,6 +127,9 @@ def candidate_layouts(cfg, ds: dict[str, Any], cluster: Cluster, global_batch: i
     return layouts
 
 
+# (ZeRO stage, overlap_comm) a search tries; None: as the ds_config says (ZeRO-0 has no such setting; ZeRO-3 is
+# searched as the ds_config leaves it, DeepSpeed's default there being true)
+ZERO_CHOICES = ((0, None), (1, False), (1, True), (2, False), (2, True), (3, None))
 OVERLAP_CHOICES = (1, 2, 4)  # train.expert_comm.overlap_chunks a search tries (planning/timing.py: why only a few)
 
 
@@ -166,5 +169,5 @@ def search(cfg, ds: dict[str, Any], cluster: Cluster, gpu: Accelerator, assumed:
     return sorted(plans, key=lambda p: (p.time.step_s, p.memory.peak))  # ties: the more headroom first
 
 
-__all__ = ["OVERLAP_CHOICES", "RunPlan", "candidate_layouts", "comm_choices", "plan_layout", "plan_run",
+__all__ = ["OVERLAP_CHOICES", "ZERO_CHOICES", "RunPlan", "candidate_layouts", "comm_choices", "plan_layout", "plan_run",
            "recipe_global_batch", "run_steps", "search"]

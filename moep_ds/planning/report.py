@@ -101,7 +101,8 @@ def search_table(runs: list[RunPlan], recipe: str, limit: int = 20) -> str:
         lay, t = r.layout, r.time
         hours = "-" if t.gpu_hours is None else f"{t.gpu_hours:,.0f}"
         comm = lay.expert_comm() if lay.expert_parallel > 1 else "-"
-        lines.append(f"| {i} | {lay.expert_parallel} | {comm} | {lay.zero_stage} | {lay.micro_batch} x "
+        zero = f"{lay.zero_stage}" + " overlap_comm" * (lay.overlap_comm and lay.zero_stage in (1, 2))
+        lines.append(f"| {i} | {lay.expert_parallel} | {comm} | {zero} | {lay.micro_batch} x "
                      f"{lay.grad_accum} | {'on' if lay.activation_checkpointing else 'off'} | {gib(r.memory.peak)} | "
                      f"{t.step_s:.3f} | {t.tokens_per_s:,.0f} | {100 * t.mfu:.1f}% | "
                      f"{mib(r.comm.by_kind().get('all_to_all', 0))} | {100 * t.exposed_comm_s / t.step_s:.1f}% | "
@@ -116,7 +117,7 @@ def as_dict(run: RunPlan) -> dict[str, Any]:
     return {
         "layout": {"gpus": layout.gpus, "gpus_per_node": layout.cluster.gpus_per_node,
                    "data_parallel": layout.gpus, "expert_parallel": layout.expert_parallel,
-                   "zero_stage": layout.zero_stage, "precision": layout.precision,
+                   "zero_stage": layout.zero_stage, "overlap_comm": layout.overlap_comm, "precision": layout.precision,
                    "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum, "seq_len": layout.seq_len,
                    "activation_checkpointing": layout.activation_checkpointing,
                    "expert_comm": {"dedup": layout.expert_dedup, "node_aware": layout.expert_node_aware,

@@ -6,9 +6,11 @@
     optimizer  the Adam step reads and writes about 32 bytes per parameter of the rank's share (fp32 master, two
                moments, gradient, the new 16-bit weight), at hbm_efficiency x HBM bandwidth
     comm       each collective's bytes on the slower of its links (planning/comm.py), at comm_efficiency x
-               bandwidth; `overlap` of the overlappable ones (ZeRO-3 gathers and reductions, ZeRO-2 reduction
-               under overlap_comm) hidden behind compute, the rest exposed; the expert all-to-all exposed as its
-               schedule leaves it (below)
+               bandwidth; `overlap` of the overlappable ones (ZeRO-3 gathers and reductions, ZeRO-1/2 reduction
+               under overlap_comm) hidden behind compute, the rest exposed; ZeRO-1's reduction hides at most behind
+               the backward it runs in, the step's last micro-batch's (2/3 of its training FLOPs, and the
+               recomputed forward under activation checkpointing); the expert all-to-all exposed as its schedule
+               leaves it (below)
     step = compute + optimizer + exposed comm; tokens/s = tokens per step / step; MFU = FLOPs per token x tokens/s /
     (GPUs x peak): model FLOPs only, recomputation not counted
 
@@ -39,6 +41,7 @@ tries few (planning/plan.py OVERLAP_CHOICES).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from moep_ds.planning.comm import Collective, CommPlan, link_bytes
 from moep_ds.planning.hardware import GB, Accelerator, Assumptions
@@ -139,11 +142,13 @@ def expert_exposed(stage: RoutedStage, legs: dict[str, float], layout: Layout, f
 
 
 def comm_seconds(comm: CommPlan, layout: Layout, gpu: Accelerator, assumed: Assumptions,
-                 routed: tuple[RoutedStage, ...] = ()) -> tuple[float, float]:
+                 routed: tuple[RoutedStage, ...] = (), last_backward_s: float = math.inf) -> tuple[float, float]:
     """(all communication, the part not hidden behind compute) in seconds per step: the expert all-to-all of the
-    stages in `routed` as its schedule exposes it, `overlap` of the other overlappable collectives."""
+    stages in `routed` as its schedule exposes it, `overlap` of the other overlappable collectives, of those in the
+    "last backward" window at most `last_backward_s` together."""
     total = exposed = 0.0
     legs: dict[str, dict[str, float]] = {}
+    hidden = {"step": 0.0, "last backward": 0.0}
     stages = {s.name: s for s in routed}
     for c in comm.collectives:
         seconds = seconds_of(c, layout, gpu, assumed)
@@ -153,7 +158,9 @@ def comm_seconds(comm: CommPlan, layout: Layout, gpu: Accelerator, assumed: Assu
                 legs.setdefault(c.stage, {}).setdefault(leg, 0.0)
                 legs[c.stage][leg] += seconds / len(c.legs)
         else:
-            exposed += seconds * (1 - assumed.overlap) if c.overlappable else seconds
+            exposed += seconds
+            hidden[c.window] += seconds * assumed.overlap if c.overlappable else 0.0
+    exposed -= hidden["step"] + min(hidden["last backward"], last_backward_s)
     flop_s = gpu.peak_flops(layout.precision) * assumed.compute_efficiency
     return total, exposed + sum(expert_exposed(stages[name], by_leg, layout, flop_s) for name, by_leg in legs.items())
 
@@ -167,7 +174,10 @@ def step_time(inv: Inventory, layout: Layout, comm: CommPlan, gpu: Accelerator, 
     compute = tokens_per_rank * flops * recompute / (peak * assumed.compute_efficiency)
     compute += layout.grad_accum * assumed.micro_step_ms / 1e3
     optimizer = optimizer_share(inv, layout) * ADAM_BYTES_PER_PARAM / (gpu.hbm_gbps * GB * assumed.hbm_efficiency)
-    comm_total, exposed = comm_seconds(comm, layout, gpu, assumed, routed)
+    # a micro-batch's backward: 4 of the 6 FLOPs a parameter trains with, and the recomputed forward (2)
+    last_backward = (layout.micro_batch * layout.seq_len * flops * (4 + 2 * layout.activation_checkpointing) / 6
+                     / (peak * assumed.compute_efficiency))
+    comm_total, exposed = comm_seconds(comm, layout, gpu, assumed, routed, last_backward)
     step = compute + optimizer + exposed
     tokens_per_s = layout.tokens_per_step / step
     run = None if steps is None else steps * step / 3600

@@ -1,9 +1,9 @@
 """Communication per step as moep-plan predicts it equals what a real 2-process run moves: every torch.distributed
 collective wrapped and its bytes counted (scripts/count_collectives.py) over one steady-state step, per kind of
 collective and group size, for ZeRO-2 and ZeRO-3, expert parallelism 1 and 2, top-k and expert choice (and ZeRO-0/1,
-bf16, accumulation, activation checkpointing, MSIT's positions, ZeRO-3 persistence and padding, gradients reduced to
-their owner only with use_multi_rank_bucket_allreduce false, dispatch per expert and once per rank, in 1, 2 (the
-default) or 4 chunks). All layouts train in one launch."""
+bf16, accumulation, activation checkpointing, ZeRO-1 with overlap_comm, MSIT's positions, ZeRO-3 persistence and
+padding, gradients reduced to their owner only with use_multi_rank_bucket_allreduce false, dispatch per expert and
+once per rank, in 1, 2 (the default) or 4 chunks). All layouts train in one launch."""
 import json
 import pathlib
 import sys
@@ -59,6 +59,10 @@ LAYOUTS = {
     "msit_every_token_zero2_ep2_dedup": ("msit", "zero2_fp32", {"expert_parallel_size": 2},
                                          ["model.layers[0].router.type=expert_choice",
                                           "model.layers[0].router.capacity_factor=4.0"]),
+    # ZeRO-1 with overlap_comm: its reduction moved into the last micro-batch's backward, the same bytes once a step
+    "topk_zero1_ep2_bf16_accumulation_overlap_comm": ("top2", "zero1_bf16_overlap",
+                                                      {"expert_parallel_size": 2, "global_batch_size": 16,
+                                                       **PER_EXPERT}, []),
     # train.expert_comm.overlap_chunks (2 above, the default): blocking; 4 chunks of one sequence each
     "topk_zero2_ep2_blocking": ("top2", "zero2_fp32", {"expert_parallel_size": 2, **BLOCKING}, []),
     "msit_every_token_zero2_ep2_dedup_4_chunks": ("msit", "zero2_fp32", {"expert_parallel_size": 2,
