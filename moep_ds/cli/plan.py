@@ -41,9 +41,9 @@ def plan_parser() -> Parser:
                    help="override the assumptions: compute_efficiency (0.45), comm_efficiency (0.7), hbm_efficiency "
                         "(0.8), overlap (0.5), reserve_gib (2), micro_step_ms (3)")
     p.add_argument("--search", action="store_true",
-                   help="every layout (expert parallel x ZeRO stage x micro-batch x activation checkpointing x "
-                        "train.expert_comm: once per rank, node-aware, FP8 dispatch, overlap chunks) that fits, "
-                        "ordered by predicted step time")
+                   help="every layout (expert parallel x ZeRO stage, 1 and 2 with overlap_comm off and on x "
+                        "micro-batch x activation checkpointing x train.expert_comm: once per rank, node-aware, FP8 "
+                        "dispatch, overlap chunks) that fits, ordered by predicted step time")
     p.add_argument("--json", action="store_true", help="print the plan (with --search: every fitting layout) as JSON")
     p.add_argument("--png", type=pathlib.Path, help="write the memory breakdown per rank as a PNG")
     return p
