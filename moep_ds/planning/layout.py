@@ -22,11 +22,11 @@ from moep_ds.training.ds_config import reconcile
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-# DeepSpeed's defaults of the zero_optimization keys a plan reads (deepspeed/runtime/zero/config.py, 0.19)
+# DeepSpeed's defaults of the zero_optimization keys a plan reads (deepspeed/runtime/zero/config.py, 0.19);
+# overlap_comm's depends on the stage: Layout.overlap_comm (resolved_overlap_comm)
 ZERO_DEFAULTS = {
     "reduce_bucket_size": int(5e8),
     "allgather_bucket_size": int(5e8),
-    "overlap_comm": None,  # None: DeepSpeed's default, true at stage 3 and false below
     "contiguous_gradients": True,
     "reduce_scatter": True,
     "use_multi_rank_bucket_allreduce": True,
@@ -117,8 +117,8 @@ class Layout:
                 f"checkpointing {'on' if self.activation_checkpointing else 'off'}")
 
     def zero_name(self) -> str:
-        """"ZeRO-1 bf16", with ", overlap_comm" where stage 1 or 2 reduces during backward (the choice a search
-        varies; ZeRO-3 overlaps by default and ZeRO-0 has no such setting)."""
+        """The stage and precision ("ZeRO-1 bf16"), with ", overlap_comm" where stage 1 or 2 reduces during backward
+        (the choice a search varies; ZeRO-3 overlaps by default and ZeRO-0 has no such setting)."""
         overlap = ", overlap_comm" if self.overlap_comm and self.zero_stage in (1, 2) else ""
         return f"ZeRO-{self.zero_stage} {self.precision}{overlap}"
 
