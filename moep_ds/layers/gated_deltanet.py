@@ -134,36 +134,44 @@ def chunk_gated_delta_rule(
     seq_len, length = v_BTHV.shape[1], chunk_size
     q, k, v, g, beta = _heads_first(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, normalize_qk)
     state_BHKV = _initial_state(initial_state_BHKV, q, v)
-    pad = -seq_len % length  # padded tokens: k = 0, beta = 0, g = 0 leave the state as it is
-    q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, length)) for x in (q, k, v))  # [B, H, N, L, *]
-    g, beta = (F.pad(x, (0, pad)).unflatten(2, (-1, length)) for x in (g, beta))  # [B, H, N, L]
-    cum_BHNL = g.cumsum(-1)
+    q, k, v, g, beta = (_chunk_major(x, length) for x in (q, k, v, g, beta))
+    cum_NBHL = g.cumsum(-1)
     causal_LL = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     # decay from token s to token t of a chunk; masked before exp so that nothing above the diagonal overflows
-    decay_BHNLL = (cum_BHNL[..., :, None] - cum_BHNL[..., None, :]).masked_fill(~causal_LL, float("-inf")).exp()
+    decay_NBHLL = (cum_NBHL[..., :, None] - cum_NBHL[..., None, :]).masked_fill(~causal_LL, float("-inf")).exp()
     k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay_BHNLL  # the solve reads its strict lower triangle only
-    rhs = torch.cat([v * beta[..., None], k_beta * cum_BHNL.exp()[..., None]], -1)
-    u_BHNLV, w_BHNLK = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+    system = (k_beta @ k.transpose(-1, -2)) * decay_NBHLL  # the solve reads its strict lower triangle only
+    rhs = torch.cat([v * beta[..., None], k_beta * cum_NBHL.exp()[..., None]], -1)
+    u_NBHLV, w_NBHLK = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
         [v.shape[-1], k.shape[-1]], -1)
-    k_to_end_BHNKL = (k * (cum_BHNL[..., -1:] - cum_BHNL).exp()[..., None]).transpose(-1, -2)
-    starts_BHNKV, v_new_BHNLV, state_BHKV = _scan_chunks(
-        u_BHNLV, w_BHNLK, k_to_end_BHNKL, cum_BHNL[..., -1].exp(), state_BHKV)
-    o_BHNLV = (q * cum_BHNL.exp()[..., None]) @ starts_BHNKV + ((q @ k.transpose(-1, -2)) * decay_BHNLL) @ v_new_BHNLV
-    o_BTHV = o_BHNLV.flatten(2, 3)[:, :, :seq_len].transpose(1, 2)
+    k_to_end_NBHKL = (k * (cum_NBHL[..., -1:] - cum_NBHL).exp()[..., None]).transpose(-1, -2)
+    starts_NBHKV, v_new_NBHLV, state_BHKV = _scan_chunks(
+        u_NBHLV, w_NBHLK, k_to_end_NBHKL, cum_NBHL[..., -1].exp(), state_BHKV)
+    o_NBHLV = (q * cum_NBHL.exp()[..., None]) @ starts_NBHKV + ((q @ k.transpose(-1, -2)) * decay_NBHLL) @ v_new_NBHLV
+    o_BTHV = o_NBHLV.permute(1, 0, 3, 2, 4).flatten(1, 2)[:, :seq_len]
     return o_BTHV.to(v_BTHV.dtype), state_BHKV
 
 
+def _chunk_major(x_BHT: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, H, T, ...] -> [N, B, H, L, ...], T padded to N L with zeros (padded tokens: k = 0, beta = 0, g = 0
+    leave the state as it is). Chunk-major and contiguous: every matmul batches over (N, B, H) without a copy,
+    and the loop over chunks takes contiguous slices."""
+    pad = -x_BHT.shape[2] % length
+    x = F.pad(x_BHT, (0, 0) * (x_BHT.dim() - 3) + (0, pad)).unflatten(2, (-1, length))
+    return x.movedim(2, 0).contiguous()
+
+
 def _scan_chunks(
-    u_BHNLV: torch.Tensor, w_BHNLK: torch.Tensor, k_to_end_BHNKL: torch.Tensor, decay_BHN: torch.Tensor,
+    u_NBHLV: torch.Tensor, w_NBHLK: torch.Tensor, k_to_end_NBHKL: torch.Tensor, decay_NBH: torch.Tensor,
     state_BHKV: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The recurrence across chunks: V_new = U - W S; S <- decay S + (K to_end)^T V_new. Returns the state at
-    each chunk's start [B, H, N, K, V], V_new [B, H, N, L, V] and the final state [B, H, K, V]."""
-    B, H, N = decay_BHN.shape
-    # chunk-major and (B H) flattened, so that each step is two contiguous batched matmuls (baddbmm)
-    u, w, k_t = (x.permute(2, 0, 1, 3, 4).flatten(1, 2) for x in (u_BHNLV, w_BHNLK, k_to_end_BHNKL))
-    decay = decay_BHN.permute(2, 0, 1).reshape(N, B * H, 1, 1)
+    each chunk's start [N, B, H, K, V], V_new [N, B, H, L, V] and the final state [B, H, K, V]."""
+    N, B, H = decay_NBH.shape
+    # (B H) flattened, so that each step is two batched matmuls (baddbmm); unbind, not indexing: the backward of
+    # x[n] writes a gradient the size of all of x at every step (quadratic in N)
+    u, w, k_t = (x.flatten(1, 2).unbind(0) for x in (u_NBHLV, w_NBHLK, k_to_end_NBHKL))
+    decay = decay_NBH.reshape(N, B * H, 1, 1).unbind(0)
     state = state_BHKV.flatten(0, 1)
     starts, news = [], []
     for n in range(N):
@@ -171,8 +179,7 @@ def _scan_chunks(
         v_new = torch.baddbmm(u[n], w[n], state, alpha=-1.0)
         state = torch.baddbmm(state * decay[n], k_t[n], v_new)
         news.append(v_new)
-    per_chunk = (torch.stack(x).unflatten(1, (B, H)).permute(1, 2, 0, 3, 4) for x in (starts, news))
-    return *per_chunk, state.unflatten(0, (B, H))
+    return torch.stack(starts).unflatten(1, (B, H)), torch.stack(news).unflatten(1, (B, H)), state.unflatten(0, (B, H))
 
 
 def recurrent_gated_delta_rule(
