@@ -91,12 +91,13 @@ def _heads_first(
     q_BTGK: torch.Tensor, k_BTGK: torch.Tensor, v_BTHV: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor,
     normalize_qk: bool,
 ) -> tuple[torch.Tensor, ...]:
-    """fp32 [B, H, T, ...] tensors; q/k repeated to the value heads (consecutive ones share a key head),
-    l2-normalised if asked, q scaled by K^-1/2."""
+    """[B, H, T, ...] tensors in fp32 (fp64 stays fp64): the state multiplies many decays; q/k repeated to the
+    value heads (consecutive ones share a key head), l2-normalised if asked, q scaled by K^-1/2."""
     repeat = v_BTHV.shape[2] // k_BTGK.shape[2]
     if repeat > 1:
         q_BTGK, k_BTGK = q_BTGK.repeat_interleave(repeat, 2), k_BTGK.repeat_interleave(repeat, 2)
-    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH))
+    dtype = torch.promote_types(v_BTHV.dtype, torch.float32)
+    q, k, v, g, beta = (x.transpose(1, 2).to(dtype) for x in (q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH))
     if normalize_qk:
         q, k = l2norm(q), l2norm(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
@@ -105,7 +106,7 @@ def _heads_first(
 def _initial_state(state: torch.Tensor | None, q_BHTK: torch.Tensor, v_BHTV: torch.Tensor) -> torch.Tensor:
     if state is None:
         return q_BHTK.new_zeros(*q_BHTK.shape[:2], q_BHTK.shape[-1], v_BHTV.shape[-1])
-    return state.float()
+    return state.to(q_BHTK.dtype)
 
 
 def chunk_gated_delta_rule(
@@ -119,7 +120,7 @@ def chunk_gated_delta_rule(
     initial_state_BHKV: torch.Tensor | None = None,
     normalize_qk: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over T tokens in chunks of L (fp32 inside; T need not be a multiple of L).
+    """The gated delta rule over T tokens in chunks of L (fp32 or fp64 inside; T need not be a multiple of L).
 
     Within a chunk, with Gamma the cumulative decays from the chunk's start, the L delta updates collapse into
     the UT transform (DeltaNet's WY representation, Yang et al. 2024, with the decays of Gated DeltaNet):
@@ -129,7 +130,7 @@ def chunk_gated_delta_rule(
     everything else is computed for all chunks at once and the loop over chunks holds two matmuls.
 
     Args: q, k [B, T, G, K]; v [B, T, H, V]; g (log decay, <= 0), beta [B, T, H]; initial state [B, H, K, V].
-    Returns: o [B, T, H, V] in v's dtype and the final state [B, H, K, V] in fp32.
+    Returns: o [B, T, H, V] in v's dtype and the final state [B, H, K, V] in fp32 (fp64 for fp64 inputs).
     """
     seq_len, length = v_BTHV.shape[1], chunk_size
     q, k, v, g, beta = _heads_first(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, normalize_qk)

@@ -89,6 +89,23 @@ def test_chunked_rule_without_initial_state_and_with_one_chunk():
     torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-5)
 
 
+def test_forms_agree_in_fp64_and_low_precision_inputs_compute_in_fp32():
+    """fp64 stays fp64 (the chunked and recurrent forms agree to 1e-12, a repeated key included, the worst case of
+    the triangular solve); bf16 inputs give bf16 outputs of the fp32 computation, and an fp32 state."""
+    q, k, v, g, beta, state = (x.detach().double() for x in rule_inputs(2))
+    k[:, 5:15] = k[:, 4:5]  # one token repeated over a chunk boundary
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=L, initial_state_BHKV=state)
+    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state_BHKV=state)
+    assert o.dtype == s.dtype == torch.float64
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s, s_ref, rtol=1e-12, atol=1e-12)
+    low = [x.bfloat16() for x in (q, k, v, g, beta)]
+    o_low, s_low = chunk_gated_delta_rule(*low, chunk_size=L)
+    o_32, _ = chunk_gated_delta_rule(*(x.float() for x in low), chunk_size=L)
+    assert o_low.dtype == torch.bfloat16 and s_low.dtype == torch.float32
+    assert torch.equal(o_low, o_32.bfloat16())
+
+
 def our_config(**kw) -> GatedDeltaNetConfig:
     return GatedDeltaNetConfig(num_k_heads=G, num_v_heads=H, head_k_dim=K, head_v_dim=V, chunk_size=L, **kw)
 
