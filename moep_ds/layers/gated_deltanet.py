@@ -301,13 +301,13 @@ class GatedDeltaNet(nn.Module):
         return GatedDeltaNetCache()
 
     def attention_flops_per_token(self, seq_len: int) -> float:
-        """Forward+backward FLOPs per token of the chunked rule (the projections count as parameters): per token
-        and value head, the L x L products within its chunk (Q K^T, the UT system, the solve, the reads of V_new)
-        and the state's reads and writes (W S, K^T V_new, Q S) at about 2 L (2 K + V) + 2 L (K + V) + 6 K V
-        forward, times 3 for forward + backward."""
+        """Forward+backward FLOPs per token of the chunked rule (the projections count as parameters), per value
+        head: within its chunk Q K^T and the UT system's K K^T (2 L K each), the triangular solve for U and W
+        (L (K + V): half an L x L matrix times K + V columns), the intra-chunk read of V_new (2 L V); across chunks
+        W S, K^T V_new and Q S (2 K V each). Forward x 3 for forward + backward; elementwise decays not counted."""
         cfg = self.cfg
         L, K, V = min(cfg.chunk_size, seq_len), cfg.head_k_dim, cfg.head_v_dim
-        return 3.0 * cfg.num_v_heads * (2 * L * (2 * K + V) + 2 * L * (K + V) + 6 * K * V)
+        return 3.0 * cfg.num_v_heads * (4 * L * K + L * (K + V) + 2 * L * V + 6 * K * V)
 
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedRMSNorm", "causal_conv1d",
