@@ -217,6 +217,8 @@ def gated_rms_norm(x_BTHV: torch.Tensor, z_BTHV: torch.Tensor, weight_V: torch.T
 
 
 class GatedRMSNorm(nn.Module):
+    """`gated_rms_norm` with its [V] scale as `weight` (transformers' `norm.weight`)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
