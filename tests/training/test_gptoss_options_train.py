@@ -95,3 +95,14 @@ def test_moep_plan_holds_sinks_and_router_bias_replicated_and_its_share_of_exper
     ours, plain = inventory(gpt_oss_recipe()), inventory(plain_recipe())
     assert ours.dense_params - plain.dense_params == L * (H + E)  # sinks and router bias on every rank
     assert ours.expert_params - plain.expert_params == L * (E // 2) * (2 * F + D)  # this rank's experts' biases
+
+
+def test_paths_refuse_sinks_their_routed_attention_cannot_apply():
+    import pytest
+    from moep_ds.schema import ConfigError
+
+    r = recipe("paths", pathlib.Path("unused"))
+    r["model"]["layers"][0]["attention"]["sinks"] = True
+    with pytest.raises(ConfigError, match=r"^model\.layers\[0\]\.attention\.sinks \(True\) is not supported by the "
+                                          r"paths' routed attention \(give path_attention without sinks\)$"):
+        config_from_dict(r)
