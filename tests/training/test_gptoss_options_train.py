@@ -106,3 +106,30 @@ def test_paths_refuse_sinks_their_routed_attention_cannot_apply():
     with pytest.raises(ConfigError, match=r"^model\.layers\[0\]\.attention\.sinks \(True\) is not supported by the "
                                           r"paths' routed attention \(give path_attention without sinks\)$"):
         config_from_dict(r)
+
+
+def test_native_export_refuses_what_llama_and_mixtral_cannot_express():
+    import pytest
+    from moep_ds.errors import UserError
+    from moep_ds.interop.export_native import native_format
+
+    def dense(**change) -> dict:
+        r = recipe("nova_moe", pathlib.Path("unused"))
+        r["model"]["layers"] = r["model"]["layers"][:1]
+        for key, value in change.items():
+            r["model"]["layers"][0][key] = {**r["model"]["layers"][0].get(key, {}), **value}
+        return config_from_dict(r).model
+
+    with pytest.raises(UserError, match=r"^model\.layers\[\*\]\.attention\.sinks is set: the dense Hugging Face "):
+        native_format(dense(attention={"sinks": True}))
+    with pytest.raises(UserError, match=r"^model\.layers\[\*\]\.ffn\.type \('clamped_swiglu'\): the dense Hugging "):
+        native_format(dense(ffn={"type": "clamped_swiglu", "limit": 7.0}))
+    for where, key, value in (("attention", "sinks", True), ("moe.router", "bias", True)):
+        r = recipe("top2", pathlib.Path("unused"))
+        section = r["model"]["layers"][0]
+        for part in where.split("."):
+            section = section[part]
+        section[key] = value
+        with pytest.raises(UserError, match=rf"differs first at model\.layers\[0\]\.{where}\.{key}: False in "
+                                            r"MixtralForCausalLM, True in the model"):
+            native_format(config_from_dict(r).model)
