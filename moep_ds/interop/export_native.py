@@ -60,6 +60,9 @@ def native_format(model_cfg: Any) -> NativeFormat:
             return NativeFormat(family.hf_class, config, family.rules(model_cfg, config))
         misses.append((len(lines), family.hf_class, lines))
     count, name, lines = min(misses, key=lambda m: m[0])
+    alike = [n for c, n, ls in misses if c == count and ls[0] == lines[0]]
+    if count >= INEXPRESSIBLE and len(alike) > 1:  # one reason shared by several families (the dense ones' spec)
+        raise UserError(f"no Hugging Face architecture expresses this model: {lines[0]} ({', '.join(alike)})")
     extra = f" ({count} setting(s) differ)" if count < INEXPRESSIBLE else ""
     raise UserError(f"no Hugging Face architecture expresses this model: the nearest, {name}, differs first at "
                     f"{lines[0]}{extra}")
