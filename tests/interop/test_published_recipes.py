@@ -96,13 +96,14 @@ def test_recipe_is_what_moep_import_writes_for_the_config(name):
     assert model_differences(expected, load_config(CONFIGS / f"{name}.yaml").model) == []
 
 
-@pytest.mark.parametrize("name", ["mixtral_tiny", "qwen_moe_tiny", "olmoe_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("name", ["mixtral_tiny", "qwen_moe_tiny", "olmoe_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny",
+                                  "qwen3_next_tiny"])
 def test_quick_start_recipes_have_a_native_format(name):
     from moep_ds.interop.export_native import native_format
 
     expected = {"mixtral_tiny": "MixtralForCausalLM", "qwen_moe_tiny": "Qwen2MoeForCausalLM",
                 "olmoe_tiny": "OlmoeForCausalLM", "qwen3_moe_tiny": "Qwen3MoeForCausalLM",
-                "deepseek_v3_tiny": "DeepseekV3ForCausalLM"}[name]
+                "deepseek_v3_tiny": "DeepseekV3ForCausalLM", "qwen3_next_tiny": "Qwen3NextForCausalLM"}[name]
     assert native_format(load_config(CONFIGS / f"{name}.yaml").model).hf_class == expected
 
 
