@@ -91,12 +91,13 @@ def _heads_first(
     q_BTGK: torch.Tensor, k_BTGK: torch.Tensor, v_BTHV: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor,
     normalize_qk: bool,
 ) -> tuple[torch.Tensor, ...]:
-    """fp32 [B, H, T, ...] tensors; q/k repeated to the value heads (consecutive ones share a key head),
-    l2-normalised if asked, q scaled by K^-1/2."""
+    """[B, H, T, ...] tensors in fp32 (fp64 stays fp64): the state multiplies many decays; q/k repeated to the
+    value heads (consecutive ones share a key head), l2-normalised if asked, q scaled by K^-1/2."""
     repeat = v_BTHV.shape[2] // k_BTGK.shape[2]
     if repeat > 1:
         q_BTGK, k_BTGK = q_BTGK.repeat_interleave(repeat, 2), k_BTGK.repeat_interleave(repeat, 2)
-    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH))
+    dtype = torch.promote_types(v_BTHV.dtype, torch.float32)
+    q, k, v, g, beta = (x.transpose(1, 2).to(dtype) for x in (q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH))
     if normalize_qk:
         q, k = l2norm(q), l2norm(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
@@ -105,7 +106,7 @@ def _heads_first(
 def _initial_state(state: torch.Tensor | None, q_BHTK: torch.Tensor, v_BHTV: torch.Tensor) -> torch.Tensor:
     if state is None:
         return q_BHTK.new_zeros(*q_BHTK.shape[:2], q_BHTK.shape[-1], v_BHTV.shape[-1])
-    return state.float()
+    return state.to(q_BHTK.dtype)
 
 
 def chunk_gated_delta_rule(
@@ -119,7 +120,7 @@ def chunk_gated_delta_rule(
     initial_state_BHKV: torch.Tensor | None = None,
     normalize_qk: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over T tokens in chunks of L (fp32 inside; T need not be a multiple of L).
+    """The gated delta rule over T tokens in chunks of L (fp32 or fp64 inside; T need not be a multiple of L).
 
     Within a chunk, with Gamma the cumulative decays from the chunk's start, the L delta updates collapse into
     the UT transform (DeltaNet's WY representation, Yang et al. 2024, with the decays of Gated DeltaNet):
@@ -129,41 +130,49 @@ def chunk_gated_delta_rule(
     everything else is computed for all chunks at once and the loop over chunks holds two matmuls.
 
     Args: q, k [B, T, G, K]; v [B, T, H, V]; g (log decay, <= 0), beta [B, T, H]; initial state [B, H, K, V].
-    Returns: o [B, T, H, V] in v's dtype and the final state [B, H, K, V] in fp32.
+    Returns: o [B, T, H, V] in v's dtype and the final state [B, H, K, V] in fp32 (fp64 for fp64 inputs).
     """
     seq_len, length = v_BTHV.shape[1], chunk_size
     q, k, v, g, beta = _heads_first(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, normalize_qk)
     state_BHKV = _initial_state(initial_state_BHKV, q, v)
-    pad = -seq_len % length  # padded tokens: k = 0, beta = 0, g = 0 leave the state as it is
-    q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, length)) for x in (q, k, v))  # [B, H, N, L, *]
-    g, beta = (F.pad(x, (0, pad)).unflatten(2, (-1, length)) for x in (g, beta))  # [B, H, N, L]
-    cum_BHNL = g.cumsum(-1)
+    q, k, v, g, beta = (_chunk_major(x, length) for x in (q, k, v, g, beta))
+    cum_NBHL = g.cumsum(-1)
     causal_LL = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     # decay from token s to token t of a chunk; masked before exp so that nothing above the diagonal overflows
-    decay_BHNLL = (cum_BHNL[..., :, None] - cum_BHNL[..., None, :]).masked_fill(~causal_LL, float("-inf")).exp()
+    decay_NBHLL = (cum_NBHL[..., :, None] - cum_NBHL[..., None, :]).masked_fill(~causal_LL, float("-inf")).exp()
     k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay_BHNLL  # the solve reads its strict lower triangle only
-    rhs = torch.cat([v * beta[..., None], k_beta * cum_BHNL.exp()[..., None]], -1)
-    u_BHNLV, w_BHNLK = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+    system = (k_beta @ k.transpose(-1, -2)) * decay_NBHLL  # the solve reads its strict lower triangle only
+    rhs = torch.cat([v * beta[..., None], k_beta * cum_NBHL.exp()[..., None]], -1)
+    u_NBHLV, w_NBHLK = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
         [v.shape[-1], k.shape[-1]], -1)
-    k_to_end_BHNKL = (k * (cum_BHNL[..., -1:] - cum_BHNL).exp()[..., None]).transpose(-1, -2)
-    starts_BHNKV, v_new_BHNLV, state_BHKV = _scan_chunks(
-        u_BHNLV, w_BHNLK, k_to_end_BHNKL, cum_BHNL[..., -1].exp(), state_BHKV)
-    o_BHNLV = (q * cum_BHNL.exp()[..., None]) @ starts_BHNKV + ((q @ k.transpose(-1, -2)) * decay_BHNLL) @ v_new_BHNLV
-    o_BTHV = o_BHNLV.flatten(2, 3)[:, :, :seq_len].transpose(1, 2)
+    k_to_end_NBHKL = (k * (cum_NBHL[..., -1:] - cum_NBHL).exp()[..., None]).transpose(-1, -2)
+    starts_NBHKV, v_new_NBHLV, state_BHKV = _scan_chunks(
+        u_NBHLV, w_NBHLK, k_to_end_NBHKL, cum_NBHL[..., -1].exp(), state_BHKV)
+    o_NBHLV = (q * cum_NBHL.exp()[..., None]) @ starts_NBHKV + ((q @ k.transpose(-1, -2)) * decay_NBHLL) @ v_new_NBHLV
+    o_BTHV = o_NBHLV.permute(1, 0, 3, 2, 4).flatten(1, 2)[:, :seq_len]
     return o_BTHV.to(v_BTHV.dtype), state_BHKV
 
 
+def _chunk_major(x_BHT: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, H, T, ...] -> [N, B, H, L, ...], T padded to N L with zeros (padded tokens: k = 0, beta = 0, g = 0
+    leave the state as it is). Chunk-major and contiguous: every matmul batches over (N, B, H) without a copy,
+    and the loop over chunks takes contiguous slices."""
+    pad = -x_BHT.shape[2] % length
+    x = F.pad(x_BHT, (0, 0) * (x_BHT.dim() - 3) + (0, pad)).unflatten(2, (-1, length))
+    return x.movedim(2, 0).contiguous()
+
+
 def _scan_chunks(
-    u_BHNLV: torch.Tensor, w_BHNLK: torch.Tensor, k_to_end_BHNKL: torch.Tensor, decay_BHN: torch.Tensor,
+    u_NBHLV: torch.Tensor, w_NBHLK: torch.Tensor, k_to_end_NBHKL: torch.Tensor, decay_NBH: torch.Tensor,
     state_BHKV: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The recurrence across chunks: V_new = U - W S; S <- decay S + (K to_end)^T V_new. Returns the state at
-    each chunk's start [B, H, N, K, V], V_new [B, H, N, L, V] and the final state [B, H, K, V]."""
-    B, H, N = decay_BHN.shape
-    # chunk-major and (B H) flattened, so that each step is two contiguous batched matmuls (baddbmm)
-    u, w, k_t = (x.permute(2, 0, 1, 3, 4).flatten(1, 2) for x in (u_BHNLV, w_BHNLK, k_to_end_BHNKL))
-    decay = decay_BHN.permute(2, 0, 1).reshape(N, B * H, 1, 1)
+    each chunk's start [N, B, H, K, V], V_new [N, B, H, L, V] and the final state [B, H, K, V]."""
+    N, B, H = decay_NBH.shape
+    # (B H) flattened, so that each step is two batched matmuls (baddbmm); unbind, not indexing: the backward of
+    # x[n] writes a gradient the size of all of x at every step (quadratic in N)
+    u, w, k_t = (x.flatten(1, 2).unbind(0) for x in (u_NBHLV, w_NBHLK, k_to_end_NBHKL))
+    decay = decay_NBH.reshape(N, B * H, 1, 1).unbind(0)
     state = state_BHKV.flatten(0, 1)
     starts, news = [], []
     for n in range(N):
@@ -171,8 +180,7 @@ def _scan_chunks(
         v_new = torch.baddbmm(u[n], w[n], state, alpha=-1.0)
         state = torch.baddbmm(state * decay[n], k_t[n], v_new)
         news.append(v_new)
-    per_chunk = (torch.stack(x).unflatten(1, (B, H)).permute(1, 2, 0, 3, 4) for x in (starts, news))
-    return *per_chunk, state.unflatten(0, (B, H))
+    return torch.stack(starts).unflatten(1, (B, H)), torch.stack(news).unflatten(1, (B, H)), state.unflatten(0, (B, H))
 
 
 def recurrent_gated_delta_rule(
@@ -209,6 +217,8 @@ def gated_rms_norm(x_BTHV: torch.Tensor, z_BTHV: torch.Tensor, weight_V: torch.T
 
 
 class GatedRMSNorm(nn.Module):
+    """`gated_rms_norm` with its [V] scale as `weight` (transformers' `norm.weight`)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -293,13 +303,13 @@ class GatedDeltaNet(nn.Module):
         return GatedDeltaNetCache()
 
     def attention_flops_per_token(self, seq_len: int) -> float:
-        """Forward+backward FLOPs per token of the chunked rule (the projections count as parameters): per token
-        and value head, the L x L products within its chunk (Q K^T, the UT system, the solve, the reads of V_new)
-        and the state's reads and writes (W S, K^T V_new, Q S) at about 2 L (2 K + V) + 2 L (K + V) + 6 K V
-        forward, times 3 for forward + backward."""
+        """Forward+backward FLOPs per token of the chunked rule (the projections count as parameters), per value
+        head: within its chunk Q K^T and the UT system's K K^T (2 L K each), the triangular solve for U and W
+        (L (K + V): half an L x L matrix times K + V columns), the intra-chunk read of V_new (2 L V); across chunks
+        W S, K^T V_new and Q S (2 K V each). Forward x 3 for forward + backward; elementwise decays not counted."""
         cfg = self.cfg
         L, K, V = min(cfg.chunk_size, seq_len), cfg.head_k_dim, cfg.head_v_dim
-        return 3.0 * cfg.num_v_heads * (2 * L * (2 * K + V) + 2 * L * (K + V) + 6 * K * V)
+        return 3.0 * cfg.num_v_heads * (4 * L * K + L * (K + V) + 2 * L * V + 6 * K * V)
 
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetCache", "GatedDeltaNetConfig", "GatedRMSNorm", "causal_conv1d",

@@ -7,7 +7,6 @@ full forward; a tiny model of gated_deltanet blocks trained with activation chec
 from __future__ import annotations
 
 import importlib.util
-import math
 
 import pytest
 import torch
@@ -87,6 +86,23 @@ def test_chunked_rule_without_initial_state_and_with_one_chunk():
     o_ref, state_ref = recurrent_gated_delta_rule(q, k, v, g, beta)
     torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_forms_agree_in_fp64_and_low_precision_inputs_compute_in_fp32():
+    """fp64 stays fp64 (the chunked and recurrent forms agree to 1e-12, a repeated key included, the worst case of
+    the triangular solve); bf16 inputs give bf16 outputs of the fp32 computation, and an fp32 state."""
+    q, k, v, g, beta, state = (x.detach().double() for x in rule_inputs(2))
+    k[:, 5:15] = k[:, 4:5]  # one token repeated over a chunk boundary
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=L, initial_state_BHKV=state)
+    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state_BHKV=state)
+    assert o.dtype == s.dtype == torch.float64
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s, s_ref, rtol=1e-12, atol=1e-12)
+    low = [x.bfloat16() for x in (q, k, v, g, beta)]
+    o_low, s_low = chunk_gated_delta_rule(*low, chunk_size=L)
+    o_32, _ = chunk_gated_delta_rule(*(x.float() for x in low), chunk_size=L)
+    assert o_low.dtype == torch.bfloat16 and s_low.dtype == torch.float32
+    assert torch.equal(o_low, o_32.bfloat16())
 
 
 def our_config(**kw) -> GatedDeltaNetConfig:
@@ -185,11 +201,18 @@ def test_init_as_transformers():
 
 
 def test_flops_count_the_chunked_rule():
+    """The count's matmul part is what torch's FLOP counter sees in a forward (the triangular solve, which it does
+    not count, is the rest); linear in T, chunks no longer than T."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     layer = GatedDeltaNet(our_config(), d_model=D)
-    assert layer.attention_flops_per_token(1000) == layer.attention_flops_per_token(100)  # linear in T
-    assert layer.attention_flops_per_token(4) < layer.attention_flops_per_token(L)  # chunks no longer than T
-    assert math.isclose(layer.attention_flops_per_token(64), 3.0 * H * (2 * L * (2 * K + V) + 2 * L * (K + V)
-                                                                        + 6 * K * V))
+    q, k, v, g, beta, _ = (x.detach() for x in rule_inputs())
+    with FlopCounterMode(display=False) as counter:
+        chunk_gated_delta_rule(q[:, :16], k[:, :16], v[:, :16], g[:, :16], beta[:, :16], chunk_size=L)
+    solve = H * L * (K + V)
+    assert (layer.attention_flops_per_token(16) / 3 - solve) * 16 * B == counter.get_total_flops()
+    assert layer.attention_flops_per_token(1000) == layer.attention_flops_per_token(100)
+    assert layer.attention_flops_per_token(4) < layer.attention_flops_per_token(L)
 
 
 def test_config_errors():
