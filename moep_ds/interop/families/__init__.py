@@ -7,7 +7,8 @@ preference where two families would express a model. No code outside this folder
 
     gpt2.py, llama.py, gpt_neox.py      DenseFamily (hf_layout.py): an Expected table, config keys, tensor rules
     gemma.py                            Llama's class with Gemma's choices
-    mixtral.py, qwen2_moe.py, olmoe.py  MoEFamily (moe_layout.py): attention, router, shared expert, MoE layers
+    mixtral.py, qwen2_moe.py, olmoe.py, deepseek_v3.py
+                                        MoEFamily (moe_layout.py): attention, router, shared expert, MoE layers
     qwen3_moe.py, deepseek_v2.py        built on qwen2_moe.py and deepseek_v3.py
 """
 from __future__ import annotations
