@@ -236,6 +236,20 @@ def test_a_qwen3_next_layer_we_cannot_build_is_refused(damaged, tmp_path, capsys
         "error: config.json: hidden_act = 'gelu' (qwen3_next) has no moep_ds counterpart (supported: 'silu')")
 
 
+@pytest.mark.parametrize("imported", ["qwen3_next"], indirect=True)
+def test_qwen3_next_multi_token_prediction_weights_are_skipped(damaged, imported, tmp_path):
+    """The released checkpoints hold a multi-token-prediction layer (mtp.*) that transformers does not load: the
+    import skips it and reads the model as without it."""
+    from safetensors.torch import save_file
+
+    tensors = safetensors_of(damaged)
+    save_file({**tensors, "mtp.fc.weight": torch.ones(4, 8), "mtp.layers.0.input_layernorm.weight": torch.ones(8)},
+              str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    assert import_main([str(damaged), "--out", str(tmp_path / "run")]) == 0
+    first, again = stored(imported.folder / "run1"), stored(tmp_path / "run")
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+
+
 @pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)
 def test_a_shard_the_index_names_is_missing(imported, tmp_path, capsys):
     assert export_main([str(imported.folder / "run1"), "--out", str(tmp_path / "hf"), "--hf", "--native",
