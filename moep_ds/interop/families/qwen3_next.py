@@ -35,7 +35,6 @@ from moep_ds.interop.hf_layout import unsupported
 from moep_ds.interop.moe_layout import mlp_rules, num_experts, repeated, softmax_router
 from moep_ds.interop.rules import Rule, concatenated, expert_stack, same
 
-LAYER_TYPES = ("full_attention", "linear_attention")
 OUR_LAYER_TYPES = {"causal": "full_attention", "gated_deltanet": "linear_attention"}
 GDN_PARAMETERS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
                   "out_proj.weight")
@@ -55,9 +54,9 @@ def layer_types(hf: Raw) -> list[str]:
     if len(kinds) != n:
         raise UserError(f"config.json: layer_types has {len(kinds)} entries, num_hidden_layers = {n} (qwen3_next)")
     for i, kind in enumerate(kinds):
-        if kind not in LAYER_TYPES:
+        if kind not in ATTENTION_OF:
             raise UserError(f"config.json: layer_types[{i}] = {kind!r} (qwen3_next) has no moep_ds counterpart "
-                            f"(supported: {', '.join(LAYER_TYPES)})")
+                            f"(supported: {', '.join(sorted(ATTENTION_OF))})")
     return list(kinds)
 
 
@@ -89,6 +88,9 @@ def linear_attention(hf: Raw, eps: float) -> Raw:
             "num_v_heads": hf.get("linear_num_value_heads", 32), "head_k_dim": hf.get("linear_key_head_dim", 128),
             "head_v_dim": hf.get("linear_value_head_dim", 128), "conv_kernel": hf.get("linear_conv_kernel_dim", 4),
             "norm_eps": eps}
+
+
+ATTENTION_OF = {"full_attention": full_attention, "linear_attention": linear_attention}  # layer_types -> our section
 
 
 def sparse_layers(hf: Raw) -> list[bool]:
@@ -193,13 +195,14 @@ class Qwen3Next(Family):
         unsupported(self.model_type, hf, {"quantization_config": None, "hidden_act": "silu"})
         eps = hf.get("rms_norm_eps", 1e-6)
         norm = {"type": "gemma_rmsnorm", "eps": eps}
-        attention = {"full_attention": full_attention(hf, eps), "linear_attention": linear_attention(hf, eps)}
+        kinds = layer_types(hf)
+        attention = {kind: ATTENTION_OF[kind](hf, eps) for kind in set(kinds)}  # the kinds present only
         sparse = sparse_layers(hf)
         ffn_moe = moe(hf, sum(sparse)) if any(sparse) else None
         dense_ffn = {"type": "swiglu", "hidden_size": hf.get("intermediate_size", 5632)}
         blocks = [{"type": "ffn_moe", "attention": attention[kind], "norm": norm, "moe": ffn_moe} if s else
                   {"type": "dense", "attention": attention[kind], "norm": norm, "ffn": dense_ffn}
-                  for kind, s in zip(layer_types(hf), sparse)]
+                  for kind, s in zip(kinds, sparse)]
         return {"vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
                 "max_seq_len": hf.get("max_position_embeddings", 32768),
                 "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "position_embedding": "none",
