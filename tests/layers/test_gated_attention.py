@@ -21,9 +21,9 @@ B, T, D, H, G, Dh, EPS = 2, 7, 32, 4, 2, 12, 1e-6
 @pytest.fixture(scope="module")
 def pair() -> tuple[torch.nn.Module, CausalSelfAttention, torch.nn.Module]:
     """transformers' attention (every weight perturbed, norms off zero), ours with its weights, and its rotary."""
+    rope = {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}  # 6 of 12 dims rotated
     config = transformers.Qwen3NextConfig(hidden_size=D, num_attention_heads=H, num_key_value_heads=G, head_dim=Dh,
-                                          rms_norm_eps=EPS, rope_parameters={"rope_type": "default", "rope_theta": 500.0,
-                                                                             "partial_rotary_factor": 0.5})
+                                          rms_norm_eps=EPS, rope_parameters=rope)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     theirs = hf.Qwen3NextAttention(config, layer_idx=0)
@@ -84,7 +84,8 @@ def test_zero_centred_qk_norm_starts_as_plain_rmsnorm():
     plain = CausalSelfAttention(AttentionConfig(**{**vars(cfg), "qk_norm": QKNormConfig()}), D)
     plain.load_state_dict({k: v for k, v in gemma.state_dict().items() if not k.endswith("_norm.weight")},
                           strict=False)
-    assert float(gemma.q_norm.weight.detach().abs().sum()) == 0 and gemma.w_qkv.weight.shape == ((2 * H + 2 * G) * Dh, D)
+    assert float(gemma.q_norm.weight.detach().abs().sum()) == 0
+    assert gemma.w_qkv.weight.shape == ((2 * H + 2 * G) * Dh, D)
     x_BTD = torch.randn(B, T, D)
     positions = torch.arange(T)[None].expand(B, T)
     torch.testing.assert_close(gemma(x_BTD, positions), plain(x_BTD, positions))

@@ -4,12 +4,14 @@ and configuration_qwen3_next.py are the reference (transformers 5).
 
 # E experts, D model dim, H query heads, G key/value heads, Dh head dim, F expert hidden dim
 
-    layer_types[i]        linear_attention -> attention `gated_deltanet` (layers/gated_deltanet.py): linear_num_key_heads,
-                          linear_num_value_heads, linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim;
-                          its conv activation is hidden_act (silu only), its gated RMSNorm eps rms_norm_eps
+    layer_types[i]        linear_attention -> attention `gated_deltanet` (layers/gated_deltanet.py):
+                          linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
+                          linear_conv_kernel_dim; its conv activation is hidden_act (silu only), its gated RMSNorm
+                          eps rms_norm_eps
                           full_attention -> `causal` GQA with the output gate, QK-norm per head of type gemma_rmsnorm,
                           rotary on partial_rotary_factor of each head's dims (rotate_half over the first R, as ours)
-                          no layer_types: every full_attention_interval-th layer (default 4) full, as transformers reads it
+                          no layer_types: every full_attention_interval-th layer (default 4) full, as transformers
+                          reads it
     mlp                   an MoE unless in mlp_only_layers, every decoder_sparse_step-th layer (Qwen2/3-MoE's rule):
                           softmax top-k (renormalised if norm_topk_prob), one shared expert of
                           shared_expert_intermediate_size scaled by sigmoid(x . w) (shared_expert_gate)
