@@ -1,4 +1,4 @@
-"""Small randomly initialised transformers MoE models of the six architectures (DeepSeek-V3 also without a
+"""Small randomly initialised transformers MoE models of the seven architectures (DeepSeek-V3 also without a
 low-rank query, DeepSeek-V2 also as V2-Lite: greedy routing, a full-rank query), every weight moved off its initial value and DeepSeek's selection bias non-zero, and the experts each
 one's routers choose.
 
@@ -59,13 +59,23 @@ def hf_config(case: str) -> Any:
             n_routed_experts=E, num_experts_per_tok=2, topk_method="greedy", first_k_dense_replace=0,
             n_shared_experts=1, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
             v_head_dim=6, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    if case == "qwen3_next":  # Gated DeltaNet and gated attention layers, layer 2 dense (mlp_only_layers), GQA,
+        # head_dim not D / heads, half of each head rotated, more value heads than key heads, a conv of width 3
+        return transformers.Qwen3NextConfig(
+            **COMMON, intermediate_size=40, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+            num_hidden_layers=4, num_key_value_heads=2, head_dim=12, num_experts=E, num_experts_per_tok=2,
+            norm_topk_prob=True, mlp_only_layers=[2],
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+            linear_conv_kernel_dim=3, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                       "partial_rotary_factor": 0.5})
     raise KeyError(case)
 
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
            "deepseek_v3_no_q_lora": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-           "deepseek_v2_lite": "DeepseekV2ForCausalLM"}
+           "deepseek_v2_lite": "DeepseekV2ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 CASES = list(CLASSES)
 
 

@@ -101,6 +101,20 @@ def test_importing_the_export_is_bit_identical(imported):
         assert torch.equal(first[name], second[name]), name
 
 
+@pytest.mark.parametrize("imported", ["qwen3_next"], indirect=True)
+def test_generation_with_the_decoding_caches_emits_what_full_forwards_emit(imported):
+    """Qwen3-Next decodes through Gated DeltaNet's recurrent and convolution states and the gated attention's
+    keys and values: a prefill, then one token at a time. Greedily, the tokens of one full forward per step, and
+    transformers' (its generate, with its own caches)."""
+    from moep_ds.evaluation.generate import generate
+
+    model, _, _, _ = load_model_dir(imported.folder / "run1")
+    prompt_BT = tokens()[:, :5]
+    cached = generate(model, prompt_BT, 8, use_cache=True)
+    assert torch.equal(cached, generate(model, prompt_BT, 8, use_cache=False))
+    assert torch.equal(cached, imported.reference.generate(prompt_BT, max_new_tokens=8, do_sample=False))
+
+
 @pytest.mark.parametrize("imported", ["deepseek_v3"], indirect=True)
 def test_a_large_export_is_sharded_as_save_pretrained_shards(imported, tmp_path):
     """Above --max_shard_size: model-0000i-of-0000n.safetensors and the index; transformers loads it, and its import
@@ -184,7 +198,7 @@ def test_bad_sources_fail_in_one_line(damaged, tmp_path, capsys):
     edit_config(damaged, model_type="jamba")
     assert refused(damaged, tmp_path, capsys) == (
         f"error: SRC ({str(damaged)!r}): config.json has model_type 'jamba'; moep-import reads deepseek_v2, deepseek_v3, "
-        "gemma, gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe")
+        "gemma, gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next")
     edit_config(damaged, model_type="olmoe", clip_qkv=8.0)  # OLMoE clamps q, k and v: a function we do not compute
     assert refused(damaged, tmp_path, capsys) == (
         "error: config.json: clip_qkv = 8.0 (olmoe) has no moep_ds counterpart (supported: None)")
@@ -206,6 +220,34 @@ def test_deepseek_v2_routing_we_do_not_compute_is_refused(damaged, tmp_path, cap
     assert refused(damaged, tmp_path, capsys) == (
         "error: config.json: topk_method = 'noaux_tc' (deepseek_v2) has no moep_ds counterpart (supported: greedy, "
         "group_limited_greedy)")
+
+
+@pytest.mark.parametrize("imported", ["qwen3_next"], indirect=True)
+def test_a_qwen3_next_layer_we_cannot_build_is_refused(damaged, tmp_path, capsys):
+    """A layer type other than Gated DeltaNet and full attention, or another activation (Qwen3-Next's convolution
+    uses hidden_act too): one line naming the field and the value."""
+    kinds = json.loads((damaged / "config.json").read_text())["layer_types"]
+    edit_config(damaged, layer_types=[kinds[0], "sliding_attention", *kinds[2:]])
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: layer_types[1] = 'sliding_attention' (qwen3_next) has no moep_ds counterpart "
+        "(supported: full_attention, linear_attention)")
+    edit_config(damaged, layer_types=kinds, hidden_act="gelu")
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: hidden_act = 'gelu' (qwen3_next) has no moep_ds counterpart (supported: 'silu')")
+
+
+@pytest.mark.parametrize("imported", ["qwen3_next"], indirect=True)
+def test_qwen3_next_multi_token_prediction_weights_are_skipped(damaged, imported, tmp_path):
+    """The released checkpoints hold a multi-token-prediction layer (mtp.*) that transformers does not load: the
+    import skips it and reads the model as without it."""
+    from safetensors.torch import save_file
+
+    tensors = safetensors_of(damaged)
+    save_file({**tensors, "mtp.fc.weight": torch.ones(4, 8), "mtp.layers.0.input_layernorm.weight": torch.ones(8)},
+              str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    assert import_main([str(damaged), "--out", str(tmp_path / "run")]) == 0
+    first, again = stored(imported.folder / "run1"), stored(tmp_path / "run")
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 
 @pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)
@@ -248,7 +290,8 @@ def score_on_rank(run: str, way: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("imported,way", [("deepseek_v3", "expert_parallel"), ("deepseek_v3", "zero3"),
-                                          ("olmoe", "expert_parallel")], indirect=["imported"])
+                                          ("olmoe", "expert_parallel"), ("qwen3_next", "expert_parallel"),
+                                          ("qwen3_next", "zero3")], indirect=["imported"])
 def test_an_import_on_two_processes_is_the_one_process_import(imported, way, tmp_path):
     """`moep-import` on 2 ranks, no rank holding the whole model (each its experts and the rest whole, or its ZeRO-3
     partitions): the run directory a single process writes, tensor for tensor and recipe for recipe (so its export

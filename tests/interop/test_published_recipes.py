@@ -42,6 +42,15 @@ PUBLISHED = {
         "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
         "rope_theta": 1e6, "use_sliding_window": False, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
         "hidden_act": "silu"},
+    "qwen3_next_80b_a3b": {  # Qwen/Qwen3-Next-80B-A3B-Instruct
+        "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "full_attention_interval": 4,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000000, "partial_rotary_factor": 0.25, "rope_scaling": None,
+        "router_aux_loss_coef": 0.001, "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu"},
     "deepseek_v2_lite": {  # deepseek-ai/DeepSeek-V2-Lite
         "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
         "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
@@ -87,13 +96,14 @@ def test_recipe_is_what_moep_import_writes_for_the_config(name):
     assert model_differences(expected, load_config(CONFIGS / f"{name}.yaml").model) == []
 
 
-@pytest.mark.parametrize("name", ["mixtral_tiny", "qwen_moe_tiny", "olmoe_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("name", ["mixtral_tiny", "qwen_moe_tiny", "olmoe_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny",
+                                  "qwen3_next_tiny"])
 def test_quick_start_recipes_have_a_native_format(name):
     from moep_ds.interop.export_native import native_format
 
     expected = {"mixtral_tiny": "MixtralForCausalLM", "qwen_moe_tiny": "Qwen2MoeForCausalLM",
                 "olmoe_tiny": "OlmoeForCausalLM", "qwen3_moe_tiny": "Qwen3MoeForCausalLM",
-                "deepseek_v3_tiny": "DeepseekV3ForCausalLM"}[name]
+                "deepseek_v3_tiny": "DeepseekV3ForCausalLM", "qwen3_next_tiny": "Qwen3NextForCausalLM"}[name]
     assert native_format(load_config(CONFIGS / f"{name}.yaml").model).hf_class == expected
 
 

@@ -10,6 +10,7 @@ preference where two families would express a model. No code outside this folder
     mixtral.py, qwen2_moe.py, olmoe.py, deepseek_v3.py
                                         MoEFamily (moe_layout.py): attention, router, shared expert, MoE layers
     qwen3_moe.py, deepseek_v2.py        built on qwen2_moe.py and deepseek_v3.py
+    qwen3_next.py                       Family itself (an attention kind per layer, layer_types), moe_layout's helpers
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from moep_ds.interop.adapter import Family
 
 FAMILY_MODULES = (
     "gpt2", "llama", "gemma", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2",
+    "qwen3_next",
 )
 
 
