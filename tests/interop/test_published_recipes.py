@@ -87,6 +87,32 @@ def test_recipe_is_what_moep_import_writes_for_the_config(name):
     assert model_differences(expected, load_config(CONFIGS / f"{name}.yaml").model) == []
 
 
+# the training settings a recipe chooses where moep-import writes config.json's (or the default): the recipe's
+# comment says each, and why
+RECIPE_CHOICES = {"olmoe_1b_7b": {"z_loss_weight": 0.001},  # the OLMoE paper's router z-loss
+                  "qwen3_30b_a3b": {"load_balancing_scope": "global"}}  # Qwen3's global-batch balancing
+
+
+def router_training(model_cfg) -> list[dict]:
+    """Per MoE block, its router's training settings (those model_differences leaves out)."""
+    from moep_ds.interop.compare import TRAINING_KEYS
+
+    return [{k: getattr(layer.moe.router, k) for k in TRAINING_KEYS if hasattr(layer.moe.router, k)}
+            for layer in model_cfg.expanded_layers() if layer.type == "ffn_moe"]
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in PUBLISHED.items() if c["model_type"] in MOE_ARCHITECTURES))
+def test_recipe_trains_as_moep_import_writes_but_for_its_stated_choices(name):
+    """Issue 45 (C): qwen3_30b_a3b.yaml said it was exactly what moep-import writes, with global-batch balancing
+    where moep-import writes micro_batch. Every router training setting is moep-import's, less RECIPE_CHOICES."""
+    published = PUBLISHED[name]
+    imported = router_training(model_of(MOE_ARCHITECTURES[published["model_type"]].recipe(published), name))
+    recipe = router_training(load_config(CONFIGS / f"{name}.yaml").model)
+    assert recipe == [{**router, **RECIPE_CHOICES.get(name, {})} for router in imported]
+    for key, value in RECIPE_CHOICES.get(name, {}).items():
+        assert all(router[key] != value for router in imported), f"{name}: {key} is no choice of the recipe"
+
+
 @pytest.mark.parametrize("name", ["mixtral_tiny", "qwen_moe_tiny", "olmoe_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"])
 def test_quick_start_recipes_have_a_native_format(name):
     from moep_ds.interop.export_native import native_format
