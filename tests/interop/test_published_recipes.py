@@ -101,12 +101,12 @@ def router_training(model_cfg) -> list[dict]:
             for layer in model_cfg.expanded_layers() if layer.type == "ffn_moe"]
 
 
-@pytest.mark.parametrize("name", sorted(n for n, c in PUBLISHED.items() if c["model_type"] in MOE_ARCHITECTURES))
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_recipe_trains_as_moep_import_writes_but_for_its_stated_choices(name):
     """Issue 45 (C): qwen3_30b_a3b.yaml said it was exactly what moep-import writes, with global-batch balancing
     where moep-import writes micro_batch. Every router training setting is moep-import's, less RECIPE_CHOICES."""
     published = PUBLISHED[name]
-    imported = router_training(model_of(MOE_ARCHITECTURES[published["model_type"]].recipe(published), name))
+    imported = router_training(model_of(family_of(published, name).recipe(published), name))
     recipe = router_training(load_config(CONFIGS / f"{name}.yaml").model)
     assert recipe == [{**router, **RECIPE_CHOICES.get(name, {})} for router in imported]
     for key, value in RECIPE_CHOICES.get(name, {}).items():
