@@ -188,7 +188,10 @@ def test_bad_sources_fail_in_one_line(damaged, tmp_path, capsys):
     edit_config(damaged, model_type="olmoe", clip_qkv=8.0)  # OLMoE clamps q, k and v: a function we do not compute
     assert refused(damaged, tmp_path, capsys) == (
         "error: config.json: clip_qkv = 8.0 (olmoe) has no moep_ds counterpart (supported: None)")
-    edit_config(damaged, clip_qkv=None)
+    edit_config(damaged, clip_qkv=None, partial_rotary_factor=0.5)  # older configs keep it beside the rope keys
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: partial_rotary_factor = 0.5 (olmoe) has no moep_ds counterpart (supported: 1.0)")
+    edit_config(damaged, partial_rotary_factor=None)
     weights = damaged / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     assert refused(damaged, tmp_path, capsys).startswith(
