@@ -74,7 +74,7 @@ def test_import_without_a_recipe_equals_transformers(imported):
     assert len(our_chosen) == len(hf_chosen)
     for layer, (ours, theirs) in enumerate(zip(our_chosen, hf_chosen)):
         assert torch.equal(ours, theirs), f"MoE layer {layer}"
-    if imported.case.startswith("deepseek_v3"):  # the selection bias arrived as our loss-free balancing bias
+    if imported.case.startswith(("deepseek_v3", "glm4_moe")):  # the selection bias, as our loss-free balancing bias
         bias = [m.balancer.bias_E for m in model.modules() if getattr(m, "balancer", None) is not None]
         assert bias and all(float(b.abs().sum()) > 0 for b in bias)
 
@@ -184,7 +184,7 @@ def test_bad_sources_fail_in_one_line(damaged, tmp_path, capsys):
     edit_config(damaged, model_type="jamba")
     assert refused(damaged, tmp_path, capsys) == (
         f"error: SRC ({str(damaged)!r}): config.json has model_type 'jamba'; moep-import reads deepseek_v2, deepseek_v3, "
-        "gemma, gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe")
+        "gemma, glm4_moe, gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe")
     edit_config(damaged, model_type="olmoe", clip_qkv=8.0)  # OLMoE clamps q, k and v: a function we do not compute
     assert refused(damaged, tmp_path, capsys) == (
         "error: config.json: clip_qkv = 8.0 (olmoe) has no moep_ds counterpart (supported: None)")
@@ -251,7 +251,8 @@ def score_on_rank(run: str, way: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("imported,way", [("deepseek_v3", "expert_parallel"), ("deepseek_v3", "zero3"),
-                                          ("olmoe", "expert_parallel")], indirect=["imported"])
+                                          ("olmoe", "expert_parallel"), ("glm4_moe", "expert_parallel"),
+                                          ("glm4_moe", "zero3")], indirect=["imported"])
 def test_an_import_on_two_processes_is_the_one_process_import(imported, way, tmp_path):
     """`moep-import` on 2 ranks, no rank holding the whole model (each its experts and the rest whole, or its ZeRO-3
     partitions): the run directory a single process writes, tensor for tensor and recipe for recipe (so its export
