@@ -211,6 +211,26 @@ def test_deepseek_v2_routing_we_do_not_compute_is_refused(damaged, tmp_path, cap
         "group_limited_greedy)")
 
 
+@pytest.mark.parametrize("imported", ["glm4_moe"], indirect=True)
+def test_multi_token_prediction_layers_are_skipped_as_transformers_skips_them(damaged, imported, tmp_path, capsys):
+    """GLM-4.5's (as DeepSeek-V3's) num_nextn_predict_layers after the last layer: no weights of the model; the same
+    tensors under a config.json without them are refused, named."""
+    from safetensors.torch import save_file
+
+    tensors = safetensors_of(damaged)
+    mtp = {"model.layers.3.eh_proj.weight": torch.ones(4, 8),
+           "model.layers.3.mlp.experts.0.up_proj.weight": torch.ones(2)}
+    save_file({**tensors, **mtp}, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    edit_config(damaged, num_nextn_predict_layers=1)
+    assert import_main([str(damaged), "--out", str(tmp_path / "run")]) == 0
+    first, second = stored(imported.folder / "run1"), stored(tmp_path / "run")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    edit_config(damaged, num_nextn_predict_layers=0)
+    assert refused(damaged, tmp_path / "again", capsys) == (
+        f"error: SRC ({str(damaged)!r}) has 2 tensor(s) that Glm4MoeForCausalLM of this recipe has no place for: "
+        f"{sorted(mtp)}")
+
+
 @pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)
 def test_a_shard_the_index_names_is_missing(imported, tmp_path, capsys):
     assert export_main([str(imported.folder / "run1"), "--out", str(tmp_path / "hf"), "--hf", "--native",
