@@ -80,3 +80,14 @@ def test_a_model_trained_here_exports_its_tokenizers_ids(tmp_path):
     assert {k: config[k] for k in IDS} == expected
     generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
     assert {k: getattr(generation, k) for k in IDS} == expected
+
+
+def test_a_special_token_that_is_no_id_is_one_line(tmp_path, capsys):
+    perturbed("LlamaForCausalLM", hf_config("llama_gqa"), seed=0).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "eos_token_id": "</s>"}))
+    assert import_main([str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {str(tmp_path / 'hf' / 'config.json')!r}: eos_token_id = '</s>' is no token id (an id, a list of "
+        "ids, or null)")
+    assert not (tmp_path / "run").exists()
