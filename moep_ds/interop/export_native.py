@@ -6,7 +6,13 @@
                             --max_shard_size as save_pretrained shards: model-0000i-of-0000n.safetensors and
                             model.safetensors.index.json ({"metadata": {"total_size", "total_parameters"},
                             "weight_map": {key: file}})
+    DIR/generation_config.json  the special tokens generation stops at and pads with (below)
     DIR/meta.json, tokenizer files
+
+Special tokens (config.json's bos / eos / pad ids, generation_config.json): an imported model's are its source's, as
+published (moep-import keeps them in meta.json; a source without generation_config.json gets the one transformers
+derives from config.json's ids); a model trained here has its tokenizer's: the end-of-text token as bos and eos,
+pad the tokenizer's own pad token (tokenizer_config.json), null without a tokenizer.
 
 transformers loads it without trust_remote_code (`AutoModelForCausalLM.from_pretrained(DIR)`), and moep-import
 reads it back bit for bit. The model is the first family, in the registry's order (interop/families/__init__.py),
@@ -112,13 +118,45 @@ def write_native_dir(entries: list[TensorEntry], cfg: Any, tmp: Path, tokenizer_
     fmt = native_format(cfg.model)
     by_name = {e.name: e for e in entries}
     write_native_weights(tmp, native_entries(by_name, fmt.rules), max_shard_bytes(max_shard_size))
-    specials = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": None}
+    specials, generation = special_tokens(meta, tokenizer_dir, eot_id)
     (tmp / "config.json").write_text(json.dumps({**fmt.config, **specials}, indent=2) + "\n", encoding="utf-8")
+    if generation:  # as GenerationConfig.save_pretrained writes it
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n",
+                                                    encoding="utf-8")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if tokenizer_dir is not None:
         from moep_ds.data.tokenizer import copy_tokenizer
 
         copy_tokenizer(tokenizer_dir, tmp)
+
+
+def special_tokens(meta: dict[str, Any], tokenizer_dir: Path | None, eot_id: int | None
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json's special token ids, generation_config.json): the source's, or the tokenizer's (module
+    docstring)."""
+    from moep_ds.checkpointing.model_dir import GENERATION_CONFIG, SPECIAL_TOKENS
+
+    if SPECIAL_TOKENS in meta:
+        ids = dict(meta[SPECIAL_TOKENS])
+    else:
+        pad = tokenizer_pad_id(tokenizer_dir) if tokenizer_dir is not None else None
+        ids = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": pad}
+    generation = meta.get(GENERATION_CONFIG) or {k: v for k, v in ids.items() if v is not None}
+    return ids, generation
+
+
+def tokenizer_pad_id(tokenizer_dir: Path) -> int | None:
+    """The id of the pad token tokenizer_config.json names (a string, or an added token's {"content": ...}); None
+    when it names none."""
+    from moep_ds.data.tokenizer import load_tokenizer
+
+    try:
+        pad = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("pad_token")
+    except (OSError, ValueError, AttributeError):  # none, or no JSON object: the tokenizer names no pad token
+        pad = None
+    if isinstance(pad, dict):
+        pad = pad.get("content")
+    return load_tokenizer(tokenizer_dir).tok.token_to_id(pad) if isinstance(pad, str) else None
 
 
 __all__ = ["DEFAULT_MAX_SHARD", "NativeFormat", "max_shard_bytes", "native_format", "write_native_dir"]

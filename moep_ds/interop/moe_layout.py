@@ -33,17 +33,23 @@ from moep_ds.interop.rules import Rule, concatenated, expert_stack, same
 # ---- config.json -> recipe ------------------------------------------------------------------------------------
 
 
-def rope_of(hf: Raw, arch: str, yarn: bool = False) -> Raw:
-    """Our rope section from transformers 5's rope_parameters or the older rope_theta / rope_scaling keys."""
+def rope_of(hf: Raw, arch: str, yarn: bool = False, partial: float | None = None) -> Raw:
+    """Our rope section from transformers 5's rope_parameters or the older rope_theta / rope_scaling keys.
+    `partial`: the family rotates a leading share of each head's dims (partial_rotary_factor, in rope_parameters or,
+    in older configs, beside it; `partial` where neither says), as we do (layers/rope.py: rotate_half over the first
+    R dims); None: the family rotates whole heads and a config saying otherwise is refused."""
     params = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1e4)}
     kind = params.get("rope_type") or params.get("type") or "default"
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UserError(f"config.json: partial_rotary_factor = {params['partial_rotary_factor']!r} ({arch}) has no "
-                        "moep_ds counterpart (supported: 1.0)")
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is None and factor not in (None, 1.0):
+        raise UserError(f"config.json: partial_rotary_factor = {factor!r} ({arch}) has no moep_ds counterpart "
+                        "(supported: 1.0)")
     if kind not in (("default", "yarn") if yarn else ("default",)):
         raise UserError(f"config.json: rope type {kind!r} ({arch}) has no moep_ds counterpart (supported: "
                         f"{'default, yarn' if yarn else 'default'})")
     out: Raw = {"base": float(params.get("rope_theta", hf.get("rope_theta", 1e4)))}
+    if partial is not None:
+        out["fraction"] = float(partial if factor is None else factor)
     if kind == "yarn":
         original = params["original_max_position_embeddings"]
         out["yarn"] = {"factor": float(params.get("factor") or hf["max_position_embeddings"] / original),
@@ -54,10 +60,11 @@ def rope_of(hf: Raw, arch: str, yarn: bool = False) -> Raw:
     return out
 
 
-def causal_attention(hf: Raw, arch: str, **extra: Any) -> Raw:
+def causal_attention(hf: Raw, arch: str, partial: float | None = None, **extra: Any) -> Raw:
+    """GQA attention with RoPE (`partial`: see rope_of)."""
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     return {"type": "causal", "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads") or heads,
-            "head_dim": hf.get("head_dim") or d // heads, "rope": rope_of(hf, arch),
+            "head_dim": hf.get("head_dim") or d // heads, "rope": rope_of(hf, arch, partial=partial),
             "bias": bool(hf.get("attention_bias", False)), **extra}
 
 

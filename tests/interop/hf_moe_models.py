@@ -1,6 +1,6 @@
-"""Small randomly initialised transformers MoE models of the seven architectures (DeepSeek-V3 also without a
-low-rank query, DeepSeek-V2 also as V2-Lite: greedy routing, a full-rank query), every weight moved off its initial value and DeepSeek's selection bias non-zero, and the experts each
-one's routers choose.
+"""Small randomly initialised transformers MoE models of the eight families (DeepSeek-V3 also without a
+low-rank query, DeepSeek-V2 also as V2-Lite: greedy routing, a full-rank query), every weight moved off its initial
+value and DeepSeek's and GLM-4.5's selection bias non-zero, and the experts each one's routers choose.
 
 # B batch, T tokens, V vocabulary, E experts, L layers
 """
@@ -69,13 +69,21 @@ def hf_config(case: str) -> Any:
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
             linear_conv_kernel_dim=3, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                        "partial_rotary_factor": 0.5})
+    if case == "glm4_moe":  # DeepSeek-V3's MoE over GQA: 1 dense layer first, groups, q/k/v biases, QK-norm per head,
+        # RoPE on half of a head_dim that is not D / heads
+        return transformers.Glm4MoeConfig(
+            **COMMON, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3, num_key_value_heads=2,
+            head_dim=12, n_routed_experts=E, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+            n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
     raise KeyError(case)
 
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
            "deepseek_v3_no_q_lora": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-           "deepseek_v2_lite": "DeepseekV2ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+           "deepseek_v2_lite": "DeepseekV2ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+           "glm4_moe": "Glm4MoeForCausalLM"}
 CASES = list(CLASSES)
 
 

@@ -74,7 +74,7 @@ def test_import_without_a_recipe_equals_transformers(imported):
     assert len(our_chosen) == len(hf_chosen)
     for layer, (ours, theirs) in enumerate(zip(our_chosen, hf_chosen)):
         assert torch.equal(ours, theirs), f"MoE layer {layer}"
-    if imported.case.startswith("deepseek_v3"):  # the selection bias arrived as our loss-free balancing bias
+    if imported.case.startswith(("deepseek_v3", "glm4_moe")):  # the selection bias, as our loss-free balancing bias
         bias = [m.balancer.bias_E for m in model.modules() if getattr(m, "balancer", None) is not None]
         assert bias and all(float(b.abs().sum()) > 0 for b in bias)
 
@@ -198,11 +198,14 @@ def test_bad_sources_fail_in_one_line(damaged, tmp_path, capsys):
     edit_config(damaged, model_type="jamba")
     assert refused(damaged, tmp_path, capsys) == (
         f"error: SRC ({str(damaged)!r}): config.json has model_type 'jamba'; moep-import reads deepseek_v2, deepseek_v3, "
-        "gemma, gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next")
+        "gemma, glm4_moe, gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next")
     edit_config(damaged, model_type="olmoe", clip_qkv=8.0)  # OLMoE clamps q, k and v: a function we do not compute
     assert refused(damaged, tmp_path, capsys) == (
         "error: config.json: clip_qkv = 8.0 (olmoe) has no moep_ds counterpart (supported: None)")
-    edit_config(damaged, clip_qkv=None)
+    edit_config(damaged, clip_qkv=None, partial_rotary_factor=0.5)  # older configs keep it beside the rope keys
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: partial_rotary_factor = 0.5 (olmoe) has no moep_ds counterpart (supported: 1.0)")
+    edit_config(damaged, partial_rotary_factor=None)
     weights = damaged / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     assert refused(damaged, tmp_path, capsys).startswith(
@@ -250,6 +253,26 @@ def test_qwen3_next_multi_token_prediction_weights_are_skipped(damaged, imported
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 
+@pytest.mark.parametrize("imported", ["glm4_moe"], indirect=True)
+def test_multi_token_prediction_layers_are_skipped_as_transformers_skips_them(damaged, imported, tmp_path, capsys):
+    """GLM-4.5's (as DeepSeek-V3's) num_nextn_predict_layers after the last layer: no weights of the model; the same
+    tensors under a config.json without them are refused, named."""
+    from safetensors.torch import save_file
+
+    tensors = safetensors_of(damaged)
+    mtp = {"model.layers.3.eh_proj.weight": torch.ones(4, 8),
+           "model.layers.3.mlp.experts.0.up_proj.weight": torch.ones(2)}
+    save_file({**tensors, **mtp}, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    edit_config(damaged, num_nextn_predict_layers=1)
+    assert import_main([str(damaged), "--out", str(tmp_path / "run")]) == 0
+    first, second = stored(imported.folder / "run1"), stored(tmp_path / "run")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    edit_config(damaged, num_nextn_predict_layers=0)
+    assert refused(damaged, tmp_path / "again", capsys) == (
+        f"error: SRC ({str(damaged)!r}) has 2 tensor(s) that Glm4MoeForCausalLM of this recipe has no place for: "
+        f"{sorted(mtp)}")
+
+
 @pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)
 def test_a_shard_the_index_names_is_missing(imported, tmp_path, capsys):
     assert export_main([str(imported.folder / "run1"), "--out", str(tmp_path / "hf"), "--hf", "--native",
@@ -291,7 +314,8 @@ def score_on_rank(run: str, way: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("imported,way", [("deepseek_v3", "expert_parallel"), ("deepseek_v3", "zero3"),
                                           ("olmoe", "expert_parallel"), ("qwen3_next", "expert_parallel"),
-                                          ("qwen3_next", "zero3")], indirect=["imported"])
+                                          ("qwen3_next", "zero3"), ("glm4_moe", "expert_parallel"),
+                                          ("glm4_moe", "zero3")], indirect=["imported"])
 def test_an_import_on_two_processes_is_the_one_process_import(imported, way, tmp_path):
     """`moep-import` on 2 ranks, no rank holding the whole model (each its experts and the rest whole, or its ZeRO-3
     partitions): the run directory a single process writes, tensor for tensor and recipe for recipe (so its export

@@ -101,21 +101,27 @@ class DeepseekV3(MoEFamily):
     def to_hf(self, model_cfg: Any) -> Raw:
         return {**self.mla_hf(parts_of(model_cfg)), "rope_interleave": True, "num_nextn_predict_layers": 0}
 
-    @staticmethod
-    def mla_hf(p: Parts) -> Raw:
+    @classmethod
+    def mla_hf(cls, p: Parts) -> Raw:
         """What DeepSeek-V3 and V2 write alike: MLA, the dense layers first, groups, shared experts."""
-        out = {**common_hf(p, "mla"), **moe_hf(p, "n_routed_experts", "moe_intermediate_size")}
+        att = p.attention
+        return {**common_hf(p, "mla"), **cls.moe_keys_hf(p), "num_key_value_heads": att.num_heads,
+                "q_lora_rank": att.q_lora_rank, "kv_lora_rank": att.kv_lora_rank,
+                "qk_nope_head_dim": att.qk_nope_head_dim, "qk_rope_head_dim": att.qk_rope_head_dim,
+                "v_head_dim": att.v_head_dim, "attention_bias": False}
+
+    @staticmethod
+    def moe_keys_hf(p: Parts) -> Raw:
+        """DeepSeek's MoE in config.json (GLM-4.5's too): routed and shared experts, groups, scaling, the dense
+        layers first."""
+        out = moe_hf(p, "n_routed_experts", "moe_intermediate_size")
         out.pop("router_aux_loss_coef")
-        att, router, shared = p.attention, p.moe.router, p.moe.shared_expert
-        out.update(num_key_value_heads=att.num_heads, q_lora_rank=att.q_lora_rank, kv_lora_rank=att.kv_lora_rank,
-                   qk_nope_head_dim=att.qk_nope_head_dim, qk_rope_head_dim=att.qk_rope_head_dim,
-                   v_head_dim=att.v_head_dim, first_k_dense_replace=next((i for i, s in enumerate(p.sparse) if s),
-                                                                         len(p.layers)),
+        router, shared = p.moe.router, p.moe.shared_expert
+        out.update(first_k_dense_replace=next((i for i, s in enumerate(p.sparse) if s), len(p.layers)),
                    n_group=router.num_groups, topk_group=router.kept_groups(),
                    routed_scaling_factor=router.scaling_factor,
-                   n_shared_experts=shared.hidden_size // p.moe.expert.hidden_size if shared is not None else 0,
-                   attention_bias=False)
-        if "intermediate_size" not in out:  # every layer an MoE: the (unused) dense size of the config's default
+                   n_shared_experts=shared.hidden_size // p.moe.expert.hidden_size if shared is not None else 0)
+        if p.dense_ffn is None:  # every layer an MoE: the (unused) dense size of the config's default
             out["intermediate_size"] = p.moe.expert.hidden_size
         return out
 
