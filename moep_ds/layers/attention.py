@@ -8,6 +8,10 @@ A key at position s is visible from a query at position t iff s <= t and, with a
 QK-norm (before RoPE): `scope: head` normalises each head's Dh dims with one [Dh] scale shared by the heads
 (Qwen3's q_norm / k_norm), `scope: projection` the whole H Dh (G Dh) projection with an [H Dh] ([G Dh]) scale
 (OLMoE's).
+
+Attention sinks (`sinks: true`, gpt-oss): each head h has a learned logit s_h that joins every query's softmax as
+one more column and is dropped after it, so a query may put probability mass on "nothing" (`sink_attention`).
+SDPA takes no such column: with sinks the scores are computed in full ([B, H, T, S], O(T S) memory).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moep_ds.deferred_init import init_at_construction
 from moep_ds.layers.rope import RopeConfig, apply_rope, rope_tables, rotary_dims, table_dtype
 from moep_ds.layers.norm import NormConfig, RMSNorm
 from moep_ds.registry import ATTENTIONS
@@ -41,6 +46,7 @@ class AttentionConfig:
     bias: bool = False
     qkv_bias: bool | None = None  # biases on q, k, v; null: = bias (Qwen2: true, with bias false on the output)
     qk_norm: QKNormConfig | None = None  # null: none
+    sinks: bool = False  # a learned per-head sink logit in the softmax (module docstring; gpt-oss)
 
     def validate(self, path: str) -> None:
         kv = self.kv_heads
@@ -106,6 +112,29 @@ def causal_attention(
     )
 
 
+def sink_attention(
+    q_BHTd: torch.Tensor,
+    k_BGSd: torch.Tensor,
+    v_BGSd: torch.Tensor,
+    q_pos_BT: torch.Tensor,
+    k_pos_BS: torch.Tensor,
+    window: int | None,
+    sinks_H: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """causal_attention with a sink column: p = softmax([q k^T scale + mask, s_h]) over S + 1 entries, out =
+    p[..., :S] v (gpt-oss's eager_attention_forward). The softmax runs in fp32 (or wider)."""
+    B, H, T, Dh = q_BHTd.shape
+    groups = H // k_BGSd.shape[1]
+    k_BHSd, v_BHSd = k_BGSd.repeat_interleave(groups, 1), v_BGSd.repeat_interleave(groups, 1)
+    scores_BHTS = (q_BHTd @ k_BHSd.transpose(-1, -2)) * (Dh ** -0.5 if scale is None else scale)
+    scores_BHTS = scores_BHTS.masked_fill(~attention_mask(q_pos_BT, k_pos_BS, window), float("-inf"))
+    sink_BHT1 = sinks_H.to(scores_BHTS.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+    logits = torch.cat([scores_BHTS, sink_BHT1], dim=-1)
+    probs_BHTS = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)[..., :-1]
+    return probs_BHTS.to(v_BHSd.dtype) @ v_BHSd
+
+
 @ATTENTIONS.register("causal", config=AttentionConfig)
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: AttentionConfig, d_model: int):
@@ -122,6 +151,19 @@ class CausalSelfAttention(nn.Module):
             norm = NormConfig(type="rmsnorm", eps=cfg.qk_norm.eps)
             self.q_norm = RMSNorm(norm, self.head_dim * (self.num_heads if whole else 1))
             self.k_norm = RMSNorm(norm, self.head_dim * (self.num_kv_heads if whole else 1))
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.sinks else None
+        if self.sinks is not None and not self.sinks.is_meta and init_at_construction():
+            self.init_weights(std=0.02)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_scale: float = 1.0) -> None:
+        """The sinks normal(0, std) as transformers initialises gpt-oss's; the linear layers are the model's, the
+        norms their own (CausalLM.init_weights skips the children of a module that has this method)."""
+        if self.sinks is not None:
+            nn.init.normal_(self.sinks, std=std)
+        for child in self.children():
+            if callable(getattr(child, "init_weights", None)):
+                child.init_weights(std, out_scale)
 
     def forward(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -139,7 +181,10 @@ class CausalSelfAttention(nn.Module):
         k_pos = positions_BT
         if cache is not None:
             k_BGTd, v_BGTd, k_pos = cache.append(k_BGTd, v_BGTd, positions_BT)
-        out = causal_attention(q_BHTd, k_BGTd, v_BGTd, positions_BT, k_pos, self.cfg.window)
+        if self.sinks is None:
+            out = causal_attention(q_BHTd, k_BGTd, v_BGTd, positions_BT, k_pos, self.cfg.window)
+        else:
+            out = sink_attention(q_BHTd, k_BGTd, v_BGTd, positions_BT, k_pos, self.cfg.window, self.sinks)
         return self.w_o(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def normed_qk(self, q_BTX: torch.Tensor, k_BTY: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
