@@ -1,20 +1,18 @@
-"""`moep-export RUN --out DIR --hf --native`: a model in its architecture's own Hugging Face format.
+"""`moep-export RUN --out DIR --hf --native`: a model in its family's own Hugging Face format.
 
-    DIR/config.json         the architecture's config: GPT2LMHeadModel, LlamaForCausalLM, GemmaForCausalLM,
-                            GPTNeoXForCausalLM (hf_layout.py), MixtralForCausalLM, Qwen2MoeForCausalLM,
-                            Qwen3MoeForCausalLM, OlmoeForCausalLM, DeepseekV2ForCausalLM,
-                            DeepseekV3ForCausalLM (moe_layout.py)
-    DIR/model.safetensors   the architecture's tensor names and layouts, written one at a time; above
+    DIR/config.json         the family's config (`Family.hf_config`, interop/families/<model_type>.py):
+                            GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM, ...
+    DIR/model.safetensors   the family's tensor names and layouts (`Family.rules`), written one at a time; above
                             --max_shard_size as save_pretrained shards: model-0000i-of-0000n.safetensors and
                             model.safetensors.index.json ({"metadata": {"total_size", "total_parameters"},
                             "weight_map": {key: file}})
     DIR/meta.json, tokenizer files
 
 transformers loads it without trust_remote_code (`AutoModelForCausalLM.from_pretrained(DIR)`), and moep-import
-reads it back bit for bit. A model of dense blocks only is one of the dense architectures (one block repeated);
-an MoE is the MoE architecture whose config.json describes it exactly: the model is written as that
-architecture's config.json, read back as a recipe (moe_layout.py) and compared with itself. No architecture that
-passes: refused, naming the nearest one (fewest differing settings) and the first setting where it differs.
+reads it back bit for bit. The model is the first family, in the registry's order (interop/families/__init__.py),
+whose config.json describes it exactly (`Family.differences`: the model written as that family's config.json, read
+back as a recipe and compared with itself; a family refuses a model that is another's, Inexpressible). None that
+passes: refused, naming the nearest family (fewest differing settings) and the first setting where it differs.
 """
 from __future__ import annotations
 
@@ -26,14 +24,17 @@ from typing import Any
 
 from moep_ds.checkpointing.streaming import TensorEntry, write_safetensors
 from moep_ds.errors import UserError
-from moep_ds.interop.hf_layout import Rule, architecture_of_spec, hf_config, spec_of
-from moep_ds.interop.hf_weights import SAFETENSORS, SAFETENSORS_INDEX, model_of, native_entries
+from moep_ds.interop.adapter import Inexpressible
+from moep_ds.interop.families import families
+from moep_ds.interop.hf_weights import SAFETENSORS, SAFETENSORS_INDEX, native_entries
+from moep_ds.interop.rules import Rule
 
 DEFAULT_MAX_SHARD = "5GB"  # the hub's advice (save_pretrained itself defaults to 50GB)
 SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?B?)", re.IGNORECASE)
 UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
          "TB": 10**12}
-INEXPRESSIBLE = 1000  # a difference no field of the architecture can take: far from every near miss
+INEXPRESSIBLE = 1000  # a difference no field of the family can take: far from every near miss
+OTHER_KIND = 2000  # a model of another kind than the family's (MoE or dense): farther still
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,32 +45,20 @@ class NativeFormat:
 
 
 def native_format(model_cfg: Any) -> NativeFormat:
-    """The architecture and config.json the model is exported as; one line when none expresses it."""
-    layers = model_cfg.expanded_layers()
-    if all(getattr(layer, "type", None) == "dense" for layer in layers):
-        spec = spec_of(model_cfg)
-        arch = architecture_of_spec(spec)
-        return NativeFormat(arch.hf_class, hf_config(spec, arch), arch.rules(spec))
-    return moe_format(model_cfg)
-
-
-def moe_format(model_cfg: Any) -> NativeFormat:
-    from moep_ds.interop.compare import model_differences
-    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES, Inexpressible
-
+    """The family and config.json the model is exported as: the first family (in the registry's order) that
+    expresses it exactly; one line naming the nearest when none does."""
     misses = []
-    for arch in MOE_ARCHITECTURES.values():
+    for family in families().values():
         try:
-            config = {"architectures": [arch.hf_class], "model_type": arch.model_type, **arch.to_hf(model_cfg),
-                      "dtype": "float32"}
-            back = model_of(arch.recipe(config), f"{arch.hf_class}'s config.json")
-            lines = model_differences(back, model_cfg, (arch.hf_class, "the model"))
+            lines = family.differences(model_cfg)
         except (Inexpressible, UserError) as err:
-            misses.append((INEXPRESSIBLE, arch.hf_class, [str(err)]))
+            misses.append((OTHER_KIND if getattr(err, "other_kind", False) else INEXPRESSIBLE, family.hf_class,
+                           [str(err)]))
             continue
         if not lines:
-            return NativeFormat(arch.hf_class, config, arch.rules(model_cfg, config))
-        misses.append((len(lines), arch.hf_class, lines))
+            config = family.hf_config(model_cfg)
+            return NativeFormat(family.hf_class, config, family.rules(model_cfg, config))
+        misses.append((len(lines), family.hf_class, lines))
     count, name, lines = min(misses, key=lambda m: m[0])
     extra = f" ({count} setting(s) differ)" if count < INEXPRESSIBLE else ""
     raise UserError(f"no Hugging Face architecture expresses this model: the nearest, {name}, differs first at "

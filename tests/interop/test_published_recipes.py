@@ -15,8 +15,8 @@ import torch
 from moep_ds.cli.pretrain import main as pretrain_main
 from moep_ds.config import load_config
 from moep_ds.interop.compare import model_differences
-from moep_ds.interop.hf_weights import model_of
-from moep_ds.interop.moe_layout import MOE_ARCHITECTURES
+from moep_ds.interop.adapter import model_of
+from moep_ds.interop.families import family_of
 
 from repo_paths import CONFIGS
 
@@ -80,10 +80,10 @@ def test_dry_run_counts_what_transformers_counts(name, capsys):
     assert (report["params_total"], report["params_active"]) == transformers_counts(PUBLISHED[name])
 
 
-@pytest.mark.parametrize("name", sorted(n for n, c in PUBLISHED.items() if c["model_type"] in MOE_ARCHITECTURES))
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_recipe_is_what_moep_import_writes_for_the_config(name):
     published = PUBLISHED[name]
-    expected = model_of(MOE_ARCHITECTURES[published["model_type"]].recipe(published), name)
+    expected = model_of(family_of(published, name).recipe(published), name)
     assert model_differences(expected, load_config(CONFIGS / f"{name}.yaml").model) == []
 
 
