@@ -54,6 +54,18 @@ PUBLISHED = {
         "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "moe_layer_freq": 1,
         "norm_topk_prob": False, "routed_scaling_factor": 1.0, "aux_loss_alpha": 0.001, "seq_aux": True,
         "tie_word_embeddings": False, "hidden_act": "silu"},
+    "gpt_oss_20b": {  # openai/gpt-oss-20b (its experts in MXFP4: the count is of the dequantised model)
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "initial_context_length": 4096, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "attention_bias": True, "swiglu_limit": 7.0, "router_aux_loss_coef": 0.9, "tie_word_embeddings": False,
+        "hidden_act": "silu", "quantization_config": {
+            "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                 "model.embed_tokens", "lm_head"]}},
 }
 
 
@@ -87,13 +99,14 @@ def test_recipe_is_what_moep_import_writes_for_the_config(name):
     assert model_differences(expected, load_config(CONFIGS / f"{name}.yaml").model) == []
 
 
-@pytest.mark.parametrize("name", ["mixtral_tiny", "qwen_moe_tiny", "olmoe_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("name", ["mixtral_tiny", "qwen_moe_tiny", "olmoe_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny",
+                                  "gpt_oss_tiny"])
 def test_quick_start_recipes_have_a_native_format(name):
     from moep_ds.interop.export_native import native_format
 
     expected = {"mixtral_tiny": "MixtralForCausalLM", "qwen_moe_tiny": "Qwen2MoeForCausalLM",
                 "olmoe_tiny": "OlmoeForCausalLM", "qwen3_moe_tiny": "Qwen3MoeForCausalLM",
-                "deepseek_v3_tiny": "DeepseekV3ForCausalLM"}[name]
+                "deepseek_v3_tiny": "DeepseekV3ForCausalLM", "gpt_oss_tiny": "GptOssForCausalLM"}[name]
     assert native_format(load_config(CONFIGS / f"{name}.yaml").model).hf_class == expected
 
 
