@@ -66,7 +66,7 @@ BAD = [
     ("unknown norm", with_change("model/layers/0/norm", "batchnorm"),
      "model.layers[0].norm.type: unknown norm 'batchnorm'; known: gemma_rmsnorm, layernorm, rmsnorm"),
     ("unknown ffn", with_change("model/layers/0/ffn", {"type": "relu2"}),
-     "model.layers[0].ffn.type: unknown ffn 'relu2'; known: geglu, gelu, gelu_tanh, swiglu"),
+     "model.layers[0].ffn.type: unknown ffn 'relu2'; known: clamped_swiglu, geglu, gelu, gelu_tanh, swiglu"),
     ("window zero", with_change("model/layers/0/attention/window", 0),
      "model.layers[0].attention.window (0) must be > 0"),
     ("empty layer list", with_change("model/layers", []), "model.layers ([]) must not be empty"),

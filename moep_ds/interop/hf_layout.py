@@ -73,6 +73,9 @@ def spec_of(model_cfg: Any) -> Spec:
             raise UserError(f"model.layers: block {i} differs from block 0; the Hugging Face architectures repeat "
                             "one block")
     check_dense_attention(first.attention)
+    if first.ffn.type not in ("gelu", "gelu_tanh", "swiglu", "geglu"):
+        raise UserError(f"model.layers[*].ffn.type ({first.ffn.type!r}): the dense Hugging Face architectures have no "
+                        "such FFN")
     d, att, rope = model_cfg.d_model, first.attention, first.attention.rope
     return Spec({
         "block_type": "dense", "vocab_size": model_cfg.vocab_size, "d_model": d, "num_layers": len(layers),
@@ -105,6 +108,8 @@ def check_dense_attention(att: Any) -> None:
         raise UserError(f"model.layers[*].attention.type ({att.type!r}): {where} have causal attention")
     if att.qk_norm is not None:
         raise UserError(f"model.layers[*].attention.qk_norm is set: {where} have no QK-norm")
+    if att.sinks:
+        raise UserError(f"model.layers[*].attention.sinks is set: {where} have no attention sinks")
     if att.qkv_bias is not None and att.qkv_bias != att.bias:
         raise UserError(f"model.layers[*].attention.qkv_bias ({att.qkv_bias}) differs from attention.bias "
                         f"({att.bias}): {where} have biases on every projection or on none")

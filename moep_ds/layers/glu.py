@@ -210,5 +210,6 @@ def gated_activation_backward(kind: GateKind, grad: torch.Tensor, gate: torch.Te
     return _KERNELS[kind][1](grad, gate, up)
 
 
-__all__ = ["FUSED_MIN_NUMEL", "GATE_ACTIVATIONS", "ClampedSwiGLU", "FusedGatedActivation", "GateKind", "fused_available",
-           "gated_activation", "gated_activation_backward", "gelu_tanh", "in_place_backward", "unfused"]
+__all__ = ["FUSED_MIN_NUMEL", "GATE_ACTIVATIONS", "ClampedSwiGLU", "FusedGatedActivation", "GateKind",
+           "fused_available", "gated_activation", "gated_activation_backward", "gelu_tanh", "in_place_backward",
+           "unfused"]

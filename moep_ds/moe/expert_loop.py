@@ -84,7 +84,8 @@ class ExpertLoopFFN(torch.autograd.Function):
             x, h1, dy = x_SD[rows], h1_SF[rows], dy_SD[rows]
             h3 = h3_SF[rows] if h3_SF is not None else None
             if dw2 is not None:
-                torch.mm((EXPERT_ACTIVATIONS[ctx.kind](h1) if h3 is None else gated_activation(ctx.kind, h1, h3)).t(), dy, out=dw2[e])
+                a = EXPERT_ACTIVATIONS[ctx.kind](h1) if h3 is None else gated_activation(ctx.kind, h1, h3)
+                torch.mm(a.t(), dy, out=dw2[e])
             if db2 is not None:
                 torch.sum(dy, 0, out=db2[e])
             da = dy @ w2_EFD[e].t()

@@ -171,4 +171,5 @@ class GroupedExperts(nn.Module):
         return f"kind={self.kind}, num_local_experts={self.num_local_experts}, hidden={self.w1_EDF.shape[-1]}"
 
 
-__all__ = ["EXPERT_ACTIVATIONS", "EXPERT_TYPES", "KERNELS", "GroupedExperts", "choose_kernel", "expert_ffn", "grouped_expert_ffn"]
+__all__ = ["EXPERT_ACTIVATIONS", "EXPERT_TYPES", "KERNELS", "GroupedExperts", "choose_kernel", "expert_ffn",
+           "grouped_expert_ffn"]

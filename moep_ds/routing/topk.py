@@ -4,9 +4,9 @@ experts.
 # T tokens (B*T flattened), B sequences, D model dim, E experts, K experts per token, G expert groups,
 # M groups kept per token, A = T*K assignments, S kept ones
 
-    logits l = x W_r^T (+ b_r with bias: gpt-oss) (fp32; in training x may be jittered by U(1-eps, 1+eps), Switch Transformer); with
+    logits l = x W_r^T (fp32; in training x may be jittered by U(1-eps, 1+eps), Switch Transformer); with
                logits_dtype input in x's dtype, then fp32 (transformers' Mixtral, Qwen-MoE and OLMoE routers: a bf16
-               model's bf16 logits; DeepSeek-V3's are fp32)
+               model's bf16 logits; DeepSeek-V3's are fp32); with `bias` l = x W_r^T + b_r (gpt-oss)
     scores s = softmax_E(l)  (score: softmax)   or   s = sigmoid(l)  (score: sigmoid, DeepSeek-V3 eq. 15)
     choice c = s + b  with b the loss-free balancing bias (routing/balancing.py; selection only, DeepSeek-V3
                eq. 16), 0 without it
