@@ -365,3 +365,27 @@ def test_gpt_oss_sources_we_cannot_read_are_refused(damaged, tmp_path, capsys):
     assert refused(damaged, tmp_path, capsys) == (
         f"error: {key} has shape [8, 64, 2, 8]; config.json's num_local_experts 8, hidden_size 32, intermediate_size "
         "32 make it [8, 64, 1, 16]")
+
+
+def test_gpt_oss_export_names_what_gpt_oss_cannot_express():
+    """gpt_oss has one sliding window, clamped-SwiGLU experts and a renormalised router: a model otherwise is
+    Inexpressible, or differs from its config.json's round trip, naming the setting (configs/gpt_oss_tiny.yaml)."""
+    from moep_ds.config import load_config
+    from moep_ds.interop.adapter import Inexpressible
+    from moep_ds.interop.families import families
+
+    from repo_paths import CONFIGS
+
+    def model(*sets: str):
+        return load_config(CONFIGS / "gpt_oss_tiny.yaml", list(sets)).model
+
+    gpt_oss = families()["gpt_oss"]
+    assert gpt_oss.differences(model()) == []
+    with pytest.raises(Inexpressible, match=r"^model\.layers\[\*\]\.attention\.window: \[4, 16\] in the model; "
+                                            r"gpt_oss has one sliding_window$"):
+        gpt_oss.to_hf(model("model.layers[1].attention.window=4"))
+    with pytest.raises(Inexpressible, match=r"^model\.layers\[\*\]\.moe\.expert\.type: 'swiglu' in the model; "):
+        gpt_oss.to_hf(model("model.layers[0].moe.expert.type=swiglu", "model.layers[0].moe.expert.limit=null",
+                            "model.layers[1].moe.expert.type=swiglu", "model.layers[1].moe.expert.limit=null"))
+    assert gpt_oss.differences(model("model.layers[1].moe.router.renormalize=false")) == [
+        "model.layers[1].moe.router.renormalize: True in GptOssForCausalLM, False in the model"]
