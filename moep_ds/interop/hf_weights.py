@@ -225,7 +225,7 @@ def weight_of(rule: Rule, files: TensorFiles, keys: dict[str, str]) -> Weight:
 
 def native_entries(entries: dict[str, Any], rules: list[Rule]) -> list[Any]:
     """Our weights (TensorEntry by canonical name) as the family's tensors (`rules`), each computed when
-    written; the tensors of one rule (an expert stack's experts) from one read of ours."""
+    written; the tensors of one rule (an expert stack's experts) from one read of ours (and of those it joins)."""
     from moep_ds.checkpointing.streaming import TensorEntry
 
     last: dict[str, list[torch.Tensor]] = {}  # the one rule's tensors being written
@@ -233,12 +233,12 @@ def native_entries(entries: dict[str, Any], rules: list[Rule]) -> list[Any]:
     def part(rule: Rule, j: int) -> torch.Tensor:
         if rule.ours not in last:
             last.clear()
-            last[rule.ours] = rule.to_theirs(entries[rule.ours].read().float())
+            last[rule.ours] = rule.to_theirs(*[entries[name].read().float() for name in (rule.ours, *rule.joins)])
         return last[rule.ours][j]
 
     out = []
     for rule in rules:
-        parts = rule.to_theirs(torch.empty(entries[rule.ours].shape, device="meta"))
+        parts = rule.to_theirs(*[torch.empty(entries[name].shape, device="meta") for name in (rule.ours, *rule.joins)])
         for j, (key, meta) in enumerate(zip(rule.theirs, parts)):
             out.append(TensorEntry(key, torch.float32, tuple(meta.shape), lambda rule=rule, j=j: part(rule, j)))
     return out

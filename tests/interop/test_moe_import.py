@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hf_moe_models import CASES, CLASSES, V, hf_choices, hf_model, our_choices, tokens
+from hf_moe_models import CASES, CLASSES, V, hf_choices, hf_source, our_choices, tokens
 from moep_ds.checkpointing.model_dir import load_model_dir, load_recipe, stored_weights
 from moep_ds.cli.export import main as export_main
 from moep_ds.cli.import_model import main as import_main
@@ -36,8 +36,7 @@ class Imported:
 def imported(request, tmp_path_factory) -> Imported:
     case = request.param
     folder = tmp_path_factory.mktemp(case)
-    reference = hf_model(case)
-    reference.save_pretrained(folder / "hf")
+    reference = hf_source(case, folder / "hf")
     assert import_main([str(folder / "hf"), "--out", str(folder / "run1")]) == 0
     assert export_main([str(folder / "run1"), "--out", str(folder / "hf2"), "--hf", "--native"]) == 0
     assert import_main([str(folder / "hf2"), "--out", str(folder / "run2")]) == 0
@@ -50,9 +49,16 @@ def stored(run: Path) -> dict[str, torch.Tensor]:
     return {e.name: e.read() for e in entries}
 
 
-def experts_of(keys: list[str]) -> list[int]:
-    """The experts whose tensors `keys` name (model.layers.1.mlp.experts.5.up_proj.weight: 5)."""
-    return sorted({int(key.split(".experts.")[1].split(".")[0]) for key in keys if ".experts." in key})
+def experts_of(keys: list[str | tuple[str, int, int]]) -> list[int]:
+    """The experts whose tensors `keys` name (model.layers.1.mlp.experts.5.up_proj.weight: 5), or whose rows they
+    are ((model.layers.1.mlp.experts.gate_up_proj, 2, 4): 2, 3; an [E, ...] tensor read by rows)."""
+    out: set[int] = set()
+    for key in keys:
+        if isinstance(key, tuple) and ".experts." in key[0]:
+            out.update(range(key[1], key[2]))
+        elif isinstance(key, str) and ".experts." in key:
+            out.add(int(key.split(".experts.")[1].split(".")[0]))
+    return sorted(out)
 
 
 def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
@@ -81,10 +87,14 @@ def test_import_without_a_recipe_equals_transformers(imported):
 
 def test_native_export_is_the_architectures_own_format(imported):
     """transformers loads the export without trust_remote_code: the source's tensors exactly (DeepSeek's
-    interleaved rotary rows put back), and its logits."""
+    interleaved rotary rows put back; gpt-oss's MXFP4 experts as transformers dequantises them, with no
+    quantization_config), and its logits."""
     config = json.loads((imported.folder / "hf2" / "config.json").read_text())
     assert config["architectures"] == [CLASSES[imported.case]] and "auto_map" not in config
+    assert "quantization_config" not in config
     source, export = safetensors_of(imported.folder / "hf"), safetensors_of(imported.folder / "hf2")
+    if imported.case.endswith("_mxfp4"):
+        source = imported.reference.state_dict()
     assert source.keys() == export.keys()
     for key in source:
         assert torch.equal(source[key], export[key]), key
@@ -198,7 +208,7 @@ def test_bad_sources_fail_in_one_line(damaged, tmp_path, capsys):
     edit_config(damaged, model_type="jamba")
     assert refused(damaged, tmp_path, capsys) == (
         f"error: SRC ({str(damaged)!r}): config.json has model_type 'jamba'; moep-import reads deepseek_v2, deepseek_v3, "
-        "gemma, glm4_moe, gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next")
+        "gemma, glm4_moe, gpt2, gpt_neox, gpt_oss, llama, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next")
     edit_config(damaged, model_type="olmoe", clip_qkv=8.0)  # OLMoE clamps q, k and v: a function we do not compute
     assert refused(damaged, tmp_path, capsys) == (
         "error: config.json: clip_qkv = 8.0 (olmoe) has no moep_ds counterpart (supported: None)")
@@ -292,9 +302,10 @@ def import_on_rank(src: str, out: str, way: str) -> tuple[int, list[int]]:
     from moep_ds.cli.import_model import main as import_cli
     from moep_ds.interop.hf_weights import TensorFiles
 
-    read: list[str] = []
-    original = TensorFiles.read
+    read: list[str | tuple[str, int, int]] = []
+    original, rows = TensorFiles.read, TensorFiles.read_rows
     TensorFiles.read = lambda self, key: read.append(key) or original(self, key)
+    TensorFiles.read_rows = lambda self, key, a, b: read.append((key, a, b)) or rows(self, key, a, b)
     code = import_cli([src, "--out", out, *(["--expert_parallel"] if way == "expert_parallel" else [])])
     return code, experts_of(read)
 
@@ -315,7 +326,8 @@ def score_on_rank(run: str, way: str) -> dict:
 @pytest.mark.parametrize("imported,way", [("deepseek_v3", "expert_parallel"), ("deepseek_v3", "zero3"),
                                           ("olmoe", "expert_parallel"), ("qwen3_next", "expert_parallel"),
                                           ("qwen3_next", "zero3"), ("glm4_moe", "expert_parallel"),
-                                          ("glm4_moe", "zero3")], indirect=["imported"])
+                                          ("glm4_moe", "zero3"), ("gpt_oss_mxfp4", "expert_parallel"),
+                                          ("gpt_oss", "zero3")], indirect=["imported"])
 def test_an_import_on_two_processes_is_the_one_process_import(imported, way, tmp_path):
     """`moep-import` on 2 ranks, no rank holding the whole model (each its experts and the rest whole, or its ZeRO-3
     partitions): the run directory a single process writes, tensor for tensor and recipe for recipe (so its export
@@ -395,3 +407,52 @@ def test_an_import_on_two_processes_onto_a_full_disk_fails_in_one_line(imported,
     assert [line for line in proc.stderr.splitlines() if "error" in line] == [
         f"error: disk full (No space left on device) writing {str(out)!r}, 3 MiB free there"], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("imported", ["gpt_oss_mxfp4"], indirect=True)
+def test_gpt_oss_sources_we_cannot_read_are_refused(damaged, tmp_path, capsys):
+    """An attention kind we do not build, a quantization other than MXFP4, MXFP4 blocks of another shape than
+    config.json gives them: one line naming the field or the tensor, nothing written."""
+    from safetensors.torch import load_file, save_file
+
+    edit_config(damaged, layer_types=["sliding_attention", "chunked_attention"])
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: layer_types[1] = 'chunked_attention' (gpt_oss) has no moep_ds counterpart (supported: "
+        "full_attention, sliding_attention)")
+    edit_config(damaged, layer_types=["sliding_attention", "full_attention"],
+                quantization_config={"quant_method": "bitsandbytes"})
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: quantization_config.quant_method = 'bitsandbytes' (gpt_oss) has no moep_ds counterpart "
+        "(supported: mxfp4)")
+    edit_config(damaged, quantization_config={"quant_method": "mxfp4"})
+    state = load_file(damaged / "model.safetensors")
+    key = "model.layers.1.mlp.experts.gate_up_proj_blocks"
+    state[key] = state[key].reshape(8, 64, 2, 8)  # the same bytes, blocks of 8 for a hidden size of 32
+    save_file(state, damaged / "model.safetensors")
+    assert refused(damaged, tmp_path, capsys) == (
+        f"error: {key} has shape [8, 64, 2, 8]; config.json's num_local_experts 8, hidden_size 32, intermediate_size "
+        "32 make it [8, 64, 1, 16]")
+
+
+def test_gpt_oss_export_names_what_gpt_oss_cannot_express():
+    """gpt_oss has one sliding window, clamped-SwiGLU experts and a renormalised router: a model otherwise is
+    Inexpressible, or differs from its config.json's round trip, naming the setting (configs/gpt_oss_tiny.yaml)."""
+    from moep_ds.config import load_config
+    from moep_ds.interop.adapter import Inexpressible
+    from moep_ds.interop.families import families
+
+    from repo_paths import CONFIGS
+
+    def model(*sets: str):
+        return load_config(CONFIGS / "gpt_oss_tiny.yaml", list(sets)).model
+
+    gpt_oss = families()["gpt_oss"]
+    assert gpt_oss.differences(model()) == []
+    with pytest.raises(Inexpressible, match=r"^model\.layers\[\*\]\.attention\.window: \[4, 16\] in the model; "
+                                            r"gpt_oss has one sliding_window$"):
+        gpt_oss.to_hf(model("model.layers[1].attention.window=4"))
+    with pytest.raises(Inexpressible, match=r"^model\.layers\[\*\]\.moe\.expert\.type: 'swiglu' in the model; "):
+        gpt_oss.to_hf(model("model.layers[0].moe.expert.type=swiglu", "model.layers[0].moe.expert.limit=null",
+                            "model.layers[1].moe.expert.type=swiglu", "model.layers[1].moe.expert.limit=null"))
+    assert gpt_oss.differences(model("model.layers[1].moe.router.renormalize=false")) == [
+        "model.layers[1].moe.router.renormalize: True in GptOssForCausalLM, False in the model"]

@@ -71,6 +71,18 @@ PUBLISHED = {
         "routed_scaling_factor": 1.0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1000000,
         "rope_scaling": None, "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False,
         "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "gpt_oss_20b": {  # openai/gpt-oss-20b (its experts in MXFP4: the count is of the dequantised model)
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "initial_context_length": 4096, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "attention_bias": True, "swiglu_limit": 7.0, "router_aux_loss_coef": 0.9, "tie_word_embeddings": False,
+        "hidden_act": "silu", "quantization_config": {
+            "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                 "model.embed_tokens", "lm_head"]}},
 }
 
 
@@ -133,7 +145,7 @@ def test_recipe_trains_as_moep_import_writes_but_for_its_stated_choices(name):
 QUICK_START_FORMATS = {"mixtral_tiny": "MixtralForCausalLM", "qwen_moe_tiny": "Qwen2MoeForCausalLM",
                        "olmoe_tiny": "OlmoeForCausalLM", "qwen3_moe_tiny": "Qwen3MoeForCausalLM",
                        "deepseek_v3_tiny": "DeepseekV3ForCausalLM", "glm4_moe_tiny": "Glm4MoeForCausalLM",
-                       "qwen3_next_tiny": "Qwen3NextForCausalLM",
+                       "qwen3_next_tiny": "Qwen3NextForCausalLM", "gpt_oss_tiny": "GptOssForCausalLM",
                        "deepseek_tiny": "Glm4MoeForCausalLM"}  # DeepSeek-V3's routing over GQA is GLM-4.5's
 
 

@@ -23,7 +23,7 @@ from moep_ds.interop.adapter import Family
 
 FAMILY_MODULES = (
     "gpt2", "llama", "gemma", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2",
-    "qwen3_next", "glm4_moe",
+    "qwen3_next", "glm4_moe", "gpt_oss",
 )
 
 
