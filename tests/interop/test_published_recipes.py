@@ -119,7 +119,8 @@ def test_recipe_is_what_moep_import_writes_for_the_config(name):
 # the training settings a recipe chooses where moep-import writes config.json's (or the default): the recipe's
 # comment says each, and why
 RECIPE_CHOICES = {"olmoe_1b_7b": {"z_loss_weight": 0.001},  # the OLMoE paper's router z-loss
-                  "qwen3_30b_a3b": {"load_balancing_scope": "global"}}  # Qwen3's global-batch balancing
+                  "qwen3_30b_a3b": {"load_balancing_scope": "global"},  # Qwen3's global-batch balancing
+                  "qwen3_next_80b_a3b": {"load_balancing_scope": "global"}}  # the same, Qwen3-Next
 
 
 def router_training(model_cfg) -> list[dict]:
