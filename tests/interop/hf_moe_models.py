@@ -110,11 +110,19 @@ def hf_model(case: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+# the source's own special tokens (as a release has them, eos a list in generation_config.json): the native export
+# carries them through (issue 45)
+SOURCE_TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+SOURCE_GENERATION = {**SOURCE_TOKENS, "eos_token_id": [2, 7], "temperature": 0.7, "do_sample": True}
+
+
 def hf_source(case: str, folder: Path) -> torch.nn.Module:
     """The case's model saved into `folder` as transformers saves it, and transformers' model of that folder (the
     reference). gpt_oss_mxfp4: the experts stored as the release stores them, MXFP4 blocks and scales with
     quantization_config mxfp4, and the reference loaded as transformers dequantises them (Mxfp4Config(dequantize))."""
     model = hf_model(case)
+    model.config.update(SOURCE_TOKENS)
+    model.generation_config = transformers.GenerationConfig(**SOURCE_GENERATION)
     model.save_pretrained(folder)
     if not case.endswith("_mxfp4"):
         return model

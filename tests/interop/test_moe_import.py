@@ -1,7 +1,8 @@
 """Published MoE architectures in and out: a tiny random transformers model of each (every weight perturbed,
 DeepSeek's selection bias non-zero) -> `moep-import` without --config -> logits equal transformers' (float32,
 1e-5) and the same experts chosen per token -> `moep-export --hf --native` -> transformers loads it without
-remote code: the source's own tensors, the same logits -> importing that export is bit-identical.
+remote code: the source's own tensors, the same logits, the source's special tokens in config.json and
+generation_config.json -> importing that export is bit-identical.
 
 # B batch, T tokens, V vocabulary
 """
@@ -15,7 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hf_moe_models import CASES, CLASSES, V, hf_choices, hf_source, our_choices, tokens
+from hf_moe_models import (CASES, CLASSES, SOURCE_GENERATION, SOURCE_TOKENS, V, hf_choices, hf_source, our_choices,
+                            tokens)
 from moep_ds.checkpointing.model_dir import load_model_dir, load_recipe, stored_weights
 from moep_ds.cli.export import main as export_main
 from moep_ds.cli.import_model import main as import_main
@@ -92,6 +94,9 @@ def test_native_export_is_the_architectures_own_format(imported):
     config = json.loads((imported.folder / "hf2" / "config.json").read_text())
     assert config["architectures"] == [CLASSES[imported.case]] and "auto_map" not in config
     assert "quantization_config" not in config
+    assert {k: config[k] for k in SOURCE_TOKENS} == SOURCE_TOKENS  # the source's, not our tokenizer's
+    generation = json.loads((imported.folder / "hf2" / "generation_config.json").read_text())
+    assert {k: generation[k] for k in SOURCE_GENERATION} == SOURCE_GENERATION
     source, export = safetensors_of(imported.folder / "hf"), safetensors_of(imported.folder / "hf2")
     if imported.case.endswith("_mxfp4"):
         source = imported.reference.state_dict()
