@@ -352,3 +352,11 @@ def test_expert_parallel_layout_is_checked_when_the_config_is_read(recipe, sets,
     with pytest.raises(ConfigError, match=message):
         load_config(CONFIGS / f"{recipe}.yaml", overrides=[*sets, "train.expert_parallel_size=2"])
     load_config(CONFIGS / f"{recipe}.yaml", overrides=sets)  # fine at expert_parallel_size 1
+
+
+def test_an_override_of_an_aliased_block_changes_that_block_only():
+    """configs/deepseek_v3_tiny.yaml writes its attention once (&mla) and names it in each block (*mla): an override
+    of one block's copy leaves the other's as written."""
+    cfg = load_config(CONFIGS / "deepseek_v3_tiny.yaml", ["model.layers[0].attention.num_heads=2"])
+    first, second = cfg.model.layers[0].attention, cfg.model.layers[1].attention
+    assert (first.num_heads, second.num_heads) == (2, 4)
