@@ -189,7 +189,9 @@ def import_worker(args) -> None:
     import deepspeed.runtime.zero.partition_parameters  # noqa: F401 - imported before measuring, for every way
     import safetensors.torch  # noqa: F401 - the readers' code, loaded before measuring what they hold
     import moep_ds.interop.hf_weights  # noqa: F401
-    import moep_ds.interop.moe_layout  # noqa: F401
+    from moep_ds.interop.families import families
+
+    families()  # every family's module
 
     return_freed_buffers_to_os()
     init_distributed()

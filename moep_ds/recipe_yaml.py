@@ -52,7 +52,17 @@ _Loader.add_implicit_resolver(
 
 
 def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    return unshared(yaml.load(text, Loader=_Loader))  # noqa: S506 - a SafeLoader subclass
+
+
+def unshared(node: Any) -> Any:
+    """`node` with every mapping and list its own: PyYAML gives an alias (`*mla`) the anchored object itself, so an
+    override of one block's copy (`--set model.layers[0].attention.num_heads=2`) would change every block naming it."""
+    if isinstance(node, dict):
+        return {k: unshared(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [unshared(v) for v in node]
+    return node
 
 
 def yaml_error_text(err: Exception) -> str:

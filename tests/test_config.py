@@ -66,7 +66,7 @@ BAD = [
     ("unknown norm", with_change("model/layers/0/norm", "batchnorm"),
      "model.layers[0].norm.type: unknown norm 'batchnorm'; known: gemma_rmsnorm, layernorm, rmsnorm"),
     ("unknown ffn", with_change("model/layers/0/ffn", {"type": "relu2"}),
-     "model.layers[0].ffn.type: unknown ffn 'relu2'; known: geglu, gelu, gelu_tanh, swiglu"),
+     "model.layers[0].ffn.type: unknown ffn 'relu2'; known: clamped_swiglu, geglu, gelu, gelu_tanh, swiglu"),
     ("window zero", with_change("model/layers/0/attention/window", 0),
      "model.layers[0].attention.window (0) must be > 0"),
     ("empty layer list", with_change("model/layers", []), "model.layers ([]) must not be empty"),
@@ -352,3 +352,11 @@ def test_expert_parallel_layout_is_checked_when_the_config_is_read(recipe, sets,
     with pytest.raises(ConfigError, match=message):
         load_config(CONFIGS / f"{recipe}.yaml", overrides=[*sets, "train.expert_parallel_size=2"])
     load_config(CONFIGS / f"{recipe}.yaml", overrides=sets)  # fine at expert_parallel_size 1
+
+
+def test_an_override_of_an_aliased_block_changes_that_block_only():
+    """configs/deepseek_v3_tiny.yaml writes its attention once (&mla) and names it in each block (*mla): an override
+    of one block's copy leaves the other's as written."""
+    cfg = load_config(CONFIGS / "deepseek_v3_tiny.yaml", ["model.layers[0].attention.num_heads=2"])
+    first, second = cfg.model.layers[0].attention, cfg.model.layers[1].attention
+    assert (first.num_heads, second.num_heads) == (2, 4)

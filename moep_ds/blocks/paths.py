@@ -76,7 +76,14 @@ class PathsBlockConfig:
 
     def check_dims(self, path: str, d_model: int) -> None:
         self.attention.check_dims(f"{path}.attention", d_model)
-        self.resolved_path_attention(d_model, path).check_dims(f"{path}.path_attention", self.d_path)
+        path_attention = self.resolved_path_attention(d_model, path)
+        path_attention.check_dims(f"{path}.path_attention", self.d_path)
+        if path_attention.sinks:  # routed attention (layers/routed_attention.py) has no sink column
+            where = "path_attention" if self.path_attention is not None else "attention"
+            fail(f"{path}.{where}.sinks", True, "is not supported by the paths' routed attention (give path_attention "
+                                                "without sinks)")
+        if path_attention.output_gate:  # RoutedSelfAttention projects q, k, v alone
+            fail(f"{path}.path_attention.output_gate", True, "is not available in path attention")
         for name, router, n in (("path_router", self.path_router, self.num_paths),
                                 ("projection_router", self.projection_router, self.num_projection_experts)):
             if hasattr(router, "check_num_experts"):

@@ -6,7 +6,9 @@ A model directory is a sharded checkpoint (checkpointing/sharded.py) beside the 
                                    checkpoint's, whose optimizer state these loaders never read)
     DIR/config.yaml                the full recipe (`dump_config(cfg)`)
     DIR/tokenizer.json             (+ tokenizer_config.json, special_tokens_map.json) when the run had a tokenizer
-    DIR/meta.json                  {"step": int, "tokens": int, ...}
+    DIR/meta.json                  {"step": int, "tokens": int, ...}; an imported model's also the source's
+                                   special tokens: "special_tokens" (config.json's bos / eos / pad ids) and
+                                   "generation_config" (its generation_config.json), which the native export writes
 
 A run directory (`train.output_dir`) holds `checkpoints/step_<N>/` (checkpointing/layout.py: a checkpoint
 counts once it contains the empty file `COMPLETE`); `load_model_dir(run_dir)` takes the newest complete one.
@@ -41,6 +43,9 @@ META_FILE = "meta.json"
 EXTRA_FILE = "extra_state.pt"  # non-tensor module state of a consolidated directory
 COMPLETE_MARKER = layout.COMPLETE
 TIED_HEAD_KEY = "head.weight"
+SPECIAL_TOKENS = "special_tokens"  # meta.json: a source's {"bos_token_id", "eos_token_id", "pad_token_id"}
+GENERATION_CONFIG = "generation_config"  # meta.json: a source's generation_config.json, as published
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def is_consolidated(path: Path) -> bool:

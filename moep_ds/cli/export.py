@@ -23,7 +23,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", action="store_true", help="write a Hugging Face (trust_remote_code) directory")
     p.add_argument("--native", action="store_true",
                    help="with --hf: the architecture's own format (GPT-2, Llama, Gemma, GPT-NeoX, Mixtral, Qwen2-MoE, "
-                        "Qwen3-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3), loaded without trust_remote_code and read back by moep-import")
+                        "Qwen3-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, GLM-4.5), loaded without trust_remote_code and read back by "
+                        "moep-import")
     p.add_argument("--max_shard_size", default="5GB", metavar="SIZE",
                    help="with --native: larger weights are split into shards of at most SIZE with an index, as "
                         "save_pretrained writes them (default 5GB)")

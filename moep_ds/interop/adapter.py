@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from moep_ds.errors import UserError
 from moep_ds.interop.rules import Rule
 
 Raw = dict[str, Any]
@@ -24,7 +25,13 @@ ROTARY_BUFFERS = re.compile(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_
 
 
 class Inexpressible(Exception):
-    """A setting of the model that the family's config.json has no field for (the native export's search)."""
+    """A setting of the model that the family's config.json has no field for (the native export's search).
+    `other_kind`: the model is not of the family's kind at all (MoE blocks for a dense family, no MoE block for an
+    MoE family), the farthest of misses: the export names a family of the model's kind as the nearest."""
+
+    def __init__(self, message: str, other_kind: bool = False):
+        super().__init__(message)
+        self.other_kind = other_kind
 
 
 class Family:
@@ -55,9 +62,7 @@ class Family:
     def check(self, hf: Raw, model_cfg: Any, source: str) -> None:
         """The recipe's model against the one config.json describes: every difference one line (UserError); a
         recipe may be shorter than the source's max_position_embeddings."""
-        from moep_ds.errors import UserError
         from moep_ds.interop.compare import model_differences, report
-        from moep_ds.interop.hf_weights import model_of
 
         expected = model_of(self.recipe(hf), f"{source}'s config.json")
         lines = model_differences(expected, model_cfg, ("config.json", "the recipe"), keep_length=False)
@@ -76,10 +81,20 @@ class Family:
         """How the model read back from its config.json differs from the model: [] when the family expresses it
         exactly (Inexpressible / UserError when it cannot be written at all)."""
         from moep_ds.interop.compare import model_differences
-        from moep_ds.interop.hf_weights import model_of
 
         back = model_of(self.recipe(self.hf_config(model_cfg)), f"{self.hf_class}'s config.json")
         return model_differences(back, model_cfg, (self.hf_class, "the model"))
 
 
-__all__ = ["Family", "Inexpressible", "Raw"]
+def model_of(model_raw: Raw, what: str) -> Any:
+    """The ModelConfig of a recipe's model section (a config.json's, or an export's round trip)."""
+    from moep_ds.checkpointing.model_dir import StoredRecipe
+    from moep_ds.schema import ConfigError
+
+    try:
+        return StoredRecipe.parse({"model": model_raw}).model
+    except ConfigError as err:
+        raise UserError(f"{what} describes no model moep_ds builds: {err}") from None
+
+
+__all__ = ["Family", "Inexpressible", "Raw", "model_of"]

@@ -1,20 +1,24 @@
-"""`moep-export RUN --out DIR --hf --native`: a model in its architecture's own Hugging Face format.
+"""`moep-export RUN --out DIR --hf --native`: a model in its family's own Hugging Face format.
 
-    DIR/config.json         the architecture's config: GPT2LMHeadModel, LlamaForCausalLM, GemmaForCausalLM,
-                            GPTNeoXForCausalLM (hf_layout.py), MixtralForCausalLM, Qwen2MoeForCausalLM,
-                            Qwen3MoeForCausalLM, OlmoeForCausalLM, DeepseekV2ForCausalLM,
-                            DeepseekV3ForCausalLM (moe_layout.py)
-    DIR/model.safetensors   the architecture's tensor names and layouts, written one at a time; above
+    DIR/config.json         the family's config (`Family.hf_config`, interop/families/<model_type>.py):
+                            GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM, ...
+    DIR/model.safetensors   the family's tensor names and layouts (`Family.rules`), written one at a time; above
                             --max_shard_size as save_pretrained shards: model-0000i-of-0000n.safetensors and
                             model.safetensors.index.json ({"metadata": {"total_size", "total_parameters"},
                             "weight_map": {key: file}})
+    DIR/generation_config.json  the special tokens generation stops at and pads with (below)
     DIR/meta.json, tokenizer files
 
+Special tokens (config.json's bos / eos / pad ids, generation_config.json): an imported model's are its source's, as
+published (moep-import keeps them in meta.json; a source without generation_config.json gets the one transformers
+derives from config.json's ids); a model trained here has its tokenizer's: the end-of-text token as bos and eos,
+pad the tokenizer's own pad token (tokenizer_config.json), null without a tokenizer.
+
 transformers loads it without trust_remote_code (`AutoModelForCausalLM.from_pretrained(DIR)`), and moep-import
-reads it back bit for bit. A model of dense blocks only is one of the dense architectures (one block repeated);
-an MoE is the MoE architecture whose config.json describes it exactly: the model is written as that
-architecture's config.json, read back as a recipe (moe_layout.py) and compared with itself. No architecture that
-passes: refused, naming the nearest one (fewest differing settings) and the first setting where it differs.
+reads it back bit for bit. The model is the first family, in the registry's order (interop/families/__init__.py),
+whose config.json describes it exactly (`Family.differences`: the model written as that family's config.json, read
+back as a recipe and compared with itself; a family refuses a model that is another's, Inexpressible). None that
+passes: refused, naming the nearest family (fewest differing settings) and the first setting where it differs.
 """
 from __future__ import annotations
 
@@ -26,14 +30,17 @@ from typing import Any
 
 from moep_ds.checkpointing.streaming import TensorEntry, write_safetensors
 from moep_ds.errors import UserError
-from moep_ds.interop.hf_layout import Rule, architecture_of_spec, hf_config, spec_of
-from moep_ds.interop.hf_weights import SAFETENSORS, SAFETENSORS_INDEX, model_of, native_entries
+from moep_ds.interop.adapter import Inexpressible
+from moep_ds.interop.families import families
+from moep_ds.interop.hf_weights import SAFETENSORS, SAFETENSORS_INDEX, native_entries
+from moep_ds.interop.rules import Rule
 
 DEFAULT_MAX_SHARD = "5GB"  # the hub's advice (save_pretrained itself defaults to 50GB)
 SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?B?)", re.IGNORECASE)
 UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
          "TB": 10**12}
-INEXPRESSIBLE = 1000  # a difference no field of the architecture can take: far from every near miss
+INEXPRESSIBLE = 1000  # a difference no field of the family can take: far from every near miss
+OTHER_KIND = 2000  # a model of another kind than the family's (MoE or dense): farther still
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,33 +51,24 @@ class NativeFormat:
 
 
 def native_format(model_cfg: Any) -> NativeFormat:
-    """The architecture and config.json the model is exported as; one line when none expresses it."""
-    layers = model_cfg.expanded_layers()
-    if all(getattr(layer, "type", None) == "dense" for layer in layers):
-        spec = spec_of(model_cfg)
-        arch = architecture_of_spec(spec)
-        return NativeFormat(arch.hf_class, hf_config(spec, arch), arch.rules(spec))
-    return moe_format(model_cfg)
-
-
-def moe_format(model_cfg: Any) -> NativeFormat:
-    from moep_ds.interop.compare import model_differences
-    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES, Inexpressible
-
+    """The family and config.json the model is exported as: the first family (in the registry's order) that
+    expresses it exactly; one line naming the nearest when none does."""
     misses = []
-    for arch in MOE_ARCHITECTURES.values():
+    for family in families().values():
         try:
-            config = {"architectures": [arch.hf_class], "model_type": arch.model_type, **arch.to_hf(model_cfg),
-                      "dtype": "float32"}
-            back = model_of(arch.recipe(config), f"{arch.hf_class}'s config.json")
-            lines = model_differences(back, model_cfg, (arch.hf_class, "the model"))
+            lines = family.differences(model_cfg)
         except (Inexpressible, UserError) as err:
-            misses.append((INEXPRESSIBLE, arch.hf_class, [str(err)]))
+            misses.append((OTHER_KIND if getattr(err, "other_kind", False) else INEXPRESSIBLE, family.hf_class,
+                           [str(err)]))
             continue
         if not lines:
-            return NativeFormat(arch.hf_class, config, arch.rules(model_cfg, config))
-        misses.append((len(lines), arch.hf_class, lines))
+            config = family.hf_config(model_cfg)
+            return NativeFormat(family.hf_class, config, family.rules(model_cfg, config))
+        misses.append((len(lines), family.hf_class, lines))
     count, name, lines = min(misses, key=lambda m: m[0])
+    alike = [n for c, n, ls in misses if c == count and ls[0] == lines[0]]
+    if count >= INEXPRESSIBLE and len(alike) > 1:  # one reason shared by several families (the dense ones' spec)
+        raise UserError(f"no Hugging Face architecture expresses this model: {lines[0]} ({', '.join(alike)})")
     extra = f" ({count} setting(s) differ)" if count < INEXPRESSIBLE else ""
     raise UserError(f"no Hugging Face architecture expresses this model: the nearest, {name}, differs first at "
                     f"{lines[0]}{extra}")
@@ -120,13 +118,45 @@ def write_native_dir(entries: list[TensorEntry], cfg: Any, tmp: Path, tokenizer_
     fmt = native_format(cfg.model)
     by_name = {e.name: e for e in entries}
     write_native_weights(tmp, native_entries(by_name, fmt.rules), max_shard_bytes(max_shard_size))
-    specials = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": None}
+    specials, generation = special_tokens(meta, tokenizer_dir, eot_id)
     (tmp / "config.json").write_text(json.dumps({**fmt.config, **specials}, indent=2) + "\n", encoding="utf-8")
+    if generation:  # as GenerationConfig.save_pretrained writes it
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n",
+                                                    encoding="utf-8")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if tokenizer_dir is not None:
         from moep_ds.data.tokenizer import copy_tokenizer
 
         copy_tokenizer(tokenizer_dir, tmp)
+
+
+def special_tokens(meta: dict[str, Any], tokenizer_dir: Path | None, eot_id: int | None
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json's special token ids, generation_config.json): the source's, or the tokenizer's (module
+    docstring)."""
+    from moep_ds.checkpointing.model_dir import GENERATION_CONFIG, SPECIAL_TOKENS
+
+    if SPECIAL_TOKENS in meta:
+        ids = dict(meta[SPECIAL_TOKENS])
+    else:
+        pad = tokenizer_pad_id(tokenizer_dir) if tokenizer_dir is not None else None
+        ids = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": pad}
+    generation = meta.get(GENERATION_CONFIG) or {k: v for k, v in ids.items() if v is not None}
+    return ids, generation
+
+
+def tokenizer_pad_id(tokenizer_dir: Path) -> int | None:
+    """The id of the pad token tokenizer_config.json names (a string, or an added token's {"content": ...}); None
+    when it names none."""
+    from moep_ds.data.tokenizer import load_tokenizer
+
+    try:
+        pad = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("pad_token")
+    except (OSError, ValueError, AttributeError):  # none, or no JSON object: the tokenizer names no pad token
+        pad = None
+    if isinstance(pad, dict):
+        pad = pad.get("content")
+    return load_tokenizer(tokenizer_dir).tok.token_to_id(pad) if isinstance(pad, str) else None
 
 
 __all__ = ["DEFAULT_MAX_SHARD", "NativeFormat", "max_shard_bytes", "native_format", "write_native_dir"]

@@ -1,29 +1,30 @@
-"""The four Hugging Face architectures our dense flavours are, in one table each way: config.json <-> recipe, and
-their tensor names and layouts <-> ours. Import (hf_weights.py), the native export (`moep-export --hf --native`)
-and the transformers reference test (tests/models/test_transformers_reference.py) all read this one map.
+"""What the four dense Hugging Face families (interop/families/gpt2.py, llama.py, gemma.py, gpt_neox.py) share:
+a recipe's dense model as a Spec, the Expected table each family states for a config.json (what the recipe must
+hold, field by field), the recipe and the one-line-per-field check built from that table, and `DenseFamily`, the
+adapter base that turns a family's table, config keys and tensor rules into the protocol (interop/adapter.py).
 
 # H query heads, G key/value heads, Dh head dim, D model dim, F FFN hidden dim
 
-    gpt2      GPT2LMHeadModel      learned positions, LayerNorm, Conv1D weights stored [in, out], c_attn = [q | k | v]
-    llama     LlamaForCausalLM     RMSNorm, SwiGLU (gate = our w1, up = w3, down = w2), RoPE, GQA, q/k/v separate
-    gemma     GemmaForCausalLM     (1 + w) RMSNorm, GeGLU, RoPE, embeddings x sqrt(D), tied head
-    gpt_neox  GPTNeoXForCausalLM   partial rotary, parallel residual, query_key_value rows [H, 3, Dh] (ours [3, H, Dh])
+    expected(hf)        {field: (accepted values, the canonical first; where config.json says so)}
+    dense_recipe(e)     the model section from each field's canonical value (what moep-import writes)
+    expected_differences(e, spec)   one line per field the recipe's model does not hold; accepted alternatives
+                        (Pythia's gelu for our gelu_tanh) are warned about, not refused
 
-Llama and Gemma rotate dim i with i + Dh/2 (rotate_half), as ours does, so q and k rows copy unpermuted.
-Older checkpoints carry buffers that are no weights (GPT-2's causal mask `attn.bias`, GPT-NeoX's `masked_bias`
-and `rotary_emb.inv_freq`): they are recognised and skipped; any other tensor the map does not know is an error.
+A family is one block repeated (spec_of refuses anything else). Older checkpoints carry buffers that are no weights
+(GPT-2's causal mask `attn.bias`, GPT-NeoX's `masked_bias` and `rotary_emb.inv_freq`): each family names them
+(`buffers`), they are recognised and skipped; any other tensor the rules do not know is an error.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import re
-from typing import Any, Callable
+from typing import Any
 
-import torch
 
 from moep_ds.errors import UserError
-from moep_ds.interop.rules import Rule, concatenated, same, transposed, with_bias
+from moep_ds.interop.adapter import ROTARY_BUFFERS, Family, Inexpressible, Raw
+from moep_ds.interop.rules import Rule, same, with_bias
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +65,17 @@ def spec_of(model_cfg: Any) -> Spec:
 
     layers = model_cfg.expanded_layers()
     first = layers[0]
+    other = not_dense(model_cfg)
+    if other is not None:
+        raise UserError(other)
     for i, layer in enumerate(layers):
-        if getattr(layer, "type", None) != "dense":
-            raise UserError(f"model.layers (block {i}) is {getattr(layer, 'type', layer)!r}: the Hugging Face "
-                            "architectures (GPT-2, Llama, Gemma, GPT-NeoX) are of dense blocks only (a dense one "
-                            "becomes an MoE by model.upcycle)")
         if {**to_dict(layer), "repeat": 1} != {**to_dict(first), "repeat": 1}:
             raise UserError(f"model.layers: block {i} differs from block 0; the Hugging Face architectures repeat "
                             "one block")
     check_dense_attention(first.attention)
+    if first.ffn.type not in ("gelu", "gelu_tanh", "swiglu", "geglu"):
+        raise UserError(f"model.layers[*].ffn.type ({first.ffn.type!r}): the dense Hugging Face architectures have no "
+                        "such FFN")
     d, att, rope = model_cfg.d_model, first.attention, first.attention.rope
     return Spec({
         "block_type": "dense", "vocab_size": model_cfg.vocab_size, "d_model": d, "num_layers": len(layers),
@@ -88,6 +91,16 @@ def spec_of(model_cfg: Any) -> Spec:
     })
 
 
+def not_dense(model_cfg: Any) -> str | None:
+    """One line naming the model's first block that is not a dense one; None when all are."""
+    for i, layer in enumerate(model_cfg.expanded_layers()):
+        if getattr(layer, "type", None) != "dense":
+            return (f"model.layers (block {i}) is {getattr(layer, 'type', layer)!r}: the Hugging Face architectures "
+                    "(GPT-2, Llama, Gemma, GPT-NeoX) are of dense blocks only (a dense one becomes an MoE by "
+                    "model.upcycle)")
+    return None
+
+
 def check_dense_attention(att: Any) -> None:
     """What the dense architectures' attention has: causal, no QK-norm, biases on all projections or none."""
     where = "the dense Hugging Face architectures (GPT-2, Llama, Gemma, GPT-NeoX)"
@@ -95,6 +108,8 @@ def check_dense_attention(att: Any) -> None:
         raise UserError(f"model.layers[*].attention.type ({att.type!r}): {where} have causal attention")
     if att.qk_norm is not None:
         raise UserError(f"model.layers[*].attention.qk_norm is set: {where} have no QK-norm")
+    if att.sinks:
+        raise UserError(f"model.layers[*].attention.sinks is set: {where} have no attention sinks")
     if att.qkv_bias is not None and att.qkv_bias != att.bias:
         raise UserError(f"model.layers[*].attention.qkv_bias ({att.qkv_bias}) differs from attention.bias "
                         f"({att.bias}): {where} have biases on every projection or on none")
@@ -105,45 +120,11 @@ def check_dense_attention(att: Any) -> None:
 # ---- tensors ------------------------------------------------------------------------------------------------
 
 
-def neox_qkv(ours: str, theirs: str, heads: int, head_dim: int) -> Rule:
-    """GPT-NeoX's query_key_value rows are [H, 3, Dh] (q, k, v interleaved per head); ours are [3, H, Dh]."""
-
-    def to_ours(ts: list[torch.Tensor]) -> torch.Tensor:
-        return ts[0].unflatten(0, (heads, 3, head_dim)).transpose(0, 1).flatten(0, 2).contiguous()
-
-    def to_theirs(t: torch.Tensor) -> list[torch.Tensor]:
-        return [t.unflatten(0, (3, heads, head_dim)).transpose(0, 1).flatten(0, 2).contiguous()]
-
-    return Rule(ours, (theirs,), to_ours, to_theirs)
-
-
 def norm_rules(ours: str, theirs: str, has_bias: bool) -> list[Rule]:
     return with_bias(same, ours, theirs, has_bias)
 
 
-# ---- the architectures ----------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    name: str
-    model_type: str  # config.json's model_type
-    hf_class: str  # the transformers class, config.json's architectures[0]
-    base_prefix: str  # what a checkpoint of the base model (no LM head) leaves out of every key
-    head_keys: tuple[str, ...]  # the untied LM head's key, then older spellings
-    ignored: re.Pattern  # buffers of older checkpoints: known, no weights
-    expected: Callable[[dict[str, Any]], Expected]  # what the recipe must hold for this config.json
-    hf_config: Callable[[Spec], dict[str, Any]]  # config.json of a model (the native export)
-    layer_rules: Callable[[Spec, int], list[Rule]]  # the tensors of block i
-    outer_rules: Callable[[Spec], list[Rule]]  # embeddings, final norm (the head is added from head_keys)
-
-    def rules(self, spec: Spec) -> list[Rule]:
-        out = self.outer_rules(spec)
-        if not spec["tie_embeddings"]:
-            out.append(same("head.weight", self.head_keys[0]))
-        for i in range(spec["num_layers"]):
-            out.extend(self.layer_rules(spec, i))
-        return out
+# ---- config.json -> what the recipe must hold ----------------------------------------------------------------
 
 
 def get(hf: dict[str, Any], *keys: str, default: Any = None) -> tuple[Any, str]:
@@ -207,199 +188,6 @@ def common(hf: dict[str, Any], d: int, heads: int, layers: int) -> Expected:
             "embedding_scale": ((False,), "unscaled embeddings")}
 
 
-# -- GPT-2
-
-
-def gpt2_expected(hf: dict[str, Any]) -> Expected:
-    unsupported("gpt2", hf, {"scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
-                             "add_cross_attention": False})
-    d, heads = hf["n_embd"], hf["n_head"]
-    inner, inner_key = get(hf, "n_inner")
-    act, act_key = get(hf, "activation_function", default="gelu_new")
-    eps, eps_key = get(hf, "layer_norm_epsilon", default=1e-5)
-    positions, pos_key = get(hf, "n_positions", "n_ctx", default=1024)
-    tie, tie_key = get(hf, "tie_word_embeddings", default=True)
-    return {**common(hf, d, heads, hf["n_layer"]), "num_kv_heads": ((heads,), "n_head"),
-            "head_dim": ((d // heads,), "n_embd / n_head"), "attention_bias": ((True,), "GPT-2's biases"),
-            "rotary": ((False,), "learned positions"),
-            "ffn_type": ((activation(MLP_ACTIVATIONS, act, act_key),), act_key),
-            "ffn_hidden": ((inner or 4 * d,), inner_key if inner else "n_inner null: 4 x n_embd"),
-            "ffn_bias": ((True,), "GPT-2's biases"), "norm_type": (("layernorm",), "GPT-2's LayerNorm"),
-            "norm_eps": ((eps,), eps_key), "norm_bias": ((True,), "GPT-2's LayerNorm"),
-            "final_norm_type": (("layernorm",), "GPT-2's LayerNorm"), "final_norm_eps": ((eps,), eps_key),
-            "final_norm_bias": ((True,), "GPT-2's LayerNorm"), "parallel_residual": ((False,), "sequential residual"),
-            "tie_embeddings": ((tie,), tie_key), "position_embedding": (("learned",), "learned positions"),
-            "max_seq_len": ((positions,), pos_key)}
-
-
-def gpt2_config(s: Spec) -> dict[str, Any]:
-    return {"n_embd": s["d_model"], "n_layer": s["num_layers"], "n_head": s["num_heads"], "n_inner": s["ffn_hidden"],
-            "n_positions": s["max_seq_len"], "activation_function": {"gelu_tanh": "gelu_new"}.get(s["ffn_type"],
-                                                                                                 s["ffn_type"]),
-            "layer_norm_epsilon": s["norm_eps"], "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-
-
-def gpt2_layer(s: Spec, i: int) -> list[Rule]:
-    h = f"transformer.h.{i}"
-    ours = f"blocks.{i}"
-    return [*norm_rules(f"{ours}.attention.norm", f"{h}.ln_1", True),
-            *with_bias(transposed, f"{ours}.attention.attn.w_qkv", f"{h}.attn.c_attn", True),
-            *with_bias(transposed, f"{ours}.attention.attn.w_o", f"{h}.attn.c_proj", True),
-            *norm_rules(f"{ours}.ffn_norm", f"{h}.ln_2", True),
-            *with_bias(transposed, f"{ours}.ffn.w_in", f"{h}.mlp.c_fc", True),
-            *with_bias(transposed, f"{ours}.ffn.w_out", f"{h}.mlp.c_proj", True)]
-
-
-def gpt2_outer(s: Spec) -> list[Rule]:
-    return [same("embed.weight", "transformer.wte.weight"), same("pos_embed.weight", "transformer.wpe.weight"),
-            *norm_rules("norm", "transformer.ln_f", True)]
-
-
-# -- Llama and Gemma
-
-
-def llama_like_expected(hf: dict[str, Any], gemma: bool) -> Expected:
-    arch = "gemma" if gemma else "llama"
-    unsupported(arch, hf, {"pretraining_tp": 1, "sliding_window": None})
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    kv, kv_key = get(hf, "num_key_value_heads", default=heads)
-    head_dim, head_key = get(hf, "head_dim", default=256 if gemma else d // heads)
-    rope, extra = rope_parameters(hf)
-    if extra["rope_type"] != "default":
-        raise UserError(f"config.json: rope type {extra['rope_type']!r} ({arch}) has no moep_ds counterpart "
-                        "(supported: 'default')")
-    if gemma:  # older Gemma configs leave hidden_activation null: transformers then uses the tanh GELU
-        act, act_key = hf.get("hidden_activation") or "gelu_pytorch_tanh", "hidden_activation"
-    else:
-        act, act_key = get(hf, "hidden_act", default="silu")
-    eps, eps_key = get(hf, "rms_norm_eps", default=1e-6)
-    tie, tie_key = get(hf, "tie_word_embeddings", default=gemma)
-    norm = "gemma_rmsnorm" if gemma else "rmsnorm"
-    return {**common(hf, d, heads, hf["num_hidden_layers"]), **rope, "num_kv_heads": ((kv or heads,), kv_key),
-            "head_dim": ((head_dim or d // heads,), head_key),
-            "attention_bias": ((bool(hf.get("attention_bias", False)),), "attention_bias"),
-            "ffn_type": ((activation(GATED_ACTIVATIONS, act, act_key),), act_key),
-            "ffn_hidden": ((hf["intermediate_size"],), "intermediate_size"),
-            "ffn_bias": ((bool(hf.get("mlp_bias", False)),), "mlp_bias"), "norm_type": ((norm,), arch),
-            "norm_eps": ((eps,), eps_key), "final_norm_type": ((norm,), arch), "final_norm_eps": ((eps,), eps_key),
-            "parallel_residual": ((False,), "sequential residual"), "tie_embeddings": ((tie,), tie_key),
-            "position_embedding": (("none",), "rotary positions"),
-            "embedding_scale": ((gemma,), "Gemma scales embeddings by sqrt(hidden_size)" if gemma else "unscaled"),
-            **at_most_positions(hf)}
-
-
-def llama_like_config(s: Spec, gemma: bool) -> dict[str, Any]:
-    act = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}[s["ffn_type"]]
-    return {"hidden_size": s["d_model"], "intermediate_size": s["ffn_hidden"], "num_hidden_layers": s["num_layers"],
-            "num_attention_heads": s["num_heads"], "num_key_value_heads": s["num_kv_heads"], "head_dim": s["head_dim"],
-            "max_position_embeddings": s["max_seq_len"], "rms_norm_eps": s["norm_eps"],
-            "attention_bias": s["attention_bias"], "rope_theta": s["rope_base"],
-            "rope_parameters": {"rope_type": "default", "rope_theta": s["rope_base"]},
-            ("hidden_activation" if gemma else "hidden_act"): act, **({} if gemma else {"mlp_bias": s["ffn_bias"]})}
-
-
-def llama_layer(s: Spec, i: int) -> list[Rule]:
-    layer, ours = f"model.layers.{i}", f"blocks.{i}"
-    rows = [s["num_heads"] * s["head_dim"]] + [s["num_kv_heads"] * s["head_dim"]] * 2
-    qkv = [concatenated(f"{ours}.attention.attn.w_qkv.{kind}",
-                        tuple(f"{layer}.self_attn.{p}_proj.{kind}" for p in "qkv"), rows)
-           for kind in ("weight", "bias")[:2 if s["attention_bias"] else 1]]
-    mlp = [r for ours_name, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
-           for r in with_bias(same, f"{ours}.ffn.{ours_name}", f"{layer}.mlp.{theirs}", s["ffn_bias"])]
-    return [*norm_rules(f"{ours}.attention.norm", f"{layer}.input_layernorm", False), *qkv,
-            *with_bias(same, f"{ours}.attention.attn.w_o", f"{layer}.self_attn.o_proj", s["attention_bias"]),
-            *norm_rules(f"{ours}.ffn_norm", f"{layer}.post_attention_layernorm", False), *mlp]
-
-
-def llama_outer(s: Spec) -> list[Rule]:
-    return [same("embed.weight", "model.embed_tokens.weight"), same("norm.weight", "model.norm.weight")]
-
-
-# -- GPT-NeoX (Pythia)
-
-
-def gpt_neox_expected(hf: dict[str, Any]) -> Expected:
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    rope, extra = rope_parameters(hf, default_fraction=0.25)
-    if extra["rope_type"] != "default":
-        raise UserError(f"config.json: rope type {extra['rope_type']!r} (gpt_neox) has no moep_ds counterpart")
-    act, act_key = get(hf, "hidden_act", default="gelu")
-    mlp = activation(MLP_ACTIVATIONS, act, act_key)
-    # Pythia trained with GPT-NeoX's fused bias-GELU (the tanh formula) and released configs that say "gelu"
-    # (exact, for inference): the same weights under either formula, so both are accepted (docs/FIDELITY.md)
-    ffn_types = ("gelu", "gelu_tanh") if mlp == "gelu" else (mlp,)
-    eps, eps_key = get(hf, "layer_norm_eps", default=1e-5)
-    parallel, parallel_key = get(hf, "use_parallel_residual", default=True)
-    tie, tie_key = get(hf, "tie_word_embeddings", default=False)
-    bias, bias_key = get(hf, "attention_bias", default=True)
-    return {**common(hf, d, heads, hf["num_hidden_layers"]), **rope, "num_kv_heads": ((heads,), "MHA"),
-            "head_dim": ((d // heads,), "hidden_size / num_attention_heads"), "attention_bias": ((bias,), bias_key),
-            "ffn_type": (ffn_types, act_key), "ffn_hidden": ((hf["intermediate_size"],), "intermediate_size"),
-            "ffn_bias": ((True,), "GPT-NeoX's biases"), "norm_type": (("layernorm",), "GPT-NeoX's LayerNorm"),
-            "norm_eps": ((eps,), eps_key), "norm_bias": ((True,), "GPT-NeoX's LayerNorm"),
-            "final_norm_type": (("layernorm",), "GPT-NeoX's LayerNorm"), "final_norm_eps": ((eps,), eps_key),
-            "final_norm_bias": ((True,), "GPT-NeoX's LayerNorm"), "parallel_residual": ((parallel,), parallel_key),
-            "tie_embeddings": ((tie,), tie_key), "position_embedding": (("none",), "rotary positions"),
-            **at_most_positions(hf)}
-
-
-def gpt_neox_config(s: Spec) -> dict[str, Any]:
-    return {"hidden_size": s["d_model"], "intermediate_size": s["ffn_hidden"], "num_hidden_layers": s["num_layers"],
-            "num_attention_heads": s["num_heads"], "max_position_embeddings": s["max_seq_len"],
-            "hidden_act": {"gelu_tanh": "gelu_new"}.get(s["ffn_type"], s["ffn_type"]),
-            "layer_norm_eps": s["norm_eps"], "use_parallel_residual": s["parallel_residual"],
-            "attention_bias": s["attention_bias"], "rotary_pct": s["rope_fraction"], "rotary_emb_base": s["rope_base"],
-            "rope_parameters": {"rope_type": "default", "rope_theta": s["rope_base"],
-                                "partial_rotary_factor": s["rope_fraction"]},
-            "hidden_dropout": 0.0, "attention_dropout": 0.0}
-
-
-def gpt_neox_layer(s: Spec, i: int) -> list[Rule]:
-    layer, ours = f"gpt_neox.layers.{i}", f"blocks.{i}"
-    qkv = [neox_qkv(f"{ours}.attention.attn.w_qkv.{kind}", f"{layer}.attention.query_key_value.{kind}",
-                    s["num_heads"], s["head_dim"]) for kind in ("weight", "bias")[:2 if s["attention_bias"] else 1]]
-    return [*norm_rules(f"{ours}.attention.norm", f"{layer}.input_layernorm", True), *qkv,
-            *with_bias(same, f"{ours}.attention.attn.w_o", f"{layer}.attention.dense", s["attention_bias"]),
-            *norm_rules(f"{ours}.ffn_norm", f"{layer}.post_attention_layernorm", True),
-            *with_bias(same, f"{ours}.ffn.w_in", f"{layer}.mlp.dense_h_to_4h", True),
-            *with_bias(same, f"{ours}.ffn.w_out", f"{layer}.mlp.dense_4h_to_h", True)]
-
-
-def gpt_neox_outer(s: Spec) -> list[Rule]:
-    return [same("embed.weight", "gpt_neox.embed_in.weight"), *norm_rules("norm", "gpt_neox.final_layer_norm", True)]
-
-
-ARCHITECTURES = {
-    "gpt2": Architecture("gpt2", "gpt2", "GPT2LMHeadModel", "transformer.", ("lm_head.weight",),
-                         re.compile(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)"), gpt2_expected, gpt2_config,
-                         gpt2_layer, gpt2_outer),
-    "llama": Architecture("llama", "llama", "LlamaForCausalLM", "model.", ("lm_head.weight",),
-                          re.compile(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),
-                          lambda hf: llama_like_expected(hf, gemma=False),
-                          lambda s: llama_like_config(s, gemma=False), llama_layer, llama_outer),
-    "gemma": Architecture("gemma", "gemma", "GemmaForCausalLM", "model.", ("lm_head.weight",),
-                          re.compile(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),
-                          lambda hf: llama_like_expected(hf, gemma=True),
-                          lambda s: llama_like_config(s, gemma=True), llama_layer, llama_outer),
-    "gpt_neox": Architecture("gpt_neox", "gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.",
-                             ("embed_out.weight", "lm_head.weight"),
-                             re.compile(r"(gpt_neox\.)?layers\.\d+\.attention\."
-                                        r"(bias|masked_bias|rotary_emb\.inv_freq)"),
-                             gpt_neox_expected, gpt_neox_config, gpt_neox_layer, gpt_neox_outer),
-}
-
-
-def architecture_of_spec(spec: Spec) -> Architecture:
-    """The architecture a recipe's dense model is (for the native export)."""
-    if spec["position_embedding"] == "learned":
-        return ARCHITECTURES["gpt2"]
-    if spec["parallel_residual"]:
-        return ARCHITECTURES["gpt_neox"]
-    if spec["norm_type"] == "gemma_rmsnorm":
-        return ARCHITECTURES["gemma"]
-    return ARCHITECTURES["llama"]
-
-
 # what an accepted difference changes in the numbers, and how to get transformers' (docs/FIDELITY.md)
 ACCEPTED_NOTES = {
     ("ffn_type", "gelu_tanh", "gelu"):
@@ -410,10 +198,11 @@ ACCEPTED_NOTES = {
 }
 
 
-def check_against_recipe(arch: Architecture, hf: dict[str, Any], spec: Spec, source: str) -> None:
-    """Every field where config.json and the recipe's model differ, one line each naming both values."""
-    lines = []
-    for field, (accepted, where) in arch.expected(hf).items():
+def expected_differences(expected: Expected, spec: Spec) -> tuple[list[str], list[tuple[str, Any, Any, str]]]:
+    """(one line per field where the recipe's model is none of the accepted values, naming both; the accepted
+    alternatives the model holds instead of the canonical value: (field, ours, canonical, where))."""
+    lines, accepted_instead = [], []
+    for field, (accepted, where) in expected.items():
         ours = spec[field]
         if field in ("rope_base", "rope_fraction") and not spec["rotary"]:
             continue  # reported once, as `rotary`
@@ -426,17 +215,16 @@ def check_against_recipe(arch: Architecture, hf: dict[str, Any], spec: Spec, sou
             theirs = accepted[0] if len(accepted) == 1 else " or ".join(map(repr, accepted))
             lines.append(f"{FIELD_PATHS[field]}: {ours!r} in the recipe, {theirs!r} in config.json ({where})")
         elif ours != accepted[0]:
-            log.warning("%s: %r in the recipe, %r in %s's config.json (%s): accepted, the same weights; %s",
-                        FIELD_PATHS[field], ours, accepted[0], source, where,
-                        ACCEPTED_NOTES.get((field, ours, accepted[0]), "computed as the recipe says"))
-    if lines:
-        raise UserError(f"{source} ({arch.hf_class}) does not match the recipe's model:\n  " + "\n  ".join(lines))
+            accepted_instead.append((field, ours, accepted[0], where))
+    return lines, accepted_instead
 
 
-def dense_recipe(arch: Architecture, hf: dict[str, Any]) -> dict[str, Any]:
-    """The model section of the recipe that builds the model config.json describes (each field's canonical value:
-    what moep-import without --config writes)."""
-    e = {field: accepted[0] for field, (accepted, _) in arch.expected(hf).items()}
+
+
+def dense_recipe(expected: Expected) -> Raw:
+    """The model section of the recipe that builds the model a config.json describes (each field's canonical value
+    in its Expected table: what moep-import without --config writes)."""
+    e = {field: accepted[0] for field, (accepted, _) in expected.items()}
     positions = e.get("max_seq_len", AtMost(2048))
     rope = {"base": e["rope_base"], "fraction": e["rope_fraction"]} if e["rotary"] else None
     attention = {"num_heads": e["num_heads"], "num_kv_heads": e["num_kv_heads"], "head_dim": e["head_dim"],
@@ -454,12 +242,68 @@ def dense_recipe(arch: Architecture, hf: dict[str, Any]) -> dict[str, Any]:
             "embedding_scale": e["embedding_scale"], "final_norm": final_norm, "layers": [layer]}
 
 
-def hf_config(spec: Spec, arch: Architecture, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json of the native export: the architecture's own keys, from the model's Spec."""
-    return {"architectures": [arch.hf_class], "model_type": arch.model_type, "vocab_size": spec["vocab_size"],
-            "tie_word_embeddings": spec["tie_embeddings"], **arch.hf_config(spec), "dtype": "float32",
-            **(extra or {})}
+class DenseFamily(Family):
+    """A dense family: its Expected table (`expected`), its own config.json keys (`config`), what it refuses to
+    write (`refuse`) and its tensors (`outer_rules`, `layer_rules`) make the protocol's methods."""
+
+    buffers = ROTARY_BUFFERS  # tensors of older checkpoints that are no weights
+
+    def expected(self, hf: Raw) -> Expected:
+        raise NotImplementedError
+
+    def config(self, spec: Spec) -> Raw:
+        """The family's own config.json keys for the model."""
+        raise NotImplementedError
+
+    def refuse(self, spec: Spec) -> None:
+        """Inexpressible when the model is another family's (positions, residual, norm)."""
+
+    def outer_rules(self, spec: Spec) -> list[Rule]:
+        """Embeddings and final norm (the untied head is added from head_keys)."""
+        raise NotImplementedError
+
+    def layer_rules(self, spec: Spec, i: int) -> list[Rule]:
+        raise NotImplementedError
+
+    def recipe(self, hf: Raw) -> Raw:
+        return dense_recipe(self.expected(hf))
+
+    def to_hf(self, model_cfg: Any) -> Raw:
+        other = not_dense(model_cfg)
+        if other is not None:
+            raise Inexpressible(other, other_kind=True)
+        spec = spec_of(model_cfg)
+        self.refuse(spec)
+        return {"vocab_size": spec["vocab_size"], "tie_word_embeddings": spec["tie_embeddings"], **self.config(spec)}
+
+    def rules(self, model_cfg: Any, hf: Raw) -> list[Rule]:
+        spec = spec_of(model_cfg)
+        out = self.outer_rules(spec)
+        if not spec["tie_embeddings"]:
+            out.append(same("head.weight", self.head_keys[0]))
+        for i in range(spec["num_layers"]):
+            out.extend(self.layer_rules(spec, i))
+        return out
+
+    def ignored(self, hf: Raw) -> re.Pattern:
+        return self.buffers
+
+    def check(self, hf: Raw, model_cfg: Any, source: str) -> None:
+        """Every field where config.json and the recipe's model differ, one line each naming both values; an
+        accepted alternative is a warning saying what it changes in the numbers."""
+        lines, accepted = expected_differences(self.expected(hf), spec_of(model_cfg))
+        for field, ours, canonical, where in accepted:
+            log.warning("%s: %r in the recipe, %r in %s's config.json (%s): accepted, the same weights; %s",
+                        FIELD_PATHS[field], ours, canonical, source, where,
+                        ACCEPTED_NOTES.get((field, ours, canonical), "computed as the recipe says"))
+        if lines:
+            raise UserError(f"{source} ({self.hf_class}) does not match the recipe's model:\n  " + "\n  ".join(lines))
+
+    def differences(self, model_cfg: Any) -> list[str]:
+        """The model against the Expected table of its own config.json (an accepted alternative is no difference)."""
+        return expected_differences(self.expected(self.hf_config(model_cfg)), spec_of(model_cfg))[0]
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "Rule", "Spec", "architecture_of_spec",
-           "check_against_recipe", "dense_recipe", "hf_config", "spec_of"]
+__all__ = ["AtMost", "DenseFamily", "Expected", "GATED_ACTIVATIONS", "MLP_ACTIVATIONS", "Spec", "activation",
+           "at_most_positions", "common", "dense_recipe", "expected_differences", "get", "norm_rules", "not_dense",
+           "rope_parameters", "spec_of", "unsupported"]

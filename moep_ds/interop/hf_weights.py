@@ -1,5 +1,5 @@
 """A Hugging Face checkpoint folder as our weights: config.json checked against the recipe, tensors streamed.
-The dense architectures are mapped in hf_layout.py, the MoE ones in moe_layout.py.
+The folder's family (interop/families/, found by config.json's model_type) checks the recipe and names the tensors.
 
     config.json                                  architecture (model_type) and sizes, read as JSON (no code runs)
     model.safetensors | model-0000x-of-0000n.safetensors + model.safetensors.index.json
@@ -23,7 +23,9 @@ from typing import Any, Iterator
 import torch
 
 from moep_ds.errors import UserError, json_error_reason
-from moep_ds.interop.hf_layout import ARCHITECTURES, Rule, check_against_recipe, spec_of
+from moep_ds.interop.adapter import model_of
+from moep_ds.interop.families import families, family_of
+from moep_ds.interop.rules import Rule
 from moep_ds.interop.weights import Weight
 
 log = logging.getLogger(__name__)
@@ -185,67 +187,28 @@ def normalise_keys(files: TensorFiles, base_prefix: str, head_keys: tuple[str, .
 
 
 def architecture_names() -> list[str]:
-    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES
-
-    return sorted([*ARCHITECTURES, *MOE_ARCHITECTURES])
+    return sorted(families())
 
 
 def hf_weights(folder: Path, model_cfg: Any, source: str) -> dict[str, Weight]:
     """The weights of a Hugging Face folder under our names, after checking config.json against the recipe's
-    model (every mismatch one line) and the tensors against the architecture's map (none missing, none unknown)."""
-    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES
-
+    model (every mismatch one line) and the tensors against the family's rules (none missing, none unknown)."""
     hf = read_config(folder)
-    kind = hf.get("model_type")
-    if kind in MOE_ARCHITECTURES:
-        arch = MOE_ARCHITECTURES[kind]
-        check_moe_against_recipe(arch, hf, model_cfg, source)
-        rules, ignored = arch.rules(model_cfg, hf), arch.ignored(hf)
-    elif kind in ARCHITECTURES:
-        arch = ARCHITECTURES[kind]
-        spec = spec_of(model_cfg)
-        check_against_recipe(arch, hf, spec, source)
-        rules, ignored = arch.rules(spec), arch.ignored
-    else:
-        raise UserError(f"{source}: config.json has model_type {kind!r}; moep-import reads "
-                        f"{', '.join(architecture_names())}")
+    family = family_of(hf, source)
+    family.check(hf, model_cfg, source)
+    rules = family.rules(model_cfg, hf)
     files = TensorFiles(folder)
-    keys = normalise_keys(files, arch.base_prefix, arch.head_keys, ignored)
+    keys = normalise_keys(files, family.base_prefix, family.head_keys, family.ignored(hf))
     needed = {k for rule in rules for k in rule.theirs}
     if model_cfg.tie_embeddings:  # a tied checkpoint may store the head anyway (as the embedding's copy)
-        keys.pop(arch.head_keys[0], None)
+        keys.pop(family.head_keys[0], None)
     missing, unknown = sorted(needed - set(keys)), sorted(set(keys) - needed)
     if missing:
-        raise UserError(f"{source} lacks {len(missing)} tensor(s) of {arch.hf_class}: {missing[:5]}")
+        raise UserError(f"{source} lacks {len(missing)} tensor(s) of {family.hf_class}: {missing[:5]}")
     if unknown:
-        raise UserError(f"{source} has {len(unknown)} tensor(s) that {arch.hf_class} of this recipe has no place "
+        raise UserError(f"{source} has {len(unknown)} tensor(s) that {family.hf_class} of this recipe has no place "
                         f"for: {unknown[:5]}")
     return {rule.ours: weight_of(rule, files, keys) for rule in rules}
-
-
-def check_moe_against_recipe(arch: Any, hf: dict[str, Any], model_cfg: Any, source: str) -> None:
-    """The recipe's model against the one config.json describes (moe_layout.py): every difference one line; a
-    recipe may be shorter than the source's max_position_embeddings."""
-    from moep_ds.interop.compare import model_differences, report
-
-    expected = model_of(arch.recipe(hf), f"{source}'s config.json")
-    lines = model_differences(expected, model_cfg, ("config.json", "the recipe"), keep_length=False)
-    if model_cfg.max_seq_len > expected.max_seq_len:
-        lines.append(f"model.max_seq_len: {model_cfg.max_seq_len} in the recipe, longer than "
-                     f"{expected.max_seq_len} in config.json (max_position_embeddings)")
-    if lines:
-        raise UserError(f"{source} ({arch.hf_class}) does not match the recipe's model:\n  " + report(lines))
-
-
-def model_of(model_raw: dict[str, Any], what: str) -> Any:
-    """The ModelConfig of a recipe's model section (a config.json's, or an export's round trip)."""
-    from moep_ds.checkpointing.model_dir import StoredRecipe
-    from moep_ds.schema import ConfigError
-
-    try:
-        return StoredRecipe.parse({"model": model_raw}).model
-    except ConfigError as err:
-        raise UserError(f"{what} describes no model moep_ds builds: {err}") from None
 
 
 def weight_of(rule: Rule, files: TensorFiles, keys: dict[str, str]) -> Weight:
@@ -261,8 +224,8 @@ def weight_of(rule: Rule, files: TensorFiles, keys: dict[str, str]) -> Weight:
 
 
 def native_entries(entries: dict[str, Any], rules: list[Rule]) -> list[Any]:
-    """Our weights (TensorEntry by canonical name) as the architecture's tensors (`rules`), each computed when
-    written; the tensors of one rule (an expert stack's experts) from one read of ours."""
+    """Our weights (TensorEntry by canonical name) as the family's tensors (`rules`), each computed when
+    written; the tensors of one rule (an expert stack's experts) from one read of ours (and of those it joins)."""
     from moep_ds.checkpointing.streaming import TensorEntry
 
     last: dict[str, list[torch.Tensor]] = {}  # the one rule's tensors being written
@@ -270,12 +233,12 @@ def native_entries(entries: dict[str, Any], rules: list[Rule]) -> list[Any]:
     def part(rule: Rule, j: int) -> torch.Tensor:
         if rule.ours not in last:
             last.clear()
-            last[rule.ours] = rule.to_theirs(entries[rule.ours].read().float())
+            last[rule.ours] = rule.to_theirs(*[entries[name].read().float() for name in (rule.ours, *rule.joins)])
         return last[rule.ours][j]
 
     out = []
     for rule in rules:
-        parts = rule.to_theirs(torch.empty(entries[rule.ours].shape, device="meta"))
+        parts = rule.to_theirs(*[torch.empty(entries[name].shape, device="meta") for name in (rule.ours, *rule.joins)])
         for j, (key, meta) in enumerate(zip(rule.theirs, parts)):
             out.append(TensorEntry(key, torch.float32, tuple(meta.shape), lambda rule=rule, j=j: part(rule, j)))
     return out

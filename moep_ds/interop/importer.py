@@ -3,8 +3,10 @@
     RUN_DIR/checkpoints/step_<N>/     the run-directory format training writes (checkpointing/), model only:
                                       DCP model tensors (true shapes), extra_state.json, config.yaml (the recipe,
                                       init_from and upcycle cleared: the weights are in it), meta.json (step N,
-                                      its tokens, and where the weights came from), the source's tokenizer
-                                      files, MANIFEST.json (every file's checksum), COMPLETE
+                                      its tokens, where the weights came from, and the source's special tokens:
+                                      config.json's bos / eos / pad ids and its generation_config.json, which
+                                      the native export writes back), the source's tokenizer files,
+                                      MANIFEST.json (every file's checksum), COMPLETE
 
 N is the revision's step (`@stepN`, Pythia's checkpoints), else 0. moep-eval, moep-export and moep-generate read
 the run directory as they read a trained one; training starts from it with `model.init_from: RUN_DIR` (it has no
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -79,8 +82,51 @@ def checkpoint_record(cfg: Any, source: Any) -> tuple[Any, dict[str, Any], str]:
     step = source.step or 0
     stored = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None, upcycle=None))
     meta = {"step": step, "tokens": imported_tokens(step, cfg), **source.describe(),
-            "upcycled": cfg.model.upcycle is not None}
+            "upcycled": cfg.model.upcycle is not None, **source_tokens(source.folder)}
     return stored, meta, layout.checkpoint_tag(step)
+
+
+def source_tokens(folder: Path) -> dict[str, Any]:
+    """The source's special tokens as meta.json keeps them (checkpointing/model_dir.py): of a Hugging Face folder the
+    bos / eos / pad ids its config.json sets (eos may be a list) and its generation_config.json, of a moep_ds
+    checkpoint what its meta.json carries of them. The native export writes them back, so that the export stops
+    generating where the source stops (issue 45: an import whose source ended at id 92 exported eos <|endoftext|>)."""
+    from moep_ds.checkpointing.model_dir import (GENERATION_CONFIG, SPECIAL_TOKEN_KEYS, SPECIAL_TOKENS, read_meta,
+                                                 resolve_model_dir)
+    from moep_ds.interop.hf_weights import is_hf_folder, read_config
+
+    if not is_hf_folder(folder):
+        meta = read_meta(resolve_model_dir(folder))
+        return {key: meta[key] for key in (SPECIAL_TOKENS, GENERATION_CONFIG) if key in meta}
+    hf = read_config(folder)
+    out: dict[str, Any] = {SPECIAL_TOKENS: {key: token_ids(hf[key], folder / "config.json", key)
+                                            for key in SPECIAL_TOKEN_KEYS if key in hf}}
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        out[GENERATION_CONFIG] = json_object(generation)
+    return out
+
+
+def token_ids(value: Any, file: Path, key: str) -> int | list[int] | None:
+    """A special token id as config.json may set it: an id, a list of ids (eos), or null."""
+    def is_id(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if value is None or is_id(value) or (isinstance(value, list) and value and all(map(is_id, value))):
+        return value
+    raise UserError(f"{str(file)!r}: {key} = {value!r} is no token id (an id, a list of ids, or null)")
+
+
+def json_object(file: Path) -> dict[str, Any]:
+    from moep_ds.errors import json_error_reason
+
+    try:
+        out = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise UserError(f"{str(file)!r} is not readable JSON: {json_error_reason(err)}") from None
+    if not isinstance(out, dict):
+        raise UserError(f"{str(file)!r} holds a {type(out).__name__}, not a JSON object")
+    return out
 
 
 def import_split(src: str, cfg: Any, out: str | Path, expert_parallel: bool = False) -> Path | None:

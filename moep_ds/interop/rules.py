@@ -10,6 +10,10 @@ How rows of ours may be read alone (a process reads only what it holds: its expe
               a tensor as stored, or an expert stack stored as one [E, ...] tensor (gpt-oss's gate_up_proj, its
               MXFP4 blocks and scales), transformed per row
     neither   ours is computed from whole tensors
+
+Several of ours may share one tensor of theirs (gpt-oss's gate_up_proj holds our gate and up, interleaved): each is
+read by a rule of its own, and the tensor is written by the rule that `joins` the others (its to_theirs takes ours,
+then the joined tensors of ours); their rules write nothing (to_theirs gives []).
 """
 from __future__ import annotations
 
@@ -22,14 +26,15 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """Our tensor `ours` from the HF tensors `theirs` (`to_ours`), and back (`to_theirs`, in the order of `theirs`);
-    `stacked` / `rowwise`: see the module docstring."""
+    `stacked` / `rowwise` / `joins`: see the module docstring."""
 
     ours: str
     theirs: tuple[str, ...]
     to_ours: Callable[[list[torch.Tensor]], torch.Tensor]
-    to_theirs: Callable[[torch.Tensor], list[torch.Tensor]]
+    to_theirs: Callable[..., list[torch.Tensor]]  # (ours, *joins) -> theirs
     stacked: bool = False
     rowwise: bool = False
+    joins: tuple[str, ...] = ()  # more of ours that theirs are written from
 
 
 def same(ours: str, theirs: str) -> Rule:

@@ -88,23 +88,15 @@ def source_recipe(spec: str, what: str = "SRC") -> dict[str, Any]:
     """The recipe (model section and tokenizer) that reproduces the Hugging Face model `spec`, from its
     config.json alone: what moep-import writes without --config."""
     from moep_ds.data.tokenizer import TOKENIZER_FILE
-    from moep_ds.interop.hf_layout import ARCHITECTURES, dense_recipe
-    from moep_ds.interop.hf_weights import architecture_names, is_hf_folder, read_config
-    from moep_ds.interop.moe_layout import MOE_ARCHITECTURES
+    from moep_ds.interop.families import family_of
+    from moep_ds.interop.hf_weights import is_hf_folder, read_config
 
     source = resolve(spec, what)
     if not is_hf_folder(source.folder):
         raise UserError(f"{what} ({spec!r}) is no Hugging Face model folder (config.json and weights): a moep_ds "
                         "checkpoint is imported with --config (the recipe to check it against or upcycle it into)")
     hf = read_config(source.folder)
-    kind = hf.get("model_type")
-    if kind in MOE_ARCHITECTURES:
-        model = MOE_ARCHITECTURES[kind].recipe(hf)
-    elif kind in ARCHITECTURES:
-        model = dense_recipe(ARCHITECTURES[kind], hf)
-    else:
-        raise UserError(f"{what} ({spec!r}): config.json has model_type {kind!r}; moep-import reads "
-                        f"{', '.join(architecture_names())}")
+    model = family_of(hf, f"{what} ({spec!r})").recipe(hf)
     tokenizer: dict[str, Any] = {"vocab_size": model["vocab_size"]}
     if (source.folder / TOKENIZER_FILE).is_file():  # the source's own tokenizer, for training on new text
         vocab = vocabulary(source.folder / TOKENIZER_FILE, f"{what} ({spec!r})")

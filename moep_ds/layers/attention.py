@@ -1,5 +1,5 @@
 """Causal self-attention through `scaled_dot_product_attention`: MHA/GQA, optional sliding window, KV cache,
-optional RMSNorm on queries and keys (QK-norm) and biases on q/k/v alone (Qwen2).
+optional RMSNorm on queries and keys (QK-norm), biases on q/k/v alone (Qwen2) and a gated output (Qwen3-Next).
 
 # B batch, T query tokens, S key tokens, H query heads, G key/value heads, Dh head dim, D model dim
 
@@ -7,7 +7,15 @@ A key at position s is visible from a query at position t iff s <= t and, with a
 
 QK-norm (before RoPE): `scope: head` normalises each head's Dh dims with one [Dh] scale shared by the heads
 (Qwen3's q_norm / k_norm), `scope: projection` the whole H Dh (G Dh) projection with an [H Dh] ([G Dh]) scale
-(OLMoE's).
+(OLMoE's). `type: gemma_rmsnorm` scales by (1 + w), w starting at zero (Qwen3-Next's Qwen3NextRMSNorm).
+
+Output gate (Qwen3-Next; Qiu et al. 2025, "Gated Attention for Large Language Models"): the query rows of w_qkv
+hold, per head, Dh query rows then Dh gate rows ([q_0 | g_0 | q_1 | g_1 | ...], Qwen3NextAttention's q_proj as
+stored), and the heads' output is multiplied by sigmoid(g) before w_o.
+
+Attention sinks (`sinks: true`, gpt-oss): each head h has a learned logit s_h that joins every query's softmax as
+one more column and is dropped after it, so a query may put probability mass on "nothing" (`sink_attention`).
+SDPA takes no such column: with sinks the scores are computed in full ([B, H, T, S], O(T S) memory).
 """
 from __future__ import annotations
 
@@ -18,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moep_ds.deferred_init import init_at_construction
 from moep_ds.layers.rope import RopeConfig, apply_rope, rope_tables, rotary_dims, table_dtype
-from moep_ds.layers.norm import NormConfig, RMSNorm
+from moep_ds.layers.norm import NormConfig, build_norm
 from moep_ds.registry import ATTENTIONS
 from moep_ds.schema import PositiveFloat, PositiveInt, fail
 
@@ -27,6 +36,7 @@ from moep_ds.schema import PositiveFloat, PositiveInt, fail
 @dataclasses.dataclass(kw_only=True)
 class QKNormConfig:
     scope: Literal["head", "projection"] = "head"  # see the module docstring
+    type: Literal["rmsnorm", "gemma_rmsnorm"] = "rmsnorm"  # gemma_rmsnorm: (1 + w) scale, w from zero
     eps: PositiveFloat = 1e-6
 
 
@@ -41,6 +51,8 @@ class AttentionConfig:
     bias: bool = False
     qkv_bias: bool | None = None  # biases on q, k, v; null: = bias (Qwen2: true, with bias false on the output)
     qk_norm: QKNormConfig | None = None  # null: none
+    sinks: bool = False  # a learned per-head sink logit in the softmax (module docstring; gpt-oss)
+    output_gate: bool = False  # per head [query | gate] rows; output x sigmoid(gate) before w_o (module docstring)
 
     def validate(self, path: str) -> None:
         kv = self.kv_heads
@@ -106,6 +118,29 @@ def causal_attention(
     )
 
 
+def sink_attention(
+    q_BHTd: torch.Tensor,
+    k_BGSd: torch.Tensor,
+    v_BGSd: torch.Tensor,
+    q_pos_BT: torch.Tensor,
+    k_pos_BS: torch.Tensor,
+    window: int | None,
+    sinks_H: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """causal_attention with a sink column: p = softmax([q k^T scale + mask, s_h]) over S + 1 entries, out =
+    p[..., :S] v (gpt-oss's eager_attention_forward). The softmax runs in fp32 (or wider)."""
+    B, H, T, Dh = q_BHTd.shape
+    groups = H // k_BGSd.shape[1]
+    k_BHSd, v_BHSd = k_BGSd.repeat_interleave(groups, 1), v_BGSd.repeat_interleave(groups, 1)
+    scores_BHTS = (q_BHTd @ k_BHSd.transpose(-1, -2)) * (Dh ** -0.5 if scale is None else scale)
+    scores_BHTS = scores_BHTS.masked_fill(~attention_mask(q_pos_BT, k_pos_BS, window), float("-inf"))
+    sink_BHT1 = sinks_H.to(scores_BHTS.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+    logits = torch.cat([scores_BHTS, sink_BHT1], dim=-1)
+    probs_BHTS = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)[..., :-1]
+    return probs_BHTS.to(v_BHSd.dtype) @ v_BHSd
+
+
 @ATTENTIONS.register("causal", config=AttentionConfig)
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: AttentionConfig, d_model: int):
@@ -114,20 +149,32 @@ class CausalSelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.kv_heads
         self.head_dim = cfg.resolved_head_dim(d_model)
         self.rot_dim = rotary_dims(self.head_dim, cfg.rope.fraction) if cfg.rope else 0
-        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        q_rows = self.num_heads * self.head_dim * (2 if cfg.output_gate else 1)
+        qkv_out = q_rows + 2 * self.num_kv_heads * self.head_dim
         self.w_qkv = nn.Linear(d_model, qkv_out, bias=cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias)
         self.w_o = nn.Linear(self.num_heads * self.head_dim, d_model, bias=cfg.bias)
         if cfg.qk_norm is not None:
             whole = cfg.qk_norm.scope == "projection"
-            norm = NormConfig(type="rmsnorm", eps=cfg.qk_norm.eps)
-            self.q_norm = RMSNorm(norm, self.head_dim * (self.num_heads if whole else 1))
-            self.k_norm = RMSNorm(norm, self.head_dim * (self.num_kv_heads if whole else 1))
+            norm = NormConfig(type=cfg.qk_norm.type, eps=cfg.qk_norm.eps)
+            self.q_norm = build_norm(norm, self.head_dim * (self.num_heads if whole else 1))
+            self.k_norm = build_norm(norm, self.head_dim * (self.num_kv_heads if whole else 1))
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.sinks else None
+        if self.sinks is not None and not self.sinks.is_meta and init_at_construction():
+            self.init_weights(std=0.02)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_scale: float = 1.0) -> None:
+        """The sinks normal(0, std) as transformers initialises gpt-oss's; the linear layers are the model's, the
+        norms their own (CausalLM.init_weights skips the children of a module that has this method)."""
+        if self.sinks is not None:
+            nn.init.normal_(self.sinks, std=std)
+        for child in self.children():
+            if callable(getattr(child, "init_weights", None)):
+                child.init_weights(std, out_scale)
 
     def forward(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q, k, v = self.w_qkv(x_BTD).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1
-        )
+        q, gate, k, v = self.projections(x_BTD)
         q, k = self.normed_qk(q, k)
         q_BHTd = q.reshape(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k_BGTd = k.reshape(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -139,8 +186,21 @@ class CausalSelfAttention(nn.Module):
         k_pos = positions_BT
         if cache is not None:
             k_BGTd, v_BGTd, k_pos = cache.append(k_BGTd, v_BGTd, positions_BT)
-        out = causal_attention(q_BHTd, k_BGTd, v_BGTd, positions_BT, k_pos, self.cfg.window)
-        return self.w_o(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        if self.sinks is None:
+            out = causal_attention(q_BHTd, k_BGTd, v_BGTd, positions_BT, k_pos, self.cfg.window)
+        else:
+            out = sink_attention(q_BHTd, k_BGTd, v_BGTd, positions_BT, k_pos, self.cfg.window, self.sinks)
+        return self.w_o(gated(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim), gate))
+
+    def projections(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """q [B, T, H Dh], the output gate [B, T, H Dh] (None without one), k and v [B, T, G Dh]."""
+        H, G, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        if not self.cfg.output_gate:
+            q, k, v = self.w_qkv(x_BTD).split([H * Dh, G * Dh, G * Dh], -1)
+            return q, None, k, v
+        qg, k, v = self.w_qkv(x_BTD).split([2 * H * Dh, G * Dh, G * Dh], -1)
+        q, gate = qg.unflatten(-1, (H, 2 * Dh)).chunk(2, dim=-1)  # each head's rows: [query | gate]
+        return q.flatten(-2), gate.flatten(-2), k, v
 
     def normed_qk(self, q_BTX: torch.Tensor, k_BTY: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """QK-norm of the projections (module docstring); unchanged without it."""
@@ -157,6 +217,11 @@ class CausalSelfAttention(nn.Module):
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Forward+backward FLOPs of the score and value matmuls per token (PaLM's 12·H·Dh·T convention)."""
         return attention_flops(self.num_heads, self.head_dim, seq_len, self.cfg.window)
+
+
+def gated(out_BTX: torch.Tensor, gate_BTX: torch.Tensor | None) -> torch.Tensor:
+    """The heads' output times sigmoid(gate) (the output gate), unchanged without one."""
+    return out_BTX if gate_BTX is None else out_BTX * torch.sigmoid(gate_BTX)
 
 
 def attention_flops(num_heads: int, head_dim: int, seq_len: int, window: int | None) -> float:

@@ -1,4 +1,5 @@
-"""Position-wise feed-forward networks: GELU MLP (exact or tanh-approximated GELU), SwiGLU, GeGLU.
+"""Position-wise feed-forward networks: GELU MLP (exact or tanh-approximated GELU), SwiGLU, GeGLU, and gpt-oss's
+clamped SwiGLU (layers/glu.py ClampedSwiGLU: `limit` required, `alpha` default 1.702).
 
 # T tokens, D model dim, F hidden dim
 """
@@ -10,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moep_ds.layers.glu import gated_activation
+from moep_ds.layers.glu import ClampedSwiGLU, GateKind, gated_activation
 from moep_ds.registry import FFNS
-from moep_ds.schema import PositiveInt
+from moep_ds.schema import PositiveFloat, PositiveInt, fail
+
+CLAMPED_ALPHA = 1.702  # gpt-oss's swiglu_alpha
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -22,9 +25,27 @@ class FFNConfig:
     # which keeps a gated FFN's three matrices at the parameter count of a 4d two-matrix MLP.
     hidden_size: PositiveInt | None = None
     bias: bool = False
+    limit: PositiveFloat | None = None  # clamped_swiglu only (required there): the clamp bound
+    alpha: PositiveFloat | None = None  # clamped_swiglu only: the sigmoid's slope; null: 1.702
+
+    def validate(self, path: str) -> None:
+        clamped = self.type == "clamped_swiglu"
+        if clamped and self.limit is None:
+            fail(f"{path}.limit", None, "is required for type clamped_swiglu")
+        for name in ("limit", "alpha"):
+            if not clamped and getattr(self, name) is not None:
+                fail(f"{path}.{name}", getattr(self, name), f"applies to type clamped_swiglu only, not {self.type}")
 
 
-GATED = {"swiglu", "geglu"}
+GATED = {"swiglu", "geglu", "clamped_swiglu"}
+
+
+def gate_kind(cfg: FFNConfig) -> GateKind:
+    """The gated activation of a gated FFN type: its name, or the kind with its parameters (clamped_swiglu)."""
+    if cfg.type == "clamped_swiglu":
+        cfg.validate("ffn")  # also for a config built in code, not parsed
+        return ClampedSwiGLU(cfg.limit, CLAMPED_ALPHA if cfg.alpha is None else cfg.alpha)
+    return cfg.type
 
 
 def ffn_hidden_size(cfg: FFNConfig, d_model: int) -> int:
@@ -62,10 +83,9 @@ class GeluTanhMLP(GeluMLP):
 class GatedMLP(nn.Module):
     """out = W2 (act(W1 x) * W3 x); act(.) * . as one fused kernel where it pays (layers/glu.py)."""
 
-    kind = "swiglu"
-
     def __init__(self, cfg: FFNConfig, d_model: int):
         super().__init__()
+        self.kind = gate_kind(cfg)
         hidden = ffn_hidden_size(cfg, d_model)
         self.w1 = nn.Linear(d_model, hidden, bias=cfg.bias)  # gate
         self.w3 = nn.Linear(d_model, hidden, bias=cfg.bias)  # up
@@ -78,13 +98,17 @@ class GatedMLP(nn.Module):
 
 @FFNS.register("swiglu", config=FFNConfig)
 class SwiGLU(GatedMLP):
-    kind = "swiglu"
+    pass
 
 
 @FFNS.register("geglu", config=FFNConfig)
 class GeGLU(GatedMLP):
-    # Gemma uses the tanh approximation of GELU in its gated FFN.
-    kind = "geglu"
+    pass  # Gemma uses the tanh approximation of GELU in its gated FFN.
+
+
+@FFNS.register("clamped_swiglu", config=FFNConfig)
+class ClampedSwiGLUMLP(GatedMLP):
+    pass  # gpt-oss
 
 
 def build_ffn(cfg: FFNConfig, d_model: int) -> nn.Module:

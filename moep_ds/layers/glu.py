@@ -24,9 +24,13 @@ Used where it pays: buffers of at least FUSED_MIN_NUMEL elements, outside a comp
 own compilation fuses the same code). The first use on a device type compiles the kernels (a few seconds,
 cached on disk by torch); if that fails (say, no C++ compiler), one warning is logged and the unfused
 expression is used from then on.
+
+A kind with parameters is an object in place of the name: ClampedSwiGLU (gpt-oss), run unfused by autograd, with
+its backward written out for the hand-written expert-loop backward.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -69,6 +73,30 @@ def _geglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _geglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.aten.gelu_backward(grad * up, gate, approximate="tanh"), grad * gelu_tanh(gate)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's gate: g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) g sigmoid(alpha g).
+    A clamp passes no gradient where it bites (as torch.clamp: the bounds themselves still pass)."""
+
+    limit: float
+    alpha: float = 1.702
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * (g * torch.sigmoid(self.alpha * g))
+
+    def backward(self, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g, u = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        sig = torch.sigmoid(self.alpha * g)
+        d_g = grad * (u + 1) * sig * (1 + self.alpha * g * (1 - sig))
+        d_gate = d_g.masked_fill(gate > self.limit, 0)
+        d_up = (grad * (g * sig)).masked_fill(up.abs() > self.limit, 0)
+        return d_gate, d_up
+
+
+GateKind = str | ClampedSwiGLU  # a kind name of GATE_ACTIVATIONS, or a kind with parameters
 
 
 _KERNELS = {"swiglu": (_swiglu_forward, _swiglu_backward), "geglu": (_geglu_forward, _geglu_backward)}
@@ -155,18 +183,23 @@ def use_fused(gate: torch.Tensor, up: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and fused_available(gate.device))
 
 
-def gated_activation(kind: str, gate: torch.Tensor, up: torch.Tensor, *, consume: bool = False) -> torch.Tensor:
-    """act(gate) * up for kind "swiglu" (SiLU) or "geglu" (tanh GELU); fused where it pays (module docstring).
-    `consume`: gate and up are the caller's temporaries, which the fused backward may overwrite."""
+def gated_activation(kind: GateKind, gate: torch.Tensor, up: torch.Tensor, *, consume: bool = False) -> torch.Tensor:
+    """act(gate) * up for kind "swiglu" (SiLU) or "geglu" (tanh GELU); fused where it pays (module docstring);
+    a ClampedSwiGLU unfused. `consume`: gate and up are the caller's temporaries, which the fused backward may
+    overwrite."""
+    if isinstance(kind, ClampedSwiGLU):
+        return kind(gate, up)
     if use_fused(gate, up):
         return FusedGatedActivation.apply(gate, up, kind, consume)
     return unfused(kind, gate, up)
 
 
-def gated_activation_backward(kind: str, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *,
+def gated_activation_backward(kind: GateKind, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *,
                               fused: bool | None = None, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up) of gated_activation, for hand-written backwards (no autograd); `fused` None: where it pays.
     `in_place`: the fused kernel may write them over gate and up (module docstring, `consume`)."""
+    if isinstance(kind, ClampedSwiGLU):
+        return kind.backward(grad, gate, up)
     if fused or (fused is None and use_fused(gate, up) and grad.shape == gate.shape):
         gate_rows, up_rows = rows(gate), rows(up)  # views of gate and up (copies where they had to be)
         if in_place:
@@ -177,5 +210,6 @@ def gated_activation_backward(kind: str, grad: torch.Tensor, gate: torch.Tensor,
     return _KERNELS[kind][1](grad, gate, up)
 
 
-__all__ = ["FUSED_MIN_NUMEL", "GATE_ACTIVATIONS", "FusedGatedActivation", "fused_available", "gated_activation",
-           "gated_activation_backward", "gelu_tanh", "in_place_backward", "unfused"]
+__all__ = ["FUSED_MIN_NUMEL", "GATE_ACTIVATIONS", "ClampedSwiGLU", "FusedGatedActivation", "GateKind",
+           "fused_available", "gated_activation", "gated_activation_backward", "gelu_tanh", "in_place_backward",
+           "unfused"]

@@ -5,7 +5,7 @@ stretched by YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension";
 
 Rotation pairs dim i with dim i + R/2 (the GPT-NeoX / Llama "rotate_half" layout). DeepSeek's checkpoints pair
 dim 2i with 2i + 1 (rope_interleave): the same rotation of rows permuted, which the import undoes in the weights
-(interop/moe_layout.py), so one layout serves both.
+(interop/families/deepseek_v3.py), so one layout serves both.
 
 YaRN, as transformers' rope_type "yarn" computes it (modeling_rope_utils._compute_yarn_parameters):
     inv_freq_i = base^(-2i/R) blended with base^(-2i/R) / factor by a linear ramp over the dims whose wavelength

@@ -11,7 +11,7 @@ import math
 from typing import Annotated, Any, Iterator, Literal
 
 from moep_ds.layers.norm import NormConfig
-from moep_ds.registry import BLOCKS, NORMS
+from moep_ds.registry import ATTENTIONS, BLOCKS, NORMS
 from moep_ds.schema import (
     ConfigError, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, fail, join,
 )
@@ -67,7 +67,17 @@ def apply_flavour_to_layer(entry: Any, flavour: str | None, path: str) -> Any:
         return entry
     fields = {f.name for f in dataclasses.fields(BLOCKS.config_class(entry["type"]))}
     preset = {k: v for k, v in flavour_preset(flavour, join(path, "flavour"))["block"].items() if k in fields}
-    return merge_defaults(preset, entry)
+    return merge_defaults(attention_preset_for(preset, entry.get("attention")), entry)
+
+
+def attention_preset_for(preset: dict[str, Any], attention: Any) -> dict[str, Any]:
+    """A flavour's attention preset (RoPE, biases) is given to the attention kinds that have those fields; a kind
+    without them (gated_deltanet: no positions, no biases) takes the keys it has."""
+    kind = attention.get("type") if isinstance(attention, dict) else attention
+    if "attention" not in preset or kind not in ATTENTIONS or ATTENTIONS.config_class(kind) is None:
+        return preset
+    fields = {f.name for f in dataclasses.fields(ATTENTIONS.config_class(kind))}
+    return {**preset, "attention": {k: v for k, v in preset["attention"].items() if k in fields}}
 
 
 def flavour_preset(name: str, path: str) -> dict[str, dict[str, Any]]:

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
-from moep_ds.layers.glu import gated_activation, gated_activation_backward
+from moep_ds.layers.glu import GateKind, gated_activation, gated_activation_backward
 from moep_ds.moe.activations import ACTIVATION_GRADS, EXPERT_ACTIVATIONS
 
 
@@ -37,7 +37,6 @@ def _empty_if(t: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
 class ExpertLoopFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SD, counts, kind, w1_EDF, w2_EFD, w3_EDF, b1_EF, b2_ED, b3_EF):  # noqa: ANN001, ANN205
-        act = EXPERT_ACTIVATIONS[kind]
         S, F = x_SD.shape[0], w1_EDF.shape[2]
         y_SD = x_SD.new_empty(S, w2_EFD.shape[2])
         h1_SF = x_SD.new_empty(S, F)
@@ -48,7 +47,7 @@ class ExpertLoopFFN(torch.autograd.Function):
             if b1_EF is not None:
                 h1.add_(b1_EF[e])
             if w3_EDF is None:
-                a = act(h1)
+                a = EXPERT_ACTIVATIONS[kind](h1)
             else:
                 h3 = torch.mm(x, w3_EDF[e], out=h3_SF[rows])
                 if b3_EF is not None:
@@ -66,7 +65,6 @@ class ExpertLoopFFN(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy_SD):  # noqa: ANN001, ANN205
         x_SD, h1_SF, h3_SF, w1_EDF, w2_EFD, w3_EDF = ctx.saved_tensors
-        act = EXPERT_ACTIVATIONS[ctx.kind]
         need = ctx.needs_input_grad
         dy_SD = dy_SD.contiguous()
         dx_SD = torch.empty_like(x_SD) if need[0] else None
@@ -86,7 +84,8 @@ class ExpertLoopFFN(torch.autograd.Function):
             x, h1, dy = x_SD[rows], h1_SF[rows], dy_SD[rows]
             h3 = h3_SF[rows] if h3_SF is not None else None
             if dw2 is not None:
-                torch.mm((act(h1) if h3 is None else gated_activation(ctx.kind, h1, h3)).t(), dy, out=dw2[e])
+                a = EXPERT_ACTIVATIONS[ctx.kind](h1) if h3 is None else gated_activation(ctx.kind, h1, h3)
+                torch.mm(a.t(), dy, out=dw2[e])
             if db2 is not None:
                 torch.sum(dy, 0, out=db2[e])
             da = dy @ w2_EFD[e].t()
@@ -115,7 +114,7 @@ def expert_loop_ffn(
     b1_EF: torch.Tensor | None,
     b2_ED: torch.Tensor | None,
     b3_EF: torch.Tensor | None,
-    kind: str,
+    kind: GateKind,
 ) -> torch.Tensor:
     """All experts on tokens grouped by expert, one expert at a time (same result as grouped_expert_ffn)."""
     if sum(counts) != x_SD.shape[0]:

@@ -5,6 +5,7 @@
 
     gelu:   y = W2 gelu(W1 x + b1) + b2             gelu_tanh: the same with tanh-approximated GELU (GPT-2, Pythia)
     swiglu: y = W2 (silu(W1 x) * W3 x)          geglu: the same with tanh-approximated GELU (Gemma)
+    clamped_swiglu (gpt-oss): y = W2 ((clamp(W3 x + b3, -l, l) + 1) g sigmoid(alpha g)) + b2, g = min(W1 x + b1, l)
     (the gated product act(.) * . runs as one fused kernel per direction where it pays: layers/glu.py)
 
 Each expert is initialised and computed exactly like the dense FFN of the same kind (moep_ds.layers.ffn).
@@ -25,9 +26,9 @@ import torch
 from torch import nn
 
 from moep_ds.deferred_init import init_at_construction
-from moep_ds.layers.ffn import GATED, FFNConfig, ffn_hidden_size
-from moep_ds.layers.glu import gated_activation
-from moep_ds.moe.activations import EXPERT_ACTIVATIONS
+from moep_ds.layers.ffn import GATED, FFNConfig, ffn_hidden_size, gate_kind
+from moep_ds.layers.glu import GateKind, gated_activation
+from moep_ds.moe.activations import EXPERT_ACTIVATIONS, EXPERT_TYPES
 from moep_ds.moe.expert_loop import expert_loop_ffn
 from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan
 from moep_ds.moe.shard import mark_expert_rows, normal_
@@ -46,7 +47,7 @@ def expert_ffn(
     b1: torch.Tensor | None,
     b2: torch.Tensor | None,
     b3: torch.Tensor | None,
-    kind: str,
+    kind: GateKind,
 ) -> torch.Tensor:
     """One expert: [C, D] tokens, its [D, F] / [F, D] weights (the definition; see grouped_expert_ffn)."""
     h = x @ w1 if b1 is None else x @ w1 + b1
@@ -67,7 +68,7 @@ def grouped_expert_ffn(
     b1_EF: torch.Tensor | None,
     b2_ED: torch.Tensor | None,
     b3_EF: torch.Tensor | None,
-    kind: str,
+    kind: GateKind,
     *,
     library: bool = False,
 ) -> torch.Tensor:
@@ -114,10 +115,10 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, cfg: FFNConfig, *, d_model: int, num_experts: int, plan: ExpertParallelPlan = SINGLE_PROCESS):
         super().__init__()
-        if cfg.type not in EXPERT_ACTIVATIONS:
-            raise ValueError(f"expert type ({cfg.type!r}) must be one of {', '.join(EXPERT_ACTIVATIONS)}")
+        if cfg.type not in EXPERT_TYPES:
+            raise ValueError(f"expert type ({cfg.type!r}) must be one of {', '.join(EXPERT_TYPES)}")
         hidden = ffn_hidden_size(cfg, d_model)
-        self.kind = cfg.type
+        self.kind: GateKind = gate_kind(cfg) if cfg.type in GATED else cfg.type
         held = plan.held(num_experts)  # all of them on one process
         self.num_local_experts = len(held)
         self.kernel: str | None = None  # one of KERNELS; None: chosen per call (`choose_kernel`)
@@ -170,4 +171,5 @@ class GroupedExperts(nn.Module):
         return f"kind={self.kind}, num_local_experts={self.num_local_experts}, hidden={self.w1_EDF.shape[-1]}"
 
 
-__all__ = ["EXPERT_ACTIVATIONS", "KERNELS", "GroupedExperts", "choose_kernel", "expert_ffn", "grouped_expert_ffn"]
+__all__ = ["EXPERT_ACTIVATIONS", "EXPERT_TYPES", "KERNELS", "GroupedExperts", "choose_kernel", "expert_ffn",
+           "grouped_expert_ffn"]

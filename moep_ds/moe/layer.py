@@ -21,7 +21,7 @@ import torch
 from moep_ds.layers.ffn import FFNConfig
 from moep_ds.moe.dispatch import ExpertBatch, ExpertStage, shard_experts
 from moep_ds.moe.plan import SINGLE_PROCESS, ExpertParallelPlan, RoutedStage
-from moep_ds.moe.experts import EXPERT_ACTIVATIONS, GroupedExperts
+from moep_ds.moe.experts import EXPERT_TYPES, GroupedExperts
 from moep_ds.moe.shard import full_shape
 from moep_ds.moe.shared import SharedExpert, SharedExpertConfig
 from moep_ds.registry import FFNS, ROUTERS
@@ -38,8 +38,8 @@ class MoEConfig:
     shared_expert: SharedExpertConfig | None = None  # an always-active FFN beside the routed experts
 
     def validate(self, path: str) -> None:
-        if self.expert.type not in EXPERT_ACTIVATIONS:
-            fail(f"{path}.expert.type", self.expert.type, f"must be one of {', '.join(EXPERT_ACTIVATIONS)} for experts")
+        if self.expert.type not in EXPERT_TYPES:
+            fail(f"{path}.expert.type", self.expert.type, f"must be one of {', '.join(EXPERT_TYPES)} for experts")
         if hasattr(self.router, "check_num_experts"):
             self.router.check_num_experts(f"{path}.router", self.num_experts)
 

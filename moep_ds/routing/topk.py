@@ -6,7 +6,7 @@ experts.
 
     logits l = x W_r^T (fp32; in training x may be jittered by U(1-eps, 1+eps), Switch Transformer); with
                logits_dtype input in x's dtype, then fp32 (transformers' Mixtral, Qwen-MoE and OLMoE routers: a bf16
-               model's bf16 logits; DeepSeek-V3's are fp32)
+               model's bf16 logits; DeepSeek-V3's are fp32); with `bias` l = x W_r^T + b_r (gpt-oss)
     scores s = softmax_E(l)  (score: softmax)   or   s = sigmoid(l)  (score: sigmoid, DeepSeek-V3 eq. 15)
     choice c = s + b  with b the loss-free balancing bias (routing/balancing.py; selection only, DeepSeek-V3
                eq. 16), 0 without it
@@ -35,6 +35,7 @@ import dataclasses
 from typing import Annotated, Callable, Literal
 
 import torch
+import torch.nn.functional as F
 
 from moep_ds.registry import ROUTERS
 from moep_ds.routing.balancing import ExpertBias
@@ -53,6 +54,7 @@ class TopKConfig:
     k: PositiveInt = 2
     score: Literal["softmax", "sigmoid"] = "softmax"
     logits_dtype: Literal["float32", "input"] = "float32"  # the matmul's precision (module docstring)
+    bias: bool = False  # a learned bias [E] on the logits (gpt-oss's router)
     renormalize: bool = False  # weights sum to 1 over the k chosen experts (Mixtral, DeepSeek-V3's norm_topk_prob)
     scaling_factor: PositiveFloat = 1.0  # weights times this (DeepSeek-V3's routed_scaling_factor)
     bias_update_rate: NonNegativeFloat | None = None  # u of loss-free balancing; null: no selection bias
@@ -240,7 +242,7 @@ class TopKRouter(Router):
     this process's counts are the global ones)."""
 
     def __init__(self, cfg: TopKConfig, *, d_model: int, num_experts: int):
-        super().__init__(d_model=d_model, num_experts=num_experts)
+        super().__init__(d_model=d_model, num_experts=num_experts, bias=cfg.bias)
         cfg.check_num_experts("router", num_experts)
         self.cfg = cfg
         self.capacity_ratio = None if cfg.capacity_factor is None else exact_ratio(cfg.capacity_factor)
@@ -253,7 +255,10 @@ class TopKRouter(Router):
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.cfg.logits_dtype == "input":
-            return (x_TD @ self.weight.to(x_TD.dtype).t()).to(routing_dtype(x_TD))
+            if self.bias is None:
+                return (x_TD @ self.weight.to(x_TD.dtype).t()).to(routing_dtype(x_TD))
+            # gpt-oss's router: nn.functional.linear in the activations' dtype
+            return F.linear(x_TD, self.weight.to(x_TD.dtype), self.bias.to(x_TD.dtype)).to(routing_dtype(x_TD))
         return super().logits(x_TD)
 
     def forward(self, x_BTD: torch.Tensor) -> RoutingPlan:

@@ -198,7 +198,8 @@ def test_parallel_residual_layout():
 def test_config_error_names_the_layer():
     with pytest.raises(ConfigError, match=r"^model.layers\[1\].moe.router.k \(9\) must be <= num_experts \(8\)$"):
         tiny_mixtral(k=9)
-    with pytest.raises(ConfigError, match=r"^model.layers\[0\].moe.expert.type: unknown ffn 'relu'; known: ge"):
+    with pytest.raises(ConfigError, match=r"^model.layers\[0\].moe.expert.type: unknown ffn 'relu'; known: "
+                                          r"clamped_swiglu, geglu, gelu, gelu_tanh, swiglu$"):
         config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "max_seq_len": 32, "layers": [
             {"type": "ffn_moe", "attention": {"num_heads": 4},
              "moe": {"num_experts": 4, "expert": {"type": "relu"}, "router": "topk"}}]}})

@@ -292,6 +292,9 @@ def test_config_errors_name_the_path():
         load_config(CONFIGS / "moep_llama.yaml", overrides=["model.layers[0].d_path=100"])
     with pytest.raises(ConfigError, match=r"model.layers\[0\].path_router.k \(5\) must be <= num_experts \(4\)"):
         load_config(CONFIGS / "moep_llama.yaml", overrides=["model.layers[0].path_router.k=5"])
+    with pytest.raises(ConfigError, match=r"^model.layers\[0\].path_attention.output_gate \(True\) is not available "
+                                          r"in path attention$"):  # path attention projects q, k, v alone
+        load_config(CONFIGS / "moep_llama.yaml", overrides=["model.layers[0].attention.output_gate=true"])
     sets = ["train.expert_parallel_size=4", "model.layers[0].num_projection_experts=2"]
     with pytest.raises(ConfigError, match=r"^model.layers\[0\].num_projection_experts \(2\) must be divisible by "
                                           r"expert_parallel_size \(4\)$"):

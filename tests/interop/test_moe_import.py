@@ -1,7 +1,8 @@
 """Published MoE architectures in and out: a tiny random transformers model of each (every weight perturbed,
 DeepSeek's selection bias non-zero) -> `moep-import` without --config -> logits equal transformers' (float32,
 1e-5) and the same experts chosen per token -> `moep-export --hf --native` -> transformers loads it without
-remote code: the source's own tensors, the same logits -> importing that export is bit-identical.
+remote code: the source's own tensors, the same logits, the source's special tokens in config.json and
+generation_config.json -> importing that export is bit-identical.
 
 # B batch, T tokens, V vocabulary
 """
@@ -15,7 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hf_moe_models import CASES, CLASSES, V, hf_choices, hf_model, our_choices, tokens
+from hf_moe_models import (CASES, CLASSES, SOURCE_GENERATION, SOURCE_TOKENS, V, hf_choices, hf_source, our_choices,
+                            tokens)
 from moep_ds.checkpointing.model_dir import load_model_dir, load_recipe, stored_weights
 from moep_ds.cli.export import main as export_main
 from moep_ds.cli.import_model import main as import_main
@@ -36,8 +38,7 @@ class Imported:
 def imported(request, tmp_path_factory) -> Imported:
     case = request.param
     folder = tmp_path_factory.mktemp(case)
-    reference = hf_model(case)
-    reference.save_pretrained(folder / "hf")
+    reference = hf_source(case, folder / "hf")
     assert import_main([str(folder / "hf"), "--out", str(folder / "run1")]) == 0
     assert export_main([str(folder / "run1"), "--out", str(folder / "hf2"), "--hf", "--native"]) == 0
     assert import_main([str(folder / "hf2"), "--out", str(folder / "run2")]) == 0
@@ -50,9 +51,16 @@ def stored(run: Path) -> dict[str, torch.Tensor]:
     return {e.name: e.read() for e in entries}
 
 
-def experts_of(keys: list[str]) -> list[int]:
-    """The experts whose tensors `keys` name (model.layers.1.mlp.experts.5.up_proj.weight: 5)."""
-    return sorted({int(key.split(".experts.")[1].split(".")[0]) for key in keys if ".experts." in key})
+def experts_of(keys: list[str | tuple[str, int, int]]) -> list[int]:
+    """The experts whose tensors `keys` name (model.layers.1.mlp.experts.5.up_proj.weight: 5), or whose rows they
+    are ((model.layers.1.mlp.experts.gate_up_proj, 2, 4): 2, 3; an [E, ...] tensor read by rows)."""
+    out: set[int] = set()
+    for key in keys:
+        if isinstance(key, tuple) and ".experts." in key[0]:
+            out.update(range(key[1], key[2]))
+        elif isinstance(key, str) and ".experts." in key:
+            out.add(int(key.split(".experts.")[1].split(".")[0]))
+    return sorted(out)
 
 
 def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
@@ -74,17 +82,24 @@ def test_import_without_a_recipe_equals_transformers(imported):
     assert len(our_chosen) == len(hf_chosen)
     for layer, (ours, theirs) in enumerate(zip(our_chosen, hf_chosen)):
         assert torch.equal(ours, theirs), f"MoE layer {layer}"
-    if imported.case.startswith("deepseek_v3"):  # the selection bias arrived as our loss-free balancing bias
+    if imported.case.startswith(("deepseek_v3", "glm4_moe")):  # the selection bias, as our loss-free balancing bias
         bias = [m.balancer.bias_E for m in model.modules() if getattr(m, "balancer", None) is not None]
         assert bias and all(float(b.abs().sum()) > 0 for b in bias)
 
 
 def test_native_export_is_the_architectures_own_format(imported):
     """transformers loads the export without trust_remote_code: the source's tensors exactly (DeepSeek's
-    interleaved rotary rows put back), and its logits."""
+    interleaved rotary rows put back; gpt-oss's MXFP4 experts as transformers dequantises them, with no
+    quantization_config), and its logits."""
     config = json.loads((imported.folder / "hf2" / "config.json").read_text())
     assert config["architectures"] == [CLASSES[imported.case]] and "auto_map" not in config
+    assert "quantization_config" not in config
+    assert {k: config[k] for k in SOURCE_TOKENS} == SOURCE_TOKENS  # the source's, not our tokenizer's
+    generation = json.loads((imported.folder / "hf2" / "generation_config.json").read_text())
+    assert {k: generation[k] for k in SOURCE_GENERATION} == SOURCE_GENERATION
     source, export = safetensors_of(imported.folder / "hf"), safetensors_of(imported.folder / "hf2")
+    if imported.case.endswith("_mxfp4"):
+        source = imported.reference.state_dict()
     assert source.keys() == export.keys()
     for key in source:
         assert torch.equal(source[key], export[key]), key
@@ -99,6 +114,20 @@ def test_importing_the_export_is_bit_identical(imported):
     assert first.keys() == second.keys()
     for name in first:
         assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize("imported", ["qwen3_next"], indirect=True)
+def test_generation_with_the_decoding_caches_emits_what_full_forwards_emit(imported):
+    """Qwen3-Next decodes through Gated DeltaNet's recurrent and convolution states and the gated attention's
+    keys and values: a prefill, then one token at a time. Greedily, the tokens of one full forward per step, and
+    transformers' (its generate, with its own caches)."""
+    from moep_ds.evaluation.generate import generate
+
+    model, _, _, _ = load_model_dir(imported.folder / "run1")
+    prompt_BT = tokens()[:, :5]
+    cached = generate(model, prompt_BT, 8, use_cache=True)
+    assert torch.equal(cached, generate(model, prompt_BT, 8, use_cache=False))
+    assert torch.equal(cached, imported.reference.generate(prompt_BT, max_new_tokens=8, do_sample=False))
 
 
 @pytest.mark.parametrize("imported", ["deepseek_v3"], indirect=True)
@@ -184,11 +213,14 @@ def test_bad_sources_fail_in_one_line(damaged, tmp_path, capsys):
     edit_config(damaged, model_type="jamba")
     assert refused(damaged, tmp_path, capsys) == (
         f"error: SRC ({str(damaged)!r}): config.json has model_type 'jamba'; moep-import reads deepseek_v2, deepseek_v3, "
-        "gemma, gpt2, gpt_neox, llama, mixtral, olmoe, qwen2_moe, qwen3_moe")
+        "gemma, glm4_moe, gpt2, gpt_neox, gpt_oss, llama, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next")
     edit_config(damaged, model_type="olmoe", clip_qkv=8.0)  # OLMoE clamps q, k and v: a function we do not compute
     assert refused(damaged, tmp_path, capsys) == (
         "error: config.json: clip_qkv = 8.0 (olmoe) has no moep_ds counterpart (supported: None)")
-    edit_config(damaged, clip_qkv=None)
+    edit_config(damaged, clip_qkv=None, partial_rotary_factor=0.5)  # older configs keep it beside the rope keys
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: partial_rotary_factor = 0.5 (olmoe) has no moep_ds counterpart (supported: 1.0)")
+    edit_config(damaged, partial_rotary_factor=None)
     weights = damaged / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     assert refused(damaged, tmp_path, capsys).startswith(
@@ -206,6 +238,54 @@ def test_deepseek_v2_routing_we_do_not_compute_is_refused(damaged, tmp_path, cap
     assert refused(damaged, tmp_path, capsys) == (
         "error: config.json: topk_method = 'noaux_tc' (deepseek_v2) has no moep_ds counterpart (supported: greedy, "
         "group_limited_greedy)")
+
+
+@pytest.mark.parametrize("imported", ["qwen3_next"], indirect=True)
+def test_a_qwen3_next_layer_we_cannot_build_is_refused(damaged, tmp_path, capsys):
+    """A layer type other than Gated DeltaNet and full attention, or another activation (Qwen3-Next's convolution
+    uses hidden_act too): one line naming the field and the value."""
+    kinds = json.loads((damaged / "config.json").read_text())["layer_types"]
+    edit_config(damaged, layer_types=[kinds[0], "sliding_attention", *kinds[2:]])
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: layer_types[1] = 'sliding_attention' (qwen3_next) has no moep_ds counterpart "
+        "(supported: full_attention, linear_attention)")
+    edit_config(damaged, layer_types=kinds, hidden_act="gelu")
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: hidden_act = 'gelu' (qwen3_next) has no moep_ds counterpart (supported: 'silu')")
+
+
+@pytest.mark.parametrize("imported", ["qwen3_next"], indirect=True)
+def test_qwen3_next_multi_token_prediction_weights_are_skipped(damaged, imported, tmp_path):
+    """The released checkpoints hold a multi-token-prediction layer (mtp.*) that transformers does not load: the
+    import skips it and reads the model as without it."""
+    from safetensors.torch import save_file
+
+    tensors = safetensors_of(damaged)
+    save_file({**tensors, "mtp.fc.weight": torch.ones(4, 8), "mtp.layers.0.input_layernorm.weight": torch.ones(8)},
+              str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    assert import_main([str(damaged), "--out", str(tmp_path / "run")]) == 0
+    first, again = stored(imported.folder / "run1"), stored(tmp_path / "run")
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+
+
+@pytest.mark.parametrize("imported", ["glm4_moe"], indirect=True)
+def test_multi_token_prediction_layers_are_skipped_as_transformers_skips_them(damaged, imported, tmp_path, capsys):
+    """GLM-4.5's (as DeepSeek-V3's) num_nextn_predict_layers after the last layer: no weights of the model; the same
+    tensors under a config.json without them are refused, named."""
+    from safetensors.torch import save_file
+
+    tensors = safetensors_of(damaged)
+    mtp = {"model.layers.3.eh_proj.weight": torch.ones(4, 8),
+           "model.layers.3.mlp.experts.0.up_proj.weight": torch.ones(2)}
+    save_file({**tensors, **mtp}, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    edit_config(damaged, num_nextn_predict_layers=1)
+    assert import_main([str(damaged), "--out", str(tmp_path / "run")]) == 0
+    first, second = stored(imported.folder / "run1"), stored(tmp_path / "run")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    edit_config(damaged, num_nextn_predict_layers=0)
+    assert refused(damaged, tmp_path / "again", capsys) == (
+        f"error: SRC ({str(damaged)!r}) has 2 tensor(s) that Glm4MoeForCausalLM of this recipe has no place for: "
+        f"{sorted(mtp)}")
 
 
 @pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)
@@ -227,9 +307,10 @@ def import_on_rank(src: str, out: str, way: str) -> tuple[int, list[int]]:
     from moep_ds.cli.import_model import main as import_cli
     from moep_ds.interop.hf_weights import TensorFiles
 
-    read: list[str] = []
-    original = TensorFiles.read
+    read: list[str | tuple[str, int, int]] = []
+    original, rows = TensorFiles.read, TensorFiles.read_rows
     TensorFiles.read = lambda self, key: read.append(key) or original(self, key)
+    TensorFiles.read_rows = lambda self, key, a, b: read.append((key, a, b)) or rows(self, key, a, b)
     code = import_cli([src, "--out", out, *(["--expert_parallel"] if way == "expert_parallel" else [])])
     return code, experts_of(read)
 
@@ -248,7 +329,10 @@ def score_on_rank(run: str, way: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("imported,way", [("deepseek_v3", "expert_parallel"), ("deepseek_v3", "zero3"),
-                                          ("olmoe", "expert_parallel")], indirect=["imported"])
+                                          ("olmoe", "expert_parallel"), ("qwen3_next", "expert_parallel"),
+                                          ("qwen3_next", "zero3"), ("glm4_moe", "expert_parallel"),
+                                          ("glm4_moe", "zero3"), ("gpt_oss_mxfp4", "expert_parallel"),
+                                          ("gpt_oss", "zero3")], indirect=["imported"])
 def test_an_import_on_two_processes_is_the_one_process_import(imported, way, tmp_path):
     """`moep-import` on 2 ranks, no rank holding the whole model (each its experts and the rest whole, or its ZeRO-3
     partitions): the run directory a single process writes, tensor for tensor and recipe for recipe (so its export
@@ -328,3 +412,52 @@ def test_an_import_on_two_processes_onto_a_full_disk_fails_in_one_line(imported,
     assert [line for line in proc.stderr.splitlines() if "error" in line] == [
         f"error: disk full (No space left on device) writing {str(out)!r}, 3 MiB free there"], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("imported", ["gpt_oss_mxfp4"], indirect=True)
+def test_gpt_oss_sources_we_cannot_read_are_refused(damaged, tmp_path, capsys):
+    """An attention kind we do not build, a quantization other than MXFP4, MXFP4 blocks of another shape than
+    config.json gives them: one line naming the field or the tensor, nothing written."""
+    from safetensors.torch import load_file, save_file
+
+    edit_config(damaged, layer_types=["sliding_attention", "chunked_attention"])
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: layer_types[1] = 'chunked_attention' (gpt_oss) has no moep_ds counterpart (supported: "
+        "full_attention, sliding_attention)")
+    edit_config(damaged, layer_types=["sliding_attention", "full_attention"],
+                quantization_config={"quant_method": "bitsandbytes"})
+    assert refused(damaged, tmp_path, capsys) == (
+        "error: config.json: quantization_config.quant_method = 'bitsandbytes' (gpt_oss) has no moep_ds counterpart "
+        "(supported: mxfp4)")
+    edit_config(damaged, quantization_config={"quant_method": "mxfp4"})
+    state = load_file(damaged / "model.safetensors")
+    key = "model.layers.1.mlp.experts.gate_up_proj_blocks"
+    state[key] = state[key].reshape(8, 64, 2, 8)  # the same bytes, blocks of 8 for a hidden size of 32
+    save_file(state, damaged / "model.safetensors")
+    assert refused(damaged, tmp_path, capsys) == (
+        f"error: {key} has shape [8, 64, 2, 8]; config.json's num_local_experts 8, hidden_size 32, intermediate_size "
+        "32 make it [8, 64, 1, 16]")
+
+
+def test_gpt_oss_export_names_what_gpt_oss_cannot_express():
+    """gpt_oss has one sliding window, clamped-SwiGLU experts and a renormalised router: a model otherwise is
+    Inexpressible, or differs from its config.json's round trip, naming the setting (configs/gpt_oss_tiny.yaml)."""
+    from moep_ds.config import load_config
+    from moep_ds.interop.adapter import Inexpressible
+    from moep_ds.interop.families import families
+
+    from repo_paths import CONFIGS
+
+    def model(*sets: str):
+        return load_config(CONFIGS / "gpt_oss_tiny.yaml", list(sets)).model
+
+    gpt_oss = families()["gpt_oss"]
+    assert gpt_oss.differences(model()) == []
+    with pytest.raises(Inexpressible, match=r"^model\.layers\[\*\]\.attention\.window: \[4, 16\] in the model; "
+                                            r"gpt_oss has one sliding_window$"):
+        gpt_oss.to_hf(model("model.layers[1].attention.window=4"))
+    with pytest.raises(Inexpressible, match=r"^model\.layers\[\*\]\.moe\.expert\.type: 'swiglu' in the model; "):
+        gpt_oss.to_hf(model("model.layers[0].moe.expert.type=swiglu", "model.layers[0].moe.expert.limit=null",
+                            "model.layers[1].moe.expert.type=swiglu", "model.layers[1].moe.expert.limit=null"))
+    assert gpt_oss.differences(model("model.layers[1].moe.router.renormalize=false")) == [
+        "model.layers[1].moe.router.renormalize: True in GptOssForCausalLM, False in the model"]

@@ -52,3 +52,21 @@ def test_a_weight_computed_from_its_tensor_is_read_whole_once(stored):
     fill_pieces({"w.weight": FlatShard(local, 0, COLS * COLS, (COLS, COLS))}, {"w.weight": weight})
     assert torch.equal(local, table[:COLS].t().reshape(-1))
     assert (whole, reads) == (["proj"], [])
+
+
+def test_a_rule_that_joins_writes_one_tensor_from_several_of_ours():
+    """gpt-oss's gate_up_proj from our gate and up: written once, by the rule that joins the up; the up's rule
+    writes nothing."""
+    from moep_ds.checkpointing.streaming import TensorEntry
+    from moep_ds.interop.hf_weights import native_entries
+    from moep_ds.interop.rules import Rule
+
+    gate, up = torch.randn(2, 3), torch.randn(2, 3)
+    entries = {name: TensorEntry(name, torch.float32, (2, 3), lambda t=t: t) for name, t in (("g", gate), ("u", up))}
+    rules = [Rule("g", ("gu",), lambda ts: ts[0][:, 0::2], lambda g, u: [torch.stack([g, u], -1).flatten(-2)],
+                  joins=("u",)),
+             Rule("u", ("gu",), lambda ts: ts[0][:, 1::2], lambda u: [])]
+    [written] = native_entries(entries, rules)
+    assert (written.name, written.shape) == ("gu", (2, 6))
+    fused = written.read()
+    assert torch.equal(fused[:, 0::2], gate) and torch.equal(fused[:, 1::2], up)

@@ -29,17 +29,28 @@ def small_enough(recipe: str):
     cfg = load_config(CONFIGS / f"{recipe}.yaml")
     if meta_param_report(cfg.model).params_total <= 60_000_000:
         return cfg.model
-    shrink = ["model.vocab_size=512"] + [f"model.layers[{i}].repeat=1" for i in range(len(cfg.model.layers))]
-    for i, layer in enumerate(cfg.model.layers):  # narrow FFNs and experts (the full-size MoE recipes)
-        if layer.type == "dense":
-            shrink.append(f"model.layers[{i}].ffn.hidden_size=16")
-        if layer.type == "ffn_moe":
-            shrink.append(f"model.layers[{i}].moe.expert.hidden_size=16")
-            if layer.moe.shared_expert is not None:
-                shrink.append(f"model.layers[{i}].moe.shared_expert.hidden_size=16")
-        if layer.type == "paths":  # MoEP paths of 2 layers, narrow FFNs (the 1B paths recipe: 810M parameters else)
-            shrink += [f"model.layers[{i}].path_depth=2", f"model.layers[{i}].path_ffn.hidden_size=16"]
+    shrink = ["model.vocab_size=512", *shrunk_layers(cfg.model.layers, "model.layers")]
     return load_config(CONFIGS / f"{recipe}.yaml", shrink).model
+
+
+def shrunk_layers(layers: list, path: str) -> list[str]:
+    """Overrides: every entry (and the entries of a group) once, narrow FFNs and experts (the full-size MoE
+    recipes), MoEP paths of 2 layers with narrow FFNs (the 1B paths recipe: 810M parameters else)."""
+    out = []
+    for i, layer in enumerate(layers):
+        at = f"{path}[{i}]"
+        out.append(f"{at}.repeat=1")
+        if layer.type == "group":
+            out += shrunk_layers(layer.layers, f"{at}.layers")
+        if layer.type == "dense":
+            out.append(f"{at}.ffn.hidden_size=16")
+        if layer.type == "ffn_moe":
+            out.append(f"{at}.moe.expert.hidden_size=16")
+            if layer.moe.shared_expert is not None:
+                out.append(f"{at}.moe.shared_expert.hidden_size=16")
+        if layer.type == "paths":
+            out += [f"{at}.path_depth=2", f"{at}.path_ffn.hidden_size=16"]
+    return out
 
 
 def test_exact_parameter_counts_on_meta_device():

@@ -1,7 +1,7 @@
 """Each dense flavour against the architecture it names, as transformers implements it: an independent reference
 (GPT2LMHeadModel, LlamaForCausalLM, GemmaForCausalLM, GPTNeoXForCausalLM), not our HF export, which wraps our own
 code. Our weights, copied over by the name/layout map that moep-import and the native export use
-(moep_ds/interop/hf_layout.py), must give the same logits.
+(moep_ds/interop/families/), must give the same logits.
 
 # B batch, T tokens, D model dim, H query heads, G key/value heads, Dh head dim, F FFN hidden dim, V vocabulary
 
@@ -61,15 +61,15 @@ def build_reference(class_name: str, config: Any, ours: CausalLM, architecture: 
 
 def hf_state_dict(ours: CausalLM, architecture: str, reference_keys: set[str]) -> dict[str, torch.Tensor]:
     """Our weights under the architecture's names and layouts, by the one map that import and export use
-    (moep_ds/interop/hf_layout.py). The head goes under whichever of its spellings the reference class has."""
-    from moep_ds.interop.hf_layout import ARCHITECTURES, spec_of
+    (moep_ds/interop/families/). The head goes under whichever of its spellings the reference class has."""
+    from moep_ds.interop.families import families
 
-    arch = ARCHITECTURES[architecture]
+    family = families()[architecture]
     state = dict(ours.named_parameters())
-    sd = {key: t for rule in arch.rules(spec_of(ours.cfg))
+    sd = {key: t for rule in family.rules(ours.cfg, family.hf_config(ours.cfg))
           for key, t in zip(rule.theirs, rule.to_theirs(state[rule.ours].detach()))}
-    head = next(k for k in arch.head_keys if k in reference_keys)
-    sd.update({head: sd.pop(k) for k in arch.head_keys if k in sd})
+    head = next(k for k in family.head_keys if k in reference_keys)
+    sd.update({head: sd.pop(k) for k in family.head_keys if k in sd})
     if ours.cfg.tie_embeddings:  # the map stores a tied head once; the reference's state dict names it twice
         sd[head] = ours.head.weight.detach()
     return sd

@@ -12,7 +12,7 @@ import yaml
 
 from moep_ds.cli.pretrain import dry_run
 from moep_ds.config import config_from_dict, load_config
-from moep_ds.interop.moe_layout import MOE_ARCHITECTURES
+from moep_ds.interop.families import family_of
 from moep_ds.planning.comm import Collective, CommPlan
 from moep_ds.planning.hardware import assumptions, hardware
 from moep_ds.planning.layout import Cluster
@@ -171,7 +171,7 @@ DSV3_CONFIG_JSON = {  # deepseek-ai/DeepSeek-V3 config.json, the keys the recipe
 def test_deepseek_v3_recipe_is_its_config_json_at_671b_and_37b_active(capsys):
     cfg = load_config(DSV3)
     raw = yaml.safe_load(DSV3.read_text())
-    imported = config_from_dict({**raw, "model": MOE_ARCHITECTURES["deepseek_v3"].recipe(DSV3_CONFIG_JSON)})
+    imported = config_from_dict({**raw, "model": family_of(DSV3_CONFIG_JSON, "DeepSeek-V3").recipe(DSV3_CONFIG_JSON)})
     assert cfg.model == imported.model
     assert dry_run(cfg) == 0
     counts = json.loads(capsys.readouterr().out)

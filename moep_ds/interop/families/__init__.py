@@ -1,6 +1,17 @@
-"""The registry of Hugging Face families: one module per family (its `ADAPTER`, interop/adapter.py), found by
-config.json's model_type. Adding a family is one module here and one line in FAMILY_MODULES; the order is the
-native export's preference where two families would express a model."""
+"""The registry of Hugging Face families: one module per family, named as config.json's model_type, holding one
+`Family` instance `ADAPTER` (interop/adapter.py) with everything the family knows: config.json -> recipe, model ->
+config.json (or Inexpressible naming the setting), its weight rules both ways, the tensors it skips, the settings it
+refuses. Adding a family is one module here and one line in FAMILY_MODULES; the order is the native export's
+preference where two families would express a model. No code outside this folder names a family
+(tests/interop/test_family_registry.py).
+
+    gpt2.py, llama.py, gpt_neox.py      DenseFamily (hf_layout.py): an Expected table, config keys, tensor rules
+    gemma.py                            Llama's class with Gemma's choices
+    mixtral.py, qwen2_moe.py, olmoe.py, deepseek_v3.py
+                                        MoEFamily (moe_layout.py): attention, router, shared expert, MoE layers
+    qwen3_moe.py, deepseek_v2.py        built on qwen2_moe.py and deepseek_v3.py
+    qwen3_next.py                       Family itself (an attention kind per layer, layer_types), moe_layout's helpers
+"""
 from __future__ import annotations
 
 import functools
@@ -11,6 +22,8 @@ from moep_ds.errors import UserError
 from moep_ds.interop.adapter import Family
 
 FAMILY_MODULES = (
+    "gpt2", "llama", "gemma", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2",
+    "qwen3_next", "glm4_moe", "gpt_oss",
 )
 
 
