@@ -183,7 +183,9 @@ def release_run_dir(run_dir: pathlib.Path) -> None:
     found = _found.pop(run_dir, None)
     try:
         if is_locked_file(fd, run_dir / LOCK_FILE) and found is None:
-            (run_dir / LOCK_FILE).unlink()  # while still locked: a run that opened it meanwhile tries again
+            # while still locked: a run that opened it meanwhile tries again. Another rank of this failed start may
+            # have removed the new folder already (training/trainer.py, fsutil.remove_new_dir)
+            (run_dir / LOCK_FILE).unlink(missing_ok=True)
         elif is_locked_file(fd, run_dir / LOCK_FILE):
             os.ftruncate(fd, 0)
             os.pwrite(fd, found, 0)

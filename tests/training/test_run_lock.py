@@ -55,6 +55,26 @@ def slurm(monkeypatch):
     return monkeypatch
 
 
+def test_a_failed_start_releases_its_lock_when_another_rank_removed_the_folder_first(tmp_path, slurm):
+    """A start that fails on every rank: rank 0 lets its new lock file go while another rank removes the new folder
+    (trainer.build_trainer, fsutil.remove_new_dir); seen in CI as FileNotFoundError from release_run_dir."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert lock_run_dir(run_dir) is None
+    real = run_lock.is_locked_file
+
+    def removed_meanwhile(fd, path):
+        held = real(fd, path)
+        (run_dir / LOCK_FILE).unlink()  # the other rank's rmtree, between the check and the unlink
+        return held
+
+    slurm.setattr(run_lock, "is_locked_file", removed_meanwhile)
+    release_run_dir(run_dir)
+    slurm.setattr(run_lock, "is_locked_file", real)
+    assert lock_run_dir(run_dir) is None  # the folder is free again
+    release_run_dir(run_dir)
+
+
 def test_a_folder_a_live_run_holds_is_refused_naming_it_and_a_dead_runs_lock_is_taken(tmp_path, slurm):
     fake_run(tmp_path, steps=(2,))
     holder = hold(tmp_path)
