@@ -26,13 +26,19 @@ def shared_data():
     return SHARED_DATA
 
 
+# tests/<folder> run on the second worker under `-n 2 --dist loadgroup`: the cluster tests mostly wait on SLURM's
+# timers (a requeue, a time limit checked every 30 s), the launcher and bench tests on their own processes' start-up
+SIDE = ("cluster", "launchers", "bench")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's `-n 2 --dist loadgroup` (the README's test command): the cluster tests, which mostly
-    wait on SLURM's timers (a requeue, a time limit checked every 30 s), run on one worker while the rest of the
-    suite runs in order on the other; one process per group, so session fixtures are built once."""
+    """Under pytest-xdist's `-n 2 --dist loadgroup` (the README's test command): the SIDE folders' tests run in order
+    on one worker while the rest of the suite runs in order on the other; one process per group, so session fixtures
+    are built once."""
     if config.getoption("dist", "no") != "loadgroup":
         return
     for item in items:
-        group = "cluster" if "cluster" in item.path.relative_to(config.rootpath).parts[:2] else "suite"
+        parts = item.path.relative_to(config.rootpath).parts
+        group = "side" if len(parts) > 2 and parts[0] == "tests" and parts[1] in SIDE else "suite"
         item.add_marker(pytest.mark.xdist_group(group))
 
