@@ -27,8 +27,9 @@ class OptimizerConfig:
     )
     eps: PositiveFloat = 1e-8
     weight_decay: NonNegativeFloat = 0.1
-    # parameters exempt from weight decay: "1d" = every 1-D parameter (biases, norm scales), "embedding" = the
-    # embedding tables (and a head tied to them); GPT-NeoX / Pythia decays embeddings: [1d]
+    # parameters exempt from weight decay: "1d" = every 1-D parameter of a layer or of an expert (biases, norm scales;
+    # a stacked expert parameter's rows are its experts: the experts' biases [E, F]), "embedding" = the embedding
+    # tables (and a head tied to them); GPT-NeoX / Pythia decays embeddings: [1d]
     no_decay: list[Literal["1d", "embedding"]] = dataclasses.field(default_factory=lambda: ["1d", "embedding"])
 
     def validate(self, path: str) -> None:

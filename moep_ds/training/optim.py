@@ -9,13 +9,16 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from moep_ds.moe.shard import full_shape
+from moep_ds.moe.shard import EXPERT_ROWS, full_shape
 from moep_ds.train_config import OptimizerConfig, ScheduleConfig
 
 
 def no_decay(param: nn.Parameter, embedding_ids: set[int], exempt: list[str]) -> bool:
-    """Whether `param` is exempt from weight decay: 1-D (biases, norm scales) and/or an embedding table."""
-    return ("1d" in exempt and len(full_shape(param)) < 2) or ("embedding" in exempt and id(param) in embedding_ids)
+    """Whether `param` is exempt from weight decay: 1-D per layer or per expert (biases, norm scales; a stacked
+    expert parameter's first dim is its experts: the experts' biases [E, F] are E 1-D biases, as Megatron-Core's
+    grouped experts exempt theirs) and/or an embedding table."""
+    dims = len(full_shape(param)) - (1 if hasattr(param, EXPERT_ROWS) else 0)
+    return ("1d" in exempt and dims < 2) or ("embedding" in exempt and id(param) in embedding_ids)
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:

@@ -175,6 +175,23 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
     assert keep["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
 
 
+def test_the_experts_biases_are_exempt_from_weight_decay_as_per_expert_1d_parameters():
+    """gpt-oss's experts have biases ([E, F], [E, D]: one 1-D bias per expert); their weights ([E, D, F]) decay."""
+    experts = {"type": "clamped_swiglu", "limit": 7.0, "bias": True}
+    moe = [{"type": "ffn_moe", "attention": {"num_heads": 2, "sinks": True},
+            "moe": {"num_experts": 4, "expert": experts, "router": {"type": "topk", "k": 2, "bias": True}}}]
+    model = build_model(tiny_cfg(moe).model)
+    decay, keep = param_groups(model, tiny_cfg(moe).train.optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in keep["params"]}
+    experts_of = "blocks.0.moe.experts."
+    assert {experts_of + n for n in ("w1_EDF", "w3_EDF", "w2_EFD")} <= decayed
+    assert {experts_of + n for n in ("b1_EF", "b3_EF", "b2_ED")} | {"blocks.0.moe.router.bias",
+                                                                     "blocks.0.attention.attn.sinks"} <= kept
+    assert "blocks.0.moe.router.weight" in decayed
+
+
 def test_expert_parallel_layout_errors():
     msit = [{"type": "msit", "attention": {"num_heads": 2}, "experts": {"d_thin": 8, "num_heads": 2, "windows": [4, 2]}}]
     cfg = tiny_cfg(msit, expert_parallel_size=2)
