@@ -27,8 +27,10 @@ def shared_data():
 
 
 # tests/<folder> run on the second worker under `-n 2 --dist loadgroup`: the cluster tests mostly wait on SLURM's
-# timers (a requeue, a time limit checked every 30 s), the launcher and bench tests on their own processes' start-up
+# timers (a requeue, a time limit checked every 30 s), the launcher and bench tests on their own processes' start-up;
+# and SIDE_MODULES, long multi-process runs that even out the two workers' times
 SIDE = ("cluster", "launchers", "bench")
+SIDE_MODULES = ("tests/training/test_expert_comm.py",)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,6 +41,7 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in items:
         parts = item.path.relative_to(config.rootpath).parts
-        group = "side" if len(parts) > 2 and parts[0] == "tests" and parts[1] in SIDE else "suite"
+        side = (len(parts) > 2 and parts[0] == "tests" and parts[1] in SIDE) or "/".join(parts) in SIDE_MODULES
+        group = "side" if side else "suite"
         item.add_marker(pytest.mark.xdist_group(group))
 
