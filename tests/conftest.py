@@ -33,11 +33,13 @@ SIDE = ("cluster", "launchers", "bench")
 SIDE_MODULES = ("tests/training/test_expert_comm.py",)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's `-n 2 --dist loadgroup` (the README's test command): the SIDE folders' tests run in order
     on one worker while the rest of the suite runs in order on the other; one process per group, so session fixtures
     are built once."""
-    if config.getoption("dist", "no") != "loadgroup":
+    # a worker learns the mode as the option xdist gives it ("loadgroup"), the controller from --dist
+    if not (getattr(config.option, "loadgroup", False) or config.getoption("dist", "no") == "loadgroup"):
         return
     for item in items:
         parts = item.path.relative_to(config.rootpath).parts
