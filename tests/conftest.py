@@ -24,3 +24,13 @@ def shared_data():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA} (set MOEP_DATA_DIR to run this case)")
     return SHARED_DATA
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks into the node ids
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's `-n 2 --dist loadgroup` (the README's test command) tests go to whichever worker is free,
+    but the cluster tests, which share one SLURM cluster (a session fixture), all go to the same worker."""
+    for item in items:
+        parts = item.path.relative_to(config.rootpath).parts
+        if parts[:2] == ("tests", "cluster"):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
