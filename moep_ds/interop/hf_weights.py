@@ -46,14 +46,18 @@ def is_hf_folder(folder: Path) -> bool:
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    f = folder / "config.json"
+    return json_object(folder / "config.json")
+
+
+def json_object(file: Path) -> dict[str, Any]:
+    """A JSON file holding an object (config.json, generation_config.json); anything else is one line naming it."""
     try:
-        hf = json.loads(f.read_text(encoding="utf-8"))
+        out = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise UserError(f"{str(f)!r} is not readable JSON: {json_error_reason(err)}") from None
-    if not isinstance(hf, dict):
-        raise UserError(f"{str(f)!r} holds a {type(hf).__name__}, not a JSON object")
-    return hf
+        raise UserError(f"{str(file)!r} is not readable JSON: {json_error_reason(err)}") from None
+    if not isinstance(out, dict):
+        raise UserError(f"{str(file)!r} holds a {type(out).__name__}, not a JSON object")
+    return out
 
 
 class TensorFiles:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import warnings
 from pathlib import Path
@@ -93,7 +92,7 @@ def source_tokens(folder: Path) -> dict[str, Any]:
     generating where the source stops (issue 45: an import whose source ended at id 92 exported eos <|endoftext|>)."""
     from moep_ds.checkpointing.model_dir import (GENERATION_CONFIG, SPECIAL_TOKEN_KEYS, SPECIAL_TOKENS, read_meta,
                                                  resolve_model_dir)
-    from moep_ds.interop.hf_weights import is_hf_folder, read_config
+    from moep_ds.interop.hf_weights import is_hf_folder, json_object, read_config
 
     if not is_hf_folder(folder):
         meta = read_meta(resolve_model_dir(folder))
@@ -115,18 +114,6 @@ def token_ids(value: Any, file: Path, key: str) -> int | list[int] | None:
     if value is None or is_id(value) or (isinstance(value, list) and value and all(map(is_id, value))):
         return value
     raise UserError(f"{str(file)!r}: {key} = {value!r} is no token id (an id, a list of ids, or null)")
-
-
-def json_object(file: Path) -> dict[str, Any]:
-    from moep_ds.errors import json_error_reason
-
-    try:
-        out = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise UserError(f"{str(file)!r} is not readable JSON: {json_error_reason(err)}") from None
-    if not isinstance(out, dict):
-        raise UserError(f"{str(file)!r} holds a {type(out).__name__}, not a JSON object")
-    return out
 
 
 def import_split(src: str, cfg: Any, out: str | Path, expert_parallel: bool = False) -> Path | None:
