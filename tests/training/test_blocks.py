@@ -22,13 +22,15 @@ def tiny(layers: str, seed: int = 0):
     return build_model(config_from_dict(recipe(layers, pathlib.Path("unused"))).model)
 
 
-def train(model: nn.Module, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """`steps` AdamW steps on fixed random batches; losses and every gradient of the last step."""
+def train(model: nn.Module, steps: int, one_batch: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`steps` AdamW steps on fixed random batches (`one_batch`: the first each time, so the loss must fall); losses
+    and every gradient of the last step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     losses = []
-    for _ in range(steps):
-        ids = torch.randint(0, 512, (4, 33), generator=g)
+    for step in range(steps):
+        if step == 0 or not one_batch:
+            ids = torch.randint(0, 512, (4, 33), generator=g)
         optimizer.zero_grad()
         loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
         loss.backward()

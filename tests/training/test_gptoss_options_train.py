@@ -12,6 +12,7 @@ from moep_ds import build_model
 from moep_ds.config import config_from_dict
 from moep_ds.models.accounting import meta_param_report
 from moep_ds.training.blocks import apply_block_options
+from test_blocks import train
 from tiny import recipe
 
 L, H, E, F, D = 2, 4, 4, 16, 32
@@ -36,26 +37,11 @@ def tiny_gpt_oss(seed: int = 0):
     return build_model(config_from_dict(gpt_oss_recipe()).model)
 
 
-def train(model: torch.nn.Module, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """`steps` AdamW steps on one fixed batch (so the loss must fall); losses and the last step's gradients."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
-        loss.backward()
-        losses.append(loss.item())
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        optimizer.step()
-    return losses, grads
-
-
 def test_gpt_oss_options_train_with_activation_checkpointing():
     plain, ckpt = tiny_gpt_oss(), tiny_gpt_oss()
     apply_block_options(ckpt, activation_checkpointing=True, compile=False)
-    losses_plain, grads_plain = train(plain, 4)
-    losses_ckpt, grads_ckpt = train(ckpt, 4)
+    losses_plain, grads_plain = train(plain, 4, one_batch=True)
+    losses_ckpt, grads_ckpt = train(ckpt, 4, one_batch=True)
     assert losses_ckpt == losses_plain and losses_plain[-1] < losses_plain[0]
     for name, grad in grads_plain.items():
         torch.testing.assert_close(grads_ckpt[name], grad, rtol=0, atol=0, msg=name)
