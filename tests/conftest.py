@@ -28,9 +28,14 @@ def shared_data():
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks into the node ids
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's `-n 2 --dist loadgroup` (the README's test command) tests go to whichever worker is free,
-    but the cluster tests, which share one SLURM cluster (a session fixture), all go to the same worker."""
+    """Under pytest-xdist's `-n 2 --dist loadgroup` (the README's test command) a test goes to whichever worker is
+    free, except that the tests sharing a module- or session-scoped fixture of ours (a trained run, the SLURM cluster)
+    go together to one worker, as one group: spread over both, each worker would build the fixture again. xdist
+    hands out the groups first, largest first; the single tests follow in this order: slow (multi-process and
+    end-to-end) ones first, so the last to start are short and the two workers finish together."""
     for item in items:
-        parts = item.path.relative_to(config.rootpath).parts
-        if parts[:2] == ("tests", "cluster"):
-            item.add_marker(pytest.mark.xdist_group("cluster"))
+        shared = [d.baseid for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs
+                  if d.scope != "function" and d.baseid.startswith("tests")]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(min(shared, key=len)))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
