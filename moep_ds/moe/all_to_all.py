@@ -54,7 +54,7 @@ from moep_ds.moe import fp8, overlap
 from moep_ds.moe.dispatch import Dispatcher, ExpertBatch, RunExperts, WeightedCombine, combine_tokens, gather_tokens
 from moep_ds.moe.overlap import Ints, Rows, chunk_bounds, chunk_index
 from moep_ds.moe.plan import ExpertParallelPlan
-from moep_ds.routing.plan import RoutingPlan, expert_counts
+from moep_ds.routing.plan import RoutingPlan, counts_on, expert_counts
 from moep_ds.schema import PositiveInt
 
 
@@ -186,7 +186,8 @@ class _Leg:
 
 
 def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([0, *sizes[:-1]], dtype=torch.int64, device=device).cumsum(0)
+    """[G] where each of `sizes` starts (a copy to the device that does not wait for it)."""
+    return counts_on([0, *sizes[:-1]], device).cumsum(0)
 
 
 def _hop(x_QD: torch.Tensor, row_A: torch.Tensor, dest_A: torch.Tensor, weight_A: torch.Tensor, code_A: torch.Tensor,
@@ -211,17 +212,30 @@ def _hop(x_QD: torch.Tensor, row_A: torch.Tensor, dest_A: torch.Tensor, weight_A
     weight_U = _AllToAll.apply(weight_A, group, recv_assign, send_assign)
     packed_U = all_to_all(slot_A * radix + code_A, group, recv_assign, send_assign)
     meta = None if meta_Q2 is None else all_to_all(meta_Q2.index_select(0, token_P), group, recv_pairs, send_pairs)
-    source_U = torch.arange(size, device=device).repeat_interleave(
-        torch.tensor(recv_assign, device=device), output_size=sum(recv_assign))
-    row_U = packed_U // radix + _offsets(recv_pairs, device)[source_U]  # a slot counts within its source's rows
-    return _Leg(x_PD, row_U, weight_U, packed_U % radix, source_U, meta, [r[:-2] for r in recv_host],
+    row_U, code_U, source_U = _arrived(packed_U, radix, recv_assign, recv_pairs)
+    return _Leg(x_PD, row_U, weight_U, code_U, source_U, meta, [r[:-2] for r in recv_host],
                 _Hop(group, token_P, x_QD.shape[0], send_pairs, recv_pairs))
+
+
+def _arrived(packed_U: torch.Tensor, radix: int, recv_assign: list[int],
+             recv_pairs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per assignment a hop delivered (grouped by source): its row among all received rows, its code and its source
+    (index in the hop's group), from the int each carried and the counts per source."""
+    device = packed_U.device
+    source_U = torch.arange(len(recv_assign), device=device).repeat_interleave(
+        counts_on(recv_assign, device), output_size=sum(recv_assign))
+    row_U = packed_U // radix + _offsets(recv_pairs, device)[source_U]  # a slot counts within its source's rows
+    return row_U, packed_U % radix, source_U
 
 
 def _hop_back(z_PD: torch.Tensor, hop: _Hop, acc: torch.dtype, wire: torch.dtype) -> torch.Tensor:
     """The reverse of a hop: each pair's row returns (in `wire` dtype) and its sender adds it to the row it came
     from (in `acc`)."""
-    z_back = _AllToAll.apply(z_PD.to(wire), hop.group, hop.send_splits, hop.recv_splits)
+    return _summed(_AllToAll.apply(z_PD.to(wire), hop.group, hop.send_splits, hop.recv_splits), hop, acc)
+
+
+def _summed(z_back: torch.Tensor, hop: _Hop, acc: torch.dtype) -> torch.Tensor:
+    """The rows a hop's receivers returned, each added (in `acc`) to the row of its sender it came from."""
     out = z_back.new_zeros(hop.num_rows, z_back.shape[-1], dtype=acc)
     return out.index_add(0, hop.token_P, z_back.to(acc))
 
@@ -294,6 +308,21 @@ class _PairRoute:
     send_splits: list[int]
     recv_splits: list[int]
     plan: RoutingPlan  # the chunk's
+
+
+def _chunk_plans(plan: RoutingPlan, bounds: list[int], chunk_S: torch.Tensor, counts_CE: torch.Tensor,
+                 counts: list[tuple[int, ...]]) -> list[RoutingPlan]:
+    """The plan of each chunk of tokens [bounds[c], bounds[c+1]): its assignments in the plan's order, tokens counted
+    from its first; `counts` its E expert counts on the host (from the count exchange)."""
+    order_S = torch.argsort(chunk_S, stable=True)  # by chunk, then in the plan's order (grouped by expert)
+    token_S, weight_S = plan.token_idx_S.index_select(0, order_S), plan.weight_S.index_select(0, order_S)
+    plans, first = [], 0
+    for c, counts_E in enumerate(counts):
+        rows = slice(first, first + sum(counts_E))
+        plans.append(RoutingPlan(token_S[rows] - bounds[c], weight_S[rows], counts_CE[c], bounds[c + 1] - bounds[c],
+                                 static_counts=counts_E))
+        first = rows.stop
+    return plans
 
 
 def _splits(counts_RX: list[list[int]], L: int) -> tuple[list[int], list[int], list[list[int]]]:
@@ -394,27 +423,20 @@ class AllToAllDispatcher(Dispatcher):
         send_host, recv_host = torch.stack([send_RCX, recv_RCX]).tolist()  # one copy for every split
         if C == 1:
             return [_Chunk(0, plan, [row[0] for row in send_host], [row[0] for row in recv_host], recv_RCX[:, 0])]
-        order_S = torch.argsort(chunk_S, stable=True)  # by chunk, then in the plan's order (grouped by expert)
-        token_S, weight_S = plan.token_idx_S.index_select(0, order_S), plan.weight_S.index_select(0, order_S)
-        chunks, first = [], 0
-        for c in range(C):
-            counts = tuple(n for r in range(R) for n in send_host[r][c][:L])
-            rows = slice(first, first + sum(counts))
-            sub = RoutingPlan(token_S[rows] - bounds[c], weight_S[rows], counts_CE[c], bounds[c + 1] - bounds[c],
-                              static_counts=counts)
-            chunks.append(_Chunk(bounds[c], sub, [row[c] for row in send_host], [row[c] for row in recv_host],
-                                 recv_RCX[:, c]))
-            first = rows.stop
-        return chunks
+        counts = [tuple(n for r in range(R) for n in send_host[r][c][:L]) for c in range(C)]
+        return [_Chunk(bounds[c], sub, [row[c] for row in send_host], [row[c] for row in recv_host], recv_RCX[:, c])
+                for c, sub in enumerate(_chunk_plans(plan, bounds, chunk_S, counts_CE, counts))]
 
-    def _rows(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Rows:
-        """Rows in flight to the experts (FP8 with `comm.fp8_dispatch`: packed there, unpacked on arrival)."""
+    def _rows(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any = None) -> Rows:
+        """Rows in flight to the experts over `group` (the expert-parallel group by default; FP8 with
+        `comm.fp8_dispatch`: packed there, unpacked on arrival)."""
+        group = self.group if group is None else group
         if not self.comm.fp8_dispatch:
-            return Rows(x, self.group, out_splits, in_splits, send=_send)
+            return Rows(x, group, out_splits, in_splits, send=_send)
         if x.shape[-1] % fp8.BLOCK:
             raise ValueError(f"fp8 dispatch: rows of {x.shape[-1]} values are not a multiple of {fp8.BLOCK}")
         width, dtype = x.shape[-1], x.dtype
-        return Rows(x, self.group, out_splits, in_splits, fp8.pack, lambda t: fp8.unpack(t, width, dtype), _send)
+        return Rows(x, group, out_splits, in_splits, fp8.pack, lambda t: fp8.unpack(t, width, dtype), _send)
 
     def _start_chunk(self, x_TD: torch.Tensor, chunk: _Chunk, meta_T2: torch.Tensor | None,
                      seq_ids_T: torch.Tensor | None, positions_T: torch.Tensor | None) -> _Pending:
@@ -487,22 +509,33 @@ class AllToAllDispatcher(Dispatcher):
         in their plan order (grouped by expert), so stable sorts by destination, then by (local expert, source rank)
         give the per-expert path's order without sending it."""
         n, L, R = self.nodes.ranks_per_node, self.num_local_experts, self.ep_size
+        counts_nL = torch.bincount(leg.code_A, minlength=n * L).view(n, L)  # code: the expert within this node
+        inner = _hop(leg.x_PD, *self._fan_out_order(leg), L * R, leg.meta_P2, counts_nL, self.nodes.intra, n,
+                     self._send_rows)
+        local_counts = tuple(sum(row[e] for row in inner.extra) for e in range(L))
+        return self._expert_batch(inner, leg.hop, local_counts, seq_ids_T, positions_T)
+
+    def _fan_out_order(self, leg: _Leg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row, destination in this node, weight, code) of each assignment `leg` delivered, stably grouped by
+        destination; code = local expert * R + source rank, which the expert's rank sorts by."""
+        n, L, R = self.nodes.ranks_per_node, self.num_local_experts, self.ep_size
         expert_A = leg.code_A  # the expert within this node
         source_A = leg.source_A * n + self.ep_rank % n  # the source's rank in the expert-parallel group
         dest_A = expert_A // L
         order = torch.argsort(dest_A, stable=True)
-        counts_nL = torch.bincount(expert_A, minlength=n * L).view(n, L)
         code = ((expert_A % L) * R + source_A).index_select(0, order)
-        inner = _hop(leg.x_PD, leg.row_A.index_select(0, order), dest_A.index_select(0, order),
-                     leg.weight_A.index_select(0, order), code, L * R, leg.meta_P2, counts_nL, self.nodes.intra, n,
-                     self._send_rows)
+        return (leg.row_A.index_select(0, order), dest_A.index_select(0, order), leg.weight_A.index_select(0, order),
+                code)
+
+    def _expert_batch(self, inner: _Leg, between: _Hop, local_counts: tuple[int, ...], seq_ids_T: torch.Tensor | None,
+                      positions_T: torch.Tensor | None) -> tuple[ExpertBatch, _NodeRoute]:
+        """On the expert's rank: what the leg inside the node delivered, ordered as the per-expert path orders it."""
         perm_S = torch.argsort(inner.code_A, stable=True)  # (local expert, source rank, plan order)
         row_S = inner.row_A.index_select(0, perm_S)
         seq_ids_S, positions_S = self._take_meta(inner.meta_P2, row_S, seq_ids_T, positions_T)
-        local_counts = tuple(sum(row[e] for row in inner.extra) for e in range(L))
-        counts_L = torch.tensor(local_counts, dtype=torch.int64, device=row_S.device)
+        counts_L = counts_on(local_counts, row_S.device)
         batch = ExpertBatch(inner.x_PD.index_select(0, row_S), counts_L, seq_ids_S, positions_S, local_counts)
-        return batch, _NodeRoute((leg.hop, inner.hop), row_S, inner.weight_A.index_select(0, perm_S),
+        return batch, _NodeRoute((between, inner.hop), row_S, inner.weight_A.index_select(0, perm_S),
                                  inner.x_PD.shape[0])
 
     def _meta_rows(self, plan: RoutingPlan, seq_ids_T: torch.Tensor | None,
