@@ -6,8 +6,9 @@ blocking per-expert path's (fp32, 1e-6; in chunks a weight's gradient sums its r
 and without groups, a shared expert and expert choice (with FP8 rows, those of the flat all-to-all in as many chunks:
 the peer passes them on re-rounded to the same e4m3 values); in chunks one blocking all-to-all (every chunk's counts
 between nodes), the blocking path's rows, and an all-to-all in flight whenever experts compute and while the shared
-expert does; in one chunk the bytes of each leg are those moep-plan predicts (planning/comm.py node_aware_collectives)
-where the routing fixes them, and never more between nodes than the flat all-to-all's."""
+expert does; the bytes of each leg, count exchanges included, are those moep-plan predicts (planning/comm.py
+node_aware_collectives) where the routing fixes them (in 3 chunks up to its rounding of the mean chunk), and in one
+chunk never more between nodes than the flat all-to-all's."""
 import json
 import os
 import pathlib
@@ -146,12 +147,12 @@ def _worker(out_dir: str) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def predicted(name: str, assignments: int) -> tuple[float, float, float]:
+def predicted(name: str, assignments: int, chunks: int = 1) -> tuple[float, float, float]:
     """moep-plan's (bytes sent between nodes, bytes between nodes, bytes sent inside the node) of one forward and
     backward of the layer on a rank."""
     layout = Layout(cluster=Cluster(WORLD, PER_NODE), expert_parallel=WORLD, zero_stage=2, precision="fp32",
                     micro_batch=B, grad_accum=1, activation_checkpointing=False, seq_len=T, zero={},
-                    expert_node_aware=True)
+                    expert_node_aware=True, expert_overlap_chunks=chunks)
     stage = RoutedStage("moe", LAYERS[name].num_experts, assignments, D, False, B * T, CHOICES[name])
     collectives = node_aware_collectives(stage, layout)
     return (sum(c.total for c in collectives if "between nodes" in c.what),
@@ -174,11 +175,14 @@ def test_node_aware_dispatch_equals_the_per_expert_path_and_moves_the_planned_by
                 check_schedule(result[name, mode], result[name, "nodes"], MODES[mode][1], f"{name} {mode} {rank}")
         for mode in NODE_MODES:
             # every token to every rank: the bytes the planner predicts on each leg, every collective and count
-            # exchange, on every rank
+            # exchange, on every rank (3 chunks: of 16 tokens, 5, 5 and 6; the planner's mean chunk rounded)
             every = result["expert_choice_every_token", mode]
-            if mode == "nodes":
-                planned = predicted("expert_choice_every_token", 4 * B * T)
-                assert (every["between_nodes"], every["crossing"], every["inside_the_node"]) == planned, (mode, rank)
+            planned = predicted("expert_choice_every_token", 4 * B * T, MODES[mode][1])
+            counted = (every["between_nodes"], every["crossing"], every["inside_the_node"])
+            if MODES[mode][1] < 3:
+                assert counted == planned, (mode, rank)
+            else:
+                assert counted == pytest.approx(planned, rel=1e-3), (mode, rank)  # measured: 5 bytes of 17,648
             # FP8: the flat all-to-all's results in as many chunks (its experts see the same rows)
             fp8_flat = result["top2_fp8", mode.replace("nodes", "flat")]
             for key in ("y", "x_grad"):
@@ -186,8 +190,9 @@ def test_node_aware_dispatch_equals_the_per_expert_path_and_moves_the_planned_by
                                            msg=f"fp8 {mode} rank {rank} {key}")
     # each token to one node: what the leg between nodes moves, all ranks together (a rank returns the rows its peers
     # sent it, which balanced routing makes its own number)
-    one_node = sum(r["top2_node_groups", "nodes"]["between_nodes"] for r in results)
-    assert one_node == WORLD * predicted("top2_node_groups", 2 * B * T)[0]
+    for mode in ("nodes", "nodes_2"):
+        one_node = sum(r["top2_node_groups", mode]["between_nodes"] for r in results)
+        assert one_node == WORLD * predicted("top2_node_groups", 2 * B * T, MODES[mode][1])[0], mode
     for name in LAYERS:  # between nodes, all ranks together: once per node < once per rank < once per expert
         crossing = {mode: sum(r[name, mode]["crossing"] for r in results) for mode in ("per_expert", "flat", "nodes")}
         assert crossing["nodes"] < crossing["per_expert"], (name, crossing)
