@@ -12,9 +12,22 @@ assignments, and so its (token, rank) pairs, stay within one chunk; the dispatch
     wait for every combine
 
 so chunk i+1's dispatch travels while chunk i's experts compute, and chunk i's combine while chunk i+1's do.
+Node-aware dispatch takes two hops each way, between nodes then inside the node, the second waiting for the first's
+rows (the peer regroups them, or sums the combine's); it runs
+
+    counts of every chunk between nodes: one blocking all-to-all; the counts inside the node issued behind it
+    hops between nodes of chunks 0 and 1 issued | shared expert computes
+    wait for the counts inside the node and hop 0 between nodes, issue chunk 0's hop inside the node
+    for chunk i: wait for hop i+1 between nodes, issue its hop inside the node; issue hop i+2 between nodes;
+                 wait for chunk i's hop inside the node, its experts compute, issue its combine inside the node;
+                 wait for chunk i-1's combine inside the node, issue it between nodes; wait for chunk i-2's there
+    wait for chunk C-1's combine inside the node, issue it between nodes; wait for the last two there
+
+so chunk i's experts compute while chunk i+1's hop inside the node, chunk i+2's between nodes and the combines of
+chunks i-1 (inside the node) and i-2 (between nodes) travel (moe/all_to_all.py, module docstring).
 In backward each differentiable all-to-all is issued where autograd reaches its wait (`_Wait.backward`) and waited
 for where it reaches the send (`_Issue.backward`): in between autograd runs whatever else is ready, i.e. the expert
-backward of the other chunk. A chunk's expert batch holds exactly the rows the blocking path gives its experts for
+backward of another chunk. A chunk's expert batch holds exactly the rows the blocking path gives its experts for
 those tokens, so every output row is the blocking path's and only sums over rows (weight gradients) change order.
 """
 from __future__ import annotations

@@ -30,7 +30,9 @@ input of all ranks' shards; all-gather: the output; all-to-all: what this rank s
              counts beside the E, and the S fp32 combine weights (again in backward) and S int64 rows. Node-aware
              (train.expert_comm.node_aware, where the group spans nodes): two legs, between nodes over the peers of
              one local rank with the expected (token, node) pairs, then inside the node with the (token, rank) pairs
-             (node_aware_collectives). FP8 dispatch (train.expert_comm.fp8_dispatch): the rows there in forward
+             (node_aware_collectives). In C chunks (train.expert_comm.overlap_chunks) each but the count exchanges
+             once per chunk with a chunk's share, the counts of every chunk in one exchange (of each leg) a forward
+             (`chunked`). FP8 dispatch (train.expert_comm.fp8_dispatch): the rows there in forward
              as e4m3 with an fp32 scale per 128 values, the combine and gradients as before (row_collectives)
   trainer    the step's one all-reduce (fp64: losses, each auxiliary loss, loss-free balancing counts, 3 flags),
              expert-choice thresholds (fp64), global load-balancing counts (fp64, E + 1 per top-k stage and forward)
@@ -56,8 +58,10 @@ from moep_ds.planning.trace import RoutedStage, StepTrace
 KINDS = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 # the legs of a routed stage's all-to-all in one micro-batch: the blocking count exchange of each forward, the rows
 # to the experts (with their weights, rows and positions) and back in each forward, and in backward the gradients of
-# the combine (to the experts) and of the dispatch (back, with the weights' gradients)
+# the combine (to the experts) and of the dispatch (back, with the weights' gradients); node-aware dispatch's hop
+# between nodes has these, its hop inside the node the same legs named with INSIDE
 LEGS = ("counts", "dispatch", "combine", "combine_grad", "dispatch_grad")
+INSIDE = "_inside"
 
 
 def forward_legs(forwards: int, *legs: str) -> tuple[str, ...]:
@@ -168,87 +172,92 @@ def all_to_all_collectives(trace: StepTrace, layout: Layout) -> list[Collective]
         return []
     out = []
     for stage in trace.routed:
-        if layout.expert_node_aware:
-            out += node_aware_collectives(stage, layout)
-            continue
-        ep, A = layout.expert_parallel, layout.grad_accum
-        forwards = 2 if layout.activation_checkpointing else 1  # the recomputation dispatches again
-        S, dedup = stage.assignments, layout.expert_dedup
-        rows = expected_pairs(stage.choice, stage.tokens, S, stage.num_experts, ep) if dedup else S
-        out.append(Collective(f"{stage.name}: expert counts" + (" and pairs per rank" if dedup else ""), "all_to_all",
-                              8 * (stage.num_experts + (ep if dedup else 0)), ep, A * forwards, False, "expert",
-                              stage.name, forward_legs(forwards, "counts")))
-        out += row_collectives(f"{stage.name}: tokens", rows, stage.width, layout, ep, "expert", stage.name)
-        if dedup:  # fp32 combine weights (their gradients come back) and each assignment's row (int64)
-            out.append(Collective(f"{stage.name}: combine weights", "all_to_all", 4 * S, ep, A * (forwards + 1),
-                                  False, "expert", stage.name, forward_legs(forwards, "dispatch") + ("dispatch_grad",)))
-            out.append(Collective(f"{stage.name}: rows of the assignments", "all_to_all", 8 * S, ep, A * forwards,
-                                  False, "expert", stage.name, forward_legs(forwards, "dispatch")))
-        if stage.with_positions:
-            out.append(Collective(f"{stage.name}: sequence ids and positions", "all_to_all",
-                                  round(16 * rows), ep, A * forwards, False, "expert", stage.name,
-                                  forward_legs(forwards, "dispatch")))
-    return chunked(out, layout.expert_overlap_chunks)
+        out += (node_aware_collectives if layout.expert_node_aware else flat_collectives)(stage, layout)
+    return out
+
+
+def flat_collectives(stage: RoutedStage, layout: Layout) -> list[Collective]:
+    """The flat all-to-all of one routed stage (moe/all_to_all.py), per expert or once per rank, in C chunks: the
+    counts of every chunk in one exchange (C times a chunk's ints), the rest `chunked`."""
+    ep, A, C = layout.expert_parallel, layout.grad_accum, layout.expert_overlap_chunks
+    forwards = 2 if layout.activation_checkpointing else 1  # the recomputation dispatches again
+    S, dedup = stage.assignments, layout.expert_dedup
+    rows = expected_pairs(stage.choice, stage.tokens, S, stage.num_experts, ep) if dedup else S
+    out = [Collective(f"{stage.name}: expert counts" + (" and pairs per rank" if dedup else ""), "all_to_all",
+                      8 * C * (stage.num_experts + (ep if dedup else 0)), ep, A * forwards, False, "expert",
+                      stage.name, forward_legs(forwards, "counts"))]
+    out += row_collectives(f"{stage.name}: tokens", rows, stage.width, layout, ep, "expert", stage.name)
+    if dedup:  # fp32 combine weights (their gradients come back) and each assignment's row (int64)
+        out.append(Collective(f"{stage.name}: combine weights", "all_to_all", 4 * S, ep, A * (forwards + 1),
+                              False, "expert", stage.name, forward_legs(forwards, "dispatch") + ("dispatch_grad",)))
+        out.append(Collective(f"{stage.name}: rows of the assignments", "all_to_all", 8 * S, ep, A * forwards,
+                              False, "expert", stage.name, forward_legs(forwards, "dispatch")))
+    if stage.with_positions:
+        out.append(Collective(f"{stage.name}: sequence ids and positions", "all_to_all",
+                              round(16 * rows), ep, A * forwards, False, "expert", stage.name,
+                              forward_legs(forwards, "dispatch")))
+    return chunked(out, C)
 
 
 def chunked(collectives: list[Collective], chunks: int) -> list[Collective]:
-    """The flat all-to-all (span "expert") in `chunks` chunks of tokens (train.expert_comm.overlap_chunks,
-    moe/overlap.py): every chunk's counts in one exchange (`chunks` times the ints, once per forward), each other
-    collective once per chunk with a chunk's share of its rows (the mean, rounded; the same bytes in all). Every rank
-    cuts as many chunks, empty ones included. Node-aware dispatch's legs run in one chunk and stay as they are."""
-    out = []
-    for c in collectives:
-        if c.span != "expert" or chunks == 1:
-            out.append(c)
-        elif ": expert counts" in c.what:
-            out.append(dataclasses.replace(c, bytes=c.bytes * chunks))
-        else:
-            out.append(dataclasses.replace(c, bytes=round(c.bytes / chunks), calls=c.calls * chunks))
-    return out
+    """A routed stage's all-to-alls in `chunks` chunks of tokens (train.expert_comm.overlap_chunks, moe/overlap.py):
+    each collective but the count exchanges (sized for every chunk already: one exchange a forward) once per chunk
+    with a chunk's share of its rows (the mean, rounded; the same bytes in all). Every rank cuts as many chunks, empty
+    ones included."""
+    counts = {"counts", "counts" + INSIDE}
+    return [c if chunks == 1 or set(c.legs) <= counts else
+            dataclasses.replace(c, bytes=round(c.bytes / chunks), calls=c.calls * chunks) for c in collectives]
 
 
 def node_aware_collectives(stage: RoutedStage, layout: Layout) -> list[Collective]:
     """Node-aware dispatch of one routed stage (moe/all_to_all.py `_hop`, module docstring): a leg between nodes over
     the peers of one local rank (its rows the expected (token, node) pairs), then a leg inside the node (the (token,
-    rank) pairs); each leg also moves per destination its extra counts (inside: the L experts'), assignments and
-    pairs, and per assignment its fp32 weight and one int64 (its row, with its expert and, inside, its source)."""
-    ep, A, n = layout.expert_parallel, layout.grad_accum, layout.cluster.gpus_per_node
+    rank) pairs); each leg moves per assignment its fp32 weight and one int64 (its row, with its expert and, inside,
+    its source). Counts, in one chunk: each leg's own exchange, per destination its extra counts (inside: the L
+    experts'), assignments and pairs. In C > 1 chunks (`_exchange_nodes`): every chunk's at once, between nodes
+    n (L + 1) + 1 ints per node and chunk (the L expert counts and pairs of each of its n ranks, and the node's pairs),
+    inside the node L + 1 per rank and chunk (what the peer passes on to it); the rest `chunked`."""
+    ep, A, n, C = layout.expert_parallel, layout.grad_accum, layout.cluster.gpus_per_node, layout.expert_overlap_chunks
     forwards = 2 if layout.activation_checkpointing else 1
     S, L = stage.assignments, stage.num_experts // ep
+    between, inside = (2, L + 2) if C == 1 else (n * (L + 1) + 1, L + 1)  # ints per destination and chunk
     out = []
-    for leg, group, span, rows, extra in (("between nodes", ep // n, "expert_peers", node_pairs(stage, ep // n), 0),
-                                          ("inside the node", n, "expert_node", node_pairs(stage, ep), L)):
+    for leg, group, span, rows, ints, suffix in (
+            ("between nodes", ep // n, "expert_peers", node_pairs(stage, ep // n), between, ""),
+            ("inside the node", n, "expert_node", node_pairs(stage, ep), inside, INSIDE)):
         name = f"{stage.name} ({leg})"
-        dispatch = forward_legs(forwards, "dispatch")
-        out += [Collective(f"{name}: counts", "all_to_all", 8 * (extra + 2) * group, group, A * forwards, False, span,
-                           stage.name, forward_legs(forwards, "counts")),
-                *row_collectives(f"{name}: tokens", rows, stage.width, layout, group, span, stage.name),
+        dispatch = forward_legs(forwards, "dispatch" + suffix)
+        out += [Collective(f"{name}: counts", "all_to_all", 8 * C * ints * group, group, A * forwards, False, span,
+                           stage.name, forward_legs(forwards, "counts" + suffix)),
+                *row_collectives(f"{name}: tokens", rows, stage.width, layout, group, span, stage.name, suffix),
                 Collective(f"{name}: combine weights", "all_to_all", 4 * S, group, A * (forwards + 1), False, span,
-                           stage.name, dispatch + ("dispatch_grad",)),
+                           stage.name, dispatch + ("dispatch_grad" + suffix,)),
                 Collective(f"{name}: rows and experts of the assignments", "all_to_all", 8 * S, group, A * forwards,
                            False, span, stage.name, dispatch)]
         if stage.with_positions:
             out.append(Collective(f"{name}: sequence ids and positions", "all_to_all", round(16 * rows), group,
                                   A * forwards, False, span, stage.name, dispatch))
-    return out
+    return chunked(out, C)
 
 
 def row_collectives(name: str, rows: float, width: int, layout: Layout, group: int, span: str,
-                    stage: str = "") -> list[Collective]:
+                    stage: str = "", suffix: str = "") -> list[Collective]:
     """The rows of a dispatch: there and back in each forward (twice with the recomputation), and the gradients
     both ways in backward, in the model's dtype; with fp8_dispatch the rows there in forward in FP8 (a byte a value
-    and an fp32 scale per 128: moe/fp8.py), the rest as before."""
+    and an fp32 scale per 128: moe/fp8.py), the rest as before. `suffix` names the legs of node-aware dispatch's hop
+    inside the node (INSIDE)."""
     A, p = layout.grad_accum, layout.param_bytes
     forwards = 2 if layout.activation_checkpointing else 1
-    grads = ("combine_grad", "dispatch_grad")
+    dispatch, combine = "dispatch" + suffix, "combine" + suffix
+    grads = ("combine_grad" + suffix, "dispatch_grad" + suffix)
     if not layout.expert_fp8_dispatch:
         return [Collective(f"{name} to experts and back", "all_to_all", round(rows * width * p), group,
                            A * (2 * forwards + 2), False, span, stage,
-                           forward_legs(forwards, "dispatch", "combine") + grads)]
+                           forward_legs(forwards, dispatch, combine) + grads)]
     return [Collective(f"{name} to experts (fp8 and scales)", "all_to_all", round(rows * fp8.packed_width(width)),
-                       group, A * forwards, False, span, stage, forward_legs(forwards, "dispatch")),
+                       group, A * forwards, False, span, stage, forward_legs(forwards, dispatch)),
             Collective(f"{name} back, and gradients", "all_to_all", round(rows * width * p), group, A * (forwards + 2),
-                       False, span, stage, forward_legs(forwards, "combine") + grads)]
+                       False, span, stage, forward_legs(forwards, combine) + grads)]
 
 
 def node_pairs(stage: RoutedStage, parts: int) -> float:
@@ -317,4 +326,4 @@ def link_bytes(c: Collective, layout: Layout) -> LinkBytes:
     return LinkBytes(intra, inter)
 
 
-__all__ = ["Collective", "CommPlan", "KINDS", "LEGS", "LinkBytes", "comm_plan", "link_bytes", "placement"]
+__all__ = ["Collective", "CommPlan", "INSIDE", "KINDS", "LEGS", "LinkBytes", "comm_plan", "link_bytes", "placement"]

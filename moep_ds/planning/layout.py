@@ -78,7 +78,8 @@ class Layout:
     expert_node_aware: bool = False  # train.expert_comm.node_aware as it resolves here: once per node, then fan out
     expert_fp8_dispatch: bool = False  # train.expert_comm.fp8_dispatch: rows there in FP8 with their scales
     # train.expert_comm.overlap_chunks: a routed stage's tokens in this many chunks, each one's all-to-all in flight
-    # while a neighbour's experts compute (planning/timing.py; 1: the dispatch beside the shared expert only)
+    # while a neighbour's experts compute (planning/timing.py; 1: the dispatch beside the shared expert only, or with
+    # node-aware dispatch blocking)
     expert_overlap_chunks: int = 1
     # zero_optimization.overlap_comm as DeepSpeed resolves it (its default: true at stage 3 only); a field of its
     # own, not only in `zero`, because a search varies it at stages 1 and 2 and layouts compare by their fields
@@ -123,11 +124,13 @@ class Layout:
         return f"ZeRO-{self.zero_stage} {self.precision}{overlap}"
 
     def expert_comm(self) -> str:
-        """The train.expert_comm options in effect, in words ("once per rank, fp8, 2 chunks overlapped")."""
-        chunks = 1 if self.expert_node_aware else self.expert_overlap_chunks  # node-aware legs: one blocking chunk
+        """The train.expert_comm options in effect, in words ("once per rank, fp8, 2 chunks overlapped"; node-aware
+        dispatch in one chunk runs blocking)."""
+        chunks = self.expert_overlap_chunks
+        overlap = f"{chunks} chunk{'s' * (chunks > 1)} overlapped"
         return ", ".join([("once per rank" if self.expert_dedup else "per expert")]
-                         + ["node-aware (blocking)"] * self.expert_node_aware + ["fp8"] * self.expert_fp8_dispatch
-                         + [f"{chunks} chunk{'s' * (chunks > 1)} overlapped"] * (not self.expert_node_aware))
+                         + ["node-aware"] * self.expert_node_aware + ["fp8"] * self.expert_fp8_dispatch
+                         + ["blocking" if self.expert_node_aware and chunks == 1 else overlap])
 
 
 def with_settings(cfg, *, expert_parallel: int, micro_batch: int, activation_checkpointing: bool, global_batch: int,

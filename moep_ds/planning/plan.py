@@ -121,8 +121,7 @@ def candidate_layouts(cfg, ds: dict[str, Any], cluster: Cluster, global_batch: i
                     layout = make_layout(recipe, with_zero_stage(ds, stage, overlap), cluster)
                 except UserError:
                     continue  # a combination training refuses (e.g. ZeRO-3 with expert parallelism)
-                # node-aware dispatch runs blocking in one chunk whatever overlap_chunks says (moe/all_to_all.py)
-                chunks = OVERLAP_CHOICES if ep > 1 and not layout.expert_node_aware else (1,)
+                chunks = OVERLAP_CHOICES if ep > 1 else (1,)
                 layouts += [dataclasses.replace(layout, expert_overlap_chunks=c) for c in chunks]
     return layouts
 

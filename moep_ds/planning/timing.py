@@ -33,17 +33,31 @@ b's, every compute doubled (backward's FLOPs):
 exposed = the program's span - its compute. Where the communication of a step is shorter than the experts'
 (b + a <= e) all but the first dispatch and the last combine hide: max(0, a - h) + b forward (C = 1 included: the
 whole dispatch travels while the shared expert computes); where it is longer, each step exposes the difference.
-Node-aware dispatch runs its legs blocking, in one chunk, after the shared expert: a + b whole. A checkpointed
-block's recomputation repeats the forward's program. No latency per call is modelled (a chunk's all-to-all costs
-its bytes only), nor the lower efficiency of a chunk's smaller GEMMs: both would favour fewer chunks, so the search
-tries few (planning/plan.py OVERLAP_CHOICES).
+
+Node-aware dispatch in one chunk runs its legs blocking after the shared expert, each hop's count exchange included:
+every byte exposed. In C > 1 chunks (`_finish_nodes`) a chunk's dispatch takes two hops on the one communication
+stream, a between nodes then f inside the node (which waits for a's rows on the compute stream: the peer regroups
+them), and its combine two, b inside the node then c between nodes (which waits for b's rows: the peer sums them);
+n the count exchange inside the node (every chunk's at once), issued behind the blocking one between nodes. Forward:
+
+    send N, D1, D2; compute shared; wait N, D1; send F1;
+    for i = 1..C: wait D(i+1), send F(i+1) (i < C); send D(i+2) (i + 1 < C); wait F(i), compute E(i), send B(i);
+                  wait B(i-1), send C(i-1) (i > 1); wait C(i-2) (i > 2)
+    wait B(C), send C(C); wait C(C-1), C(C)
+
+so the experts of chunk i compute while chunk i+1's hop inside the node, chunk i+2's between nodes, chunk i-1's
+combine inside the node and chunk i-2's between nodes travel (as many bytes a step as a chunk moves), and wait for
+the hops of chunk i+1 issued before them. Backward is that program reversed as above (`reversed_program`; the count
+exchanges have none). A checkpointed block's recomputation repeats the forward's program. No latency per call is
+modelled (a chunk's all-to-all costs its bytes only), nor the lower efficiency of a chunk's smaller GEMMs: both
+would favour fewer chunks, so the search tries few (planning/plan.py OVERLAP_CHOICES).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from moep_ds.planning.comm import Collective, CommPlan, link_bytes
+from moep_ds.planning.comm import INSIDE, LEGS, Collective, CommPlan, link_bytes
 from moep_ds.planning.hardware import GB, Accelerator, Assumptions
 from moep_ds.planning.inventory import Inventory
 from moep_ds.planning.layout import Layout
@@ -98,9 +112,9 @@ def span(program: list[tuple]) -> float:
     return max([compute, *done.values()])
 
 
-def forward_program(a: float, b: float, e: float, h: float, chunks: int, blocking: bool) -> list[tuple]:
-    """One forward of a routed stage (module docstring); `blocking`: node-aware dispatch's legs after the shared
-    expert, in one chunk."""
+def forward_program(a: float, b: float, e: float, h: float, chunks: int, blocking: bool = False) -> list[tuple]:
+    """One forward of a routed stage (module docstring); `blocking`: node-aware dispatch in one chunk, its legs after
+    the shared expert."""
     if blocking:
         return [("compute", "S", h), ("send", "D1", a), ("wait", "D1"), ("compute", "E1", e), ("send", "C1", b),
                 ("wait", "C1")]
@@ -111,7 +125,7 @@ def forward_program(a: float, b: float, e: float, h: float, chunks: int, blockin
     return program + [("wait", f"C{i}") for i in range(1, chunks + 1)]
 
 
-def backward_program(a: float, b: float, e: float, h: float, chunks: int, blocking: bool) -> list[tuple]:
+def backward_program(a: float, b: float, e: float, h: float, chunks: int, blocking: bool = False) -> list[tuple]:
     """One backward of a routed stage: the forward reversed, `a` the combines' gradients, `b` the dispatches'."""
     if blocking:
         return [("send", "C1", a), ("wait", "C1"), ("compute", "E1", e), ("send", "D1", b), ("wait", "D1"),
@@ -123,22 +137,66 @@ def backward_program(a: float, b: float, e: float, h: float, chunks: int, blocki
     return program + [("compute", "S", h), ("wait", "D1")]
 
 
+def node_forward_program(a: float, f: float, b: float, c: float, n: float, e: float, h: float,
+                         chunks: int) -> list[tuple]:
+    """One forward of a routed stage under node-aware dispatch in chunks (module docstring): per chunk `a` its hop
+    between nodes, `f` inside the node, `b` its combine inside the node, `c` between nodes; `n` the count exchange
+    inside the node."""
+    program: list[tuple] = [("send", "N", n), ("send", "D1", a)] + [("send", "D2", a)] * (chunks > 1)
+    program += [("compute", "S", h), ("wait", "N"), ("wait", "D1"), ("send", "F1", f)]
+    for i in range(1, chunks + 1):
+        program += [("wait", f"D{i + 1}"), ("send", f"F{i + 1}", f)] * (i < chunks)
+        program += [("send", f"D{i + 2}", a)] * (i + 1 < chunks)
+        program += [("wait", f"F{i}"), ("compute", f"E{i}", e), ("send", f"B{i}", b)]
+        program += [("wait", f"B{i - 1}"), ("send", f"C{i - 1}", c)] * (i > 1) + [("wait", f"C{i - 2}")] * (i > 2)
+    program += [("wait", f"B{chunks}"), ("send", f"C{chunks}", c)]
+    return program + [("wait", f"C{i}") for i in range(max(chunks - 1, 1), chunks + 1)]
+
+
+def reversed_program(forward: list[tuple], grads: dict[str, float], scale: float = 2.0) -> list[tuple]:
+    """The backward of `forward` as autograd runs it: its steps in reverse, the gradient of each all-to-all whose kind
+    (its key's letter) `grads` prices sent where the forward waited for it and waited for where the forward sent it,
+    every compute `scale` times as long (backward's FLOPs); other all-to-alls (count exchanges) have no backward."""
+    out = []
+    for op in reversed(forward):
+        if op[0] == "compute":
+            out.append(("compute", op[1], scale * op[2]))
+        elif op[1][0] in grads:
+            out.append(("send", op[1], grads[op[1][0]]) if op[0] == "wait" else ("wait", op[1]))
+    return out
+
+
 def exposed_pass(program: list[tuple]) -> float:
     return span(program) - sum(op[2] for op in program if op[0] == "compute")
 
 
 def expert_exposed(stage: RoutedStage, legs: dict[str, float], layout: Layout, flop_s: float) -> float:
-    """Exposed seconds per step of one routed stage's all-to-all; `legs`: the step's seconds on each leg."""
-    A, C, blocking = layout.grad_accum, layout.expert_overlap_chunks, layout.expert_node_aware
-    C = 1 if blocking else C
+    """Exposed seconds per step of one routed stage's all-to-all; `legs`: the step's seconds on each leg (planning/
+    comm.py LEGS, and INSIDE's for node-aware dispatch's hop inside the node)."""
+    A, C, nodes = layout.grad_accum, layout.expert_overlap_chunks, layout.expert_node_aware
     forwards = 2 if layout.activation_checkpointing else 1
     per = {leg: seconds / A / C for leg, seconds in legs.items()}  # one chunk of one micro-batch (all its forwards)
     e, h = stage.expert_flops / flop_s / C, stage.beside_flops / flop_s
-    forward = exposed_pass(forward_program(per.get("dispatch", 0) / forwards, per.get("combine", 0) / forwards, e, h,
-                                           C, blocking))
-    backward = exposed_pass(backward_program(per.get("combine_grad", 0), per.get("dispatch_grad", 0), 2 * e, 2 * h,
-                                             C, blocking))
-    return legs.get("counts", 0) + A * (forwards * forward + backward)
+
+    def there(*names: str) -> float:  # one forward's
+        return sum(per.get(name, 0.0) for name in names) / forwards
+
+    def back(*names: str) -> float:
+        return sum(per.get(name, 0.0) for name in names)
+
+    inside = {leg: leg + INSIDE for leg in LEGS}  # node-aware dispatch's hop inside the node
+    counts = legs.get("counts", 0.0) + (legs.get(inside["counts"], 0.0) if C == 1 else 0.0)  # the blocking exchanges
+    if nodes and C > 1:
+        forward = node_forward_program(there("dispatch"), there(inside["dispatch"]), there(inside["combine"]),
+                                       there("combine"), C * there(inside["counts"]), e, h, C)
+        backward = reversed_program(forward, {"D": back("dispatch_grad"), "F": back(inside["dispatch_grad"]),
+                                              "B": back(inside["combine_grad"]), "C": back("combine_grad")})
+    else:  # flat; node-aware in one chunk: its hops one after the other, blocking
+        forward = forward_program(there("dispatch", inside["dispatch"]), there("combine", inside["combine"]), e, h,
+                                  C, nodes)
+        backward = backward_program(back("combine_grad", inside["combine_grad"]),
+                                    back("dispatch_grad", inside["dispatch_grad"]), 2 * e, 2 * h, C, nodes)
+    return counts + A * (forwards * exposed_pass(forward) + exposed_pass(backward))
 
 
 def comm_seconds(comm: CommPlan, layout: Layout, gpu: Accelerator, assumed: Assumptions,
@@ -187,4 +245,4 @@ def step_time(inv: Inventory, layout: Layout, comm: CommPlan, gpu: Accelerator, 
 
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "StepTime", "backward_program", "comm_seconds", "expert_exposed",
-           "forward_program", "optimizer_share", "span", "step_time"]
+           "forward_program", "node_forward_program", "optimizer_share", "reversed_program", "span", "step_time"]

@@ -113,8 +113,9 @@ def test_groups_placed_whole_on_nodes_bound_the_nodes_a_token_reaches():
     assert nodes_per_token(Choice(2, 2, 1), 16, 4) > 1  # a group over two nodes: check_node_layout refuses it
 
 
-def node_plan(node_aware, overrides=()):
-    return routed_plan("deepseek", {"node_aware": node_aware}, overrides, layer=1, expert_parallel=4, gpus=8)
+def node_plan(node_aware, overrides=(), chunks=1):
+    return routed_plan("deepseek", {"node_aware": node_aware, "overlap_chunks": chunks}, overrides, layer=1,
+                       expert_parallel=4, gpus=8)
 
 
 def test_node_aware_dispatch_moves_the_node_pairs_between_nodes_and_the_rank_pairs_inside():
@@ -139,12 +140,30 @@ def test_node_aware_dispatch_moves_the_node_pairs_between_nodes_and_the_rank_pai
              for name, p in (("on", on), ("flat", flat))}
     assert sum(link.intra for link in links["on"] if link.inter) == 0  # the leg between nodes: nothing inside
     assert sum(link.inter for link in links["on"]) < sum(link.inter for link in links["flat"])
-    # less time on the links; the step is another matter: node-aware dispatch runs blocking, the flat one overlapped
+    # less time on the links; the step is another matter: in one chunk node-aware dispatch runs blocking, the flat one
+    # beside the shared expert
     assert on.time.comm_s < flat.time.comm_s
     # one group a token, groups whole on nodes: one node a token
     one = node_plan(None, [("group_topk", 1)])
     rows = {c.what: c.bytes for c in one.comm.collectives}["blocks.1.moe (between nodes): tokens to experts and back"]
     assert rows == T * D * 4
+
+
+def test_node_aware_chunks_move_the_same_rows_in_more_calls_and_every_chunks_counts_before_the_first():
+    # node-aware dispatch in C chunks (moe/all_to_all.py _exchange_nodes): between nodes, per node and chunk the L
+    # expert counts and pairs of each of its n ranks and the node's pairs; inside the node, L + 1 per rank and chunk
+    n, N, L = 2, 2, 2  # 4 ranks on 2 nodes of 2, 8 experts
+    one = {c.what: c for c in node_plan(None).comm.collectives if c.kind == "all_to_all"}
+    for C in (2, 4):
+        chunked = {c.what: c for c in node_plan(None, chunks=C).comm.collectives if c.kind == "all_to_all"}
+        assert chunked.keys() == one.keys()
+        for what, c in one.items():
+            if what.endswith(": counts"):
+                ints = n * (L + 1) + 1 if "between nodes" in what else L + 1
+                assert (chunked[what].bytes, chunked[what].calls) == (8 * C * ints * c.group, c.calls), what
+            else:
+                assert (chunked[what].bytes, chunked[what].calls) == (round(c.bytes / C), C * c.calls), what
+    assert one["blocks.1.moe (between nodes): counts"].bytes == 8 * 2 * N  # one chunk: assignments and pairs a node
 
 
 def test_fp8_dispatch_sends_the_rows_there_as_a_byte_a_value_and_a_scale_per_128():

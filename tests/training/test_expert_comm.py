@@ -3,8 +3,9 @@ behind compute (train.expert_comm.overlap_chunks 2: the defaults), trains as the
 processes at expert_parallel_size 2 (ZeRO-2 fp32), 5 steps give the same losses (1e-6) for top-k without and with
 groups (DeepSeek-V3's routing, with a shared expert), expert choice, MSIT's branches and MoEP's paths. (Layer outputs
 and gradients: tests/moe/test_all_to_all_dedup.py, test_all_to_all_overlap.py; the bytes:
-tests/planning/test_plan_comm.py.) Node-aware dispatch on 4 processes as 2 nodes: the same, against the per-expert
-path. FP8 dispatch: 200 steps of configs/deepseek_tiny.yaml near the bf16 dispatch's losses."""
+tests/planning/test_plan_comm.py.) Node-aware dispatch on 4 processes as 2 nodes (in 2 chunks in flight, the
+default): the same, against the per-expert path. FP8 dispatch: 200 steps of configs/deepseek_tiny.yaml near the bf16
+dispatch's losses."""
 import pytest
 
 from tiny import DS_CONFIGS, REPO, losses, run_jobs, write_recipe
@@ -51,7 +52,7 @@ def node_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("expert_comm_nodes")
     jobs, out = [], {}
     for name in NODE_STACKS:
-        for mode, comm in (("per_expert", BLOCKING), ("nodes", {})):  # node-aware: one blocking chunk
+        for mode, comm in (("per_expert", BLOCKING), ("nodes", {})):  # node-aware in 2 chunks in flight (the default)
             out[name, mode] = tmp / f"{name}_{mode}"
             recipe = write_recipe(tmp / f"{name}_{mode}.yaml", name, out[name, mode], max_steps=5,
                                   expert_parallel_size=4, micro_batch_size=2, global_batch_size=8, expert_comm=comm)
