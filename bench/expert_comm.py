@@ -12,7 +12,7 @@ same process group:
 Rows: `blocking` (dedup false, node_aware false, overlap_chunks 1: a row per (token, expert)), `dedup`, `dedup +
 node_aware` (ep4: node-aware needs dedup), `fp8_dispatch`, `overlap_chunks` (2 chunks in flight behind the experts'
 compute) (each on the blocking path; where the option exists in this tree), `all` (every option that applies:
-node-aware only where a node holds several ranks of the group; node-aware dispatch runs one chunk).
+node-aware only where a node holds several ranks of the group, its hops in 2 chunks in flight).
 The recipe: one FFN-MoE block (llama attention, --experts SwiGLU experts of --expert_hidden) at --d_model, expert
 choice with capacity factor = experts by default, so every expert takes every token: the rows each path sends are
 then fixed by the layout alone (as in tests/planning/test_plan_comm.py), not by where the router sends tokens (the
