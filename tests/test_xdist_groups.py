@@ -1,4 +1,4 @@
-"""The suite's own xdist scheduling (conftest.py): the tests of a module or folder that defines a shared fixture run
+"""The suite's own xdist scheduling (xdist_groups.py, conftest.py): the tests of a module or folder that defines a shared fixture run
 on one worker, so the fixture is built once."""
 import re
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FixtureGroupScheduling, fixture_groups
+from xdist_groups import FixtureGroupScheduling, fixture_groups
 
 TESTS = Path(__file__).parent
 
