@@ -24,7 +24,8 @@ from moep_ds.errors import SharedUserError
 from moep_ds.models.plan import plan_for
 from moep_ds.models.config import layer_entries
 from moep_ds.moe import fp8
-from moep_ds.moe.all_to_all import AllToAllDispatcher, ExpertCommConfig, NodeGroups
+from moep_ds.moe.all_to_all import AllToAllDispatcher, ExpertCommConfig
+from moep_ds.moe.node_dispatch import NodeGroups
 from moep_ds.moe.dispatch import ExpertStage
 from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.registry import ROUTERS

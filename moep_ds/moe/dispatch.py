@@ -89,6 +89,16 @@ class WeightedCombine(torch.autograd.Function):
         return grad_y, grad_w, None, None
 
 
+def take_meta(meta_U2: torch.Tensor | None, index: torch.Tensor, seq_ids_T: torch.Tensor | None,
+              positions_T: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The sequence ids and positions of the rows `index` picks from received [U, 2] (sequence id, position) rows;
+    None for whichever the tokens came without."""
+    if meta_U2 is None:
+        return None, None
+    meta_S2 = meta_U2.index_select(0, index)
+    return None if seq_ids_T is None else meta_S2[:, 0], None if positions_T is None else meta_S2[:, 1]
+
+
 def combine_tokens(y_SD: torch.Tensor, plan: RoutingPlan, out_dtype: torch.dtype) -> torch.Tensor:
     """Weighted scatter-add of expert outputs back to their tokens (accumulated in the wider of the two dtypes,
     fp32 or more); unrouted tokens get 0."""
@@ -250,4 +260,5 @@ def shard_experts(stage: ExpertStage, plan: ExpertParallelPlan) -> None:
 __all__ = [
     "Dispatcher", "ExpertBatch", "ExpertStage", "LocalDispatcher", "RunExperts", "WeightedCombine", "combine_dense",
     "combine_tokens", "dense_routing", "gather_tokens", "in_token_order", "sequence_ids", "shard_experts",
+    "take_meta",
 ]

@@ -24,7 +24,7 @@ rows (the peer regroups them, or sums the combine's); it runs
     wait for chunk C-1's combine inside the node, issue it between nodes; wait for the last two there
 
 so chunk i's experts compute while chunk i+1's hop inside the node, chunk i+2's between nodes and the combines of
-chunks i-1 (inside the node) and i-2 (between nodes) travel (moe/all_to_all.py, module docstring).
+chunks i-1 (inside the node) and i-2 (between nodes) travel (moe/node_dispatch.py, module docstring).
 In backward each differentiable all-to-all is issued where autograd reaches its wait (`_Wait.backward`) and waited
 for where it reaches the send (`_Issue.backward`): in between autograd runs whatever else is ready, i.e. the expert
 backward of another chunk. A chunk's expert batch holds exactly the rows the blocking path gives its experts for
@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from moep_ds.routing.plan import RoutingPlan, expert_counts
 
 
 def all_to_all(x: torch.Tensor, group: Any, out_splits: list[int], in_splits: list[int],
@@ -149,4 +151,39 @@ def chunk_index(token_idx_S: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     return torch.bucketize(token_idx_S, inner, right=True)
 
 
-__all__ = ["InFlight", "Ints", "Rows", "all_to_all", "chunk_bounds", "chunk_index"]
+def chunk_counts(plan: RoutingPlan, bounds: list[int],
+                 parts: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """What a count exchange sends for chunks of tokens [bounds[c], bounds[c+1]): each assignment's chunk [S], the
+    expert counts per chunk [C, E] and, for each p of `parts`, the distinct (token, destination) pairs per chunk and
+    destination [C, p], the experts split evenly over p destinations in order (ranks, or nodes)."""
+    C, E, T = len(bounds) - 1, plan.num_experts, max(plan.num_tokens, 1)
+    expert_S = plan.expert_idx_S()
+    if C == 1:
+        chunk_S, counts_CE = torch.zeros_like(plan.token_idx_S), plan.counts_E.view(1, E)
+    else:
+        chunk_S = chunk_index(plan.token_idx_S, bounds)
+        counts_CE = expert_counts(chunk_S * E + expert_S, C * E).view(C, E)
+    pairs = []
+    for p in parts:
+        key_P = torch.unique((expert_S // (E // p)) * T + plan.token_idx_S)  # sorted by (destination, token)
+        chunk_P = chunk_index(key_P % T, bounds) if C > 1 else torch.zeros_like(key_P)
+        pairs.append(expert_counts(chunk_P * p + key_P // T, C * p).view(C, p))
+    return chunk_S, counts_CE, pairs
+
+
+def chunk_plans(plan: RoutingPlan, bounds: list[int], chunk_S: torch.Tensor, counts_CE: torch.Tensor,
+                counts: list[tuple[int, ...]]) -> list[RoutingPlan]:
+    """The plan of each chunk of tokens [bounds[c], bounds[c+1]): its assignments in the plan's order, tokens counted
+    from its first; `counts` its E expert counts on the host (from the count exchange)."""
+    order_S = torch.argsort(chunk_S, stable=True)  # by chunk, then in the plan's order (grouped by expert)
+    token_S, weight_S = plan.token_idx_S.index_select(0, order_S), plan.weight_S.index_select(0, order_S)
+    plans, first = [], 0
+    for c, counts_E in enumerate(counts):
+        rows = slice(first, first + sum(counts_E))
+        plans.append(RoutingPlan(token_S[rows] - bounds[c], weight_S[rows], counts_CE[c], bounds[c + 1] - bounds[c],
+                                 static_counts=counts_E))
+        first = rows.stop
+    return plans
+
+
+__all__ = ["InFlight", "Ints", "Rows", "all_to_all", "chunk_bounds", "chunk_counts", "chunk_index", "chunk_plans"]

@@ -210,11 +210,11 @@ def chunked(collectives: list[Collective], chunks: int) -> list[Collective]:
 
 
 def node_aware_collectives(stage: RoutedStage, layout: Layout) -> list[Collective]:
-    """Node-aware dispatch of one routed stage (moe/all_to_all.py `_hop`, module docstring): a leg between nodes over
+    """Node-aware dispatch of one routed stage (moe/node_dispatch.py, module docstring): a leg between nodes over
     the peers of one local rank (its rows the expected (token, node) pairs), then a leg inside the node (the (token,
     rank) pairs); each leg moves per assignment its fp32 weight and one int64 (its row, with its expert and, inside,
     its source). Counts, in one chunk: each leg's own exchange, per destination its extra counts (inside: the L
-    experts'), assignments and pairs. In C > 1 chunks (`_exchange_nodes`): every chunk's at once, between nodes
+    experts'), assignments and pairs. In C > 1 chunks (`NodeDispatch._exchange`): every chunk's at once, between nodes
     n (L + 1) + 1 ints per node and chunk (the L expert counts and pairs of each of its n ranks, and the node's pairs),
     inside the node L + 1 per rank and chunk (what the peer passes on to it); the rest `chunked`."""
     ep, A, n, C = layout.expert_parallel, layout.grad_accum, layout.cluster.gpus_per_node, layout.expert_overlap_chunks

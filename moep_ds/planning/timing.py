@@ -35,10 +35,11 @@ exposed = the program's span - its compute. Where the communication of a step is
 whole dispatch travels while the shared expert computes); where it is longer, each step exposes the difference.
 
 Node-aware dispatch in one chunk runs its legs blocking after the shared expert, each hop's count exchange included:
-every byte exposed. In C > 1 chunks (`_finish_nodes`) a chunk's dispatch takes two hops on the one communication
-stream, a between nodes then f inside the node (which waits for a's rows on the compute stream: the peer regroups
-them), and its combine two, b inside the node then c between nodes (which waits for b's rows: the peer sums them);
-n the count exchange inside the node (every chunk's at once), issued behind the blocking one between nodes. Forward:
+every byte exposed. In C > 1 chunks (moe/node_dispatch.py `NodeDispatch.finish`) a chunk's dispatch takes two hops on
+the one communication stream, a between nodes then f inside the node (which waits for a's rows on the compute stream:
+the peer regroups them), and its combine two, b inside the node then c between nodes (which waits for b's rows: the peer
+sums them); n the count exchange inside the node (every chunk's at once), issued behind the blocking one between nodes.
+Forward:
 
     send N, D1, D2; compute shared; wait N, D1; send F1;
     for i = 1..C: wait D(i+1), send F(i+1) (i < C); send D(i+2) (i + 1 < C); wait F(i), compute E(i), send B(i);

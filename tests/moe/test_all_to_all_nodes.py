@@ -200,24 +200,29 @@ def test_node_aware_dispatch_equals_the_per_expert_path_and_moves_the_planned_by
 
 
 def check_schedule(got: dict, blocking: dict, chunks: int, what: str) -> None:
-    """Node-aware dispatch in one chunk: every all-to-all blocking. In C chunks: one blocking all-to-all (the counts
-    between nodes of every chunk), the counts inside the node issued next, the rows' bytes of the blocking path, both
-    ways, and an all-to-all in flight whenever a chunk's experts compute, forward and backward, and while the shared
-    expert does."""
+    """Node-aware dispatch in one chunk: each hop's counts blocking, its rows, weights, ints and positions issued
+    together and waited for before anything computes: nothing in flight while the experts or the shared expert
+    compute, forward or backward. In C chunks: one blocking all-to-all (the counts between nodes of every chunk), the
+    counts inside the node issued next, the rows' bytes of the one-chunk path, both ways, and an all-to-all in flight
+    whenever a chunk's experts compute, forward and backward, and while the shared expert does."""
     fwd, bwd = got["forward"], got["backward"]
     if chunks == 1:
-        assert {kind for kind, _ in fwd} <= {"blocking", "experts", "shared"}, what
-        assert {kind for kind, _ in bwd} <= {"blocking", "experts_backward"}, what
+        assert [kind for kind, _ in fwd if kind in ("blocking", "issue")][:2] == ["blocking", "issue"], what
+        assert in_flight_at(fwd, "experts") and in_flight_at(bwd, "experts_backward"), what
+        for events, compute in ((fwd, "experts"), (fwd, "shared"), (bwd, "experts_backward")):
+            assert set(in_flight_at(events, compute)) <= {0}, (what, compute)
+        assert {kind for kind, _ in bwd} <= {"issue", "wait", "experts_backward"}, what
         return
     kinds = [kind for kind, _ in fwd]
     assert kinds.count("blocking") == 1 and kinds[0] == "blocking" and kinds[1] == "issue", what
     issued = [n for kind, n in fwd if kind == "issue"]
-    sizes = [n for kind, n in blocking["forward"] if kind == "blocking"]
-    per_leg = (len(sizes) - 2) // 2  # counts, rows, weights, ints (and positions) of each leg, then one row back each
-    assert sum(issued[1:]) == sum(sizes) - sizes[0] - sizes[per_leg], what
+    one_chunk = [(kind, n) for kind, n in blocking["forward"] if kind in ("blocking", "issue")]
+    counts = [n for kind, n in one_chunk if kind == "blocking"]  # each hop's count exchange
+    assert len(counts) == 2, what
+    assert sum(issued[1:]) == sum(n for _, n in one_chunk) - sum(counts), what
     assert {kind for kind, _ in bwd} == {"issue", "wait", "experts_backward"}, what
     assert sum(n for kind, n in bwd if kind == "issue") == sum(
-        n for kind, n in blocking["backward"] if kind == "blocking") > 0, what
+        n for kind, n in blocking["backward"] if kind == "issue") > 0, what
     for flying in (in_flight_at(fwd, "experts"), in_flight_at(bwd, "experts_backward")):
         assert len(flying) == chunks and all(n > 0 for n in flying), (what, flying)
     assert all(n > 0 for n in in_flight_at(fwd, "shared")), what

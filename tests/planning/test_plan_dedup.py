@@ -150,8 +150,9 @@ def test_node_aware_dispatch_moves_the_node_pairs_between_nodes_and_the_rank_pai
 
 
 def test_node_aware_chunks_move_the_same_rows_in_more_calls_and_every_chunks_counts_before_the_first():
-    # node-aware dispatch in C chunks (moe/all_to_all.py _exchange_nodes): between nodes, per node and chunk the L
-    # expert counts and pairs of each of its n ranks and the node's pairs; inside the node, L + 1 per rank and chunk
+    # node-aware dispatch in C chunks (moe/node_dispatch.py NodeDispatch._exchange): between nodes, per node and chunk
+    # the L expert counts and pairs of each of its n ranks and the node's pairs; inside the node, L + 1 per rank and
+    # chunk
     n, N, L = 2, 2, 2  # 4 ranks on 2 nodes of 2, 8 experts
     one = {c.what: c for c in node_plan(None).comm.collectives if c.kind == "all_to_all"}
     for C in (2, 4):
