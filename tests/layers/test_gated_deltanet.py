@@ -135,7 +135,9 @@ def test_layer_matches_transformers(layers):
     weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
     (y * weights).sum().backward()
     (y_ref * weights).sum().backward()
-    torch.testing.assert_close(x_ours.grad, x_theirs.grad, rtol=1e-5, atol=1e-5)
+    # a token's input gradient sums over the chunks after it, in another order than transformers': fp32 rounding
+    # relative to the largest entry (53 here; 3.8e-5 apart at worst on an AMD EPYC)
+    torch.testing.assert_close(x_ours.grad, x_theirs.grad, rtol=1e-5, atol=1e-5 * x_theirs.grad.abs().max().item())
     theirs_params = dict(theirs.named_parameters())
     for name, p in ours.named_parameters():
         ref = theirs_params[name].grad  # sums over B T tokens: fp32 rounding relative to its largest entry
@@ -154,7 +156,9 @@ def test_prefill_then_decoding_equals_full_forward(layers, prefill):
     cache = ours.new_cache()
     steps = [ours(x[:, :prefill], None, cache)] if prefill else []
     steps += [ours(x[:, t:t + 1], None, cache) for t in range(prefill, T)]
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    # the recurrence and the chunked form sum in other orders: fp32 rounding relative to the largest output (9.7 here;
+    # 1.3e-5 apart at worst on an AMD EPYC)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5 * full.abs().max().item())
     assert cache.conv_BCW.shape == (B, our_config().conv_channels, 3) and cache.state_BHKV.shape == (B, H, K, V)
 
 

@@ -114,14 +114,14 @@ def test_chunks_in_flight_equal_the_blocking_per_expert_path(tmp_path):
             for mode, (dedup, chunks) in MODES.items():
                 got, what = results[name, mode], f"{name} {mode} rank {rank}"
                 torch.testing.assert_close(got["y"], ref["y"], **close, msg=f"{what} output")
-                torch.testing.assert_close(got["x_grad"], ref["x_grad"], **close, msg=f"{what} input grad")
                 assert got["grads"].keys() == ref["grads"].keys()
-                for pname, grad in ref["grads"].items():
-                    # a weight's gradient sums over its expert's rows, which chunks visit in another order: 1e-6 of
-                    # the gradient's largest value (measured: 3e-7 at most)
+                # a weight's gradient sums over its expert's rows, and a token's input gradient over its experts'
+                # rows, which chunks visit in another order: 1e-6 of the gradient's largest value (measured: 3e-7 at
+                # most for weights, 1.3e-7 for inputs, where 1e-6 of each value failed by 1.3x on one machine)
+                for pname, grad in [("input", ref["x_grad"]), *ref["grads"].items()]:
                     scale = grad.abs().max().clamp_min(1e-30)
-                    torch.testing.assert_close(got["grads"][pname] / scale, grad / scale, rtol=0, atol=1e-6,
-                                               msg=f"{what} {pname}")
+                    mine = got["x_grad"] if pname == "input" else got["grads"][pname]
+                    torch.testing.assert_close(mine / scale, grad / scale, rtol=0, atol=1e-6, msg=f"{what} {pname}")
                 check_schedule(got, results[name, "once_per_rank_1" if dedup else "blocking"], chunks, what)
 
 

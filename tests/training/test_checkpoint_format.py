@@ -20,6 +20,16 @@ from tiny import REPO, env, metrics  # noqa: E402
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 FIXTURE = FIXTURES / "checkpoint_v2"
 
+
+def assert_as_uninterrupted(row: dict, want: dict) -> None:
+    """A resumed step's metrics are the uninterrupted run's, recorded with the fixture on another machine: the losses,
+    lr and tokens bit-identical; the gradient norm to 1e-6 (a sum of squares over every parameter, whose order follows
+    the CPU's vector width: one rounding apart on an AMD EPYC against the machine that recorded it)."""
+    assert {k: row[k] for k in want if k != "grad_norm"} == {k: v for k, v in want.items() if k != "grad_norm"}, \
+        row["step"]
+    assert row["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6, abs=0), row["step"]
+
+
 @pytest.mark.slow
 def test_a_version_2_checkpoint_resumes_exactly_and_a_callbacks_count_survives_stop_and_resume(tmp_path):
     run = tmp_path / "run"
@@ -44,7 +54,7 @@ def test_a_version_2_checkpoint_resumes_exactly_and_a_callbacks_count_survives_s
     expected = json.loads((FIXTURE / "uninterrupted.json").read_text())
     for row in (r for r in rows if "loss" in r):
         want = expected[str(row["step"])]
-        assert {k: row[k] for k in want} == want, row["step"]  # bit-identical to the uninterrupted run
+        assert_as_uninterrupted(row, want)
     assert [r["step"] for r in rows if "loss" in r] == [3, 4]
     assert not [r for r in rows if "val_loss" in r]  # eval_every 1, validation removed by name
     counts = [json.loads(line) for line in (tmp_path / "counts.jsonl").read_text().splitlines()]
@@ -74,6 +84,6 @@ def test_a_version_3_checkpoint_resumes_exactly_with_its_callbacks_state(tmp_pat
     assert [r["step"] for r in rows] == [3, 4]
     for row in rows:
         want = expected[str(row["step"])]
-        assert {k: row[k] for k in want} == want, row["step"]  # bit-identical to the uninterrupted run
+        assert_as_uninterrupted(row, want)
     counts = [json.loads(line) for line in (tmp_path / "counts.jsonl").read_text().splitlines()]
     assert counts == [{"loaded": 2, "count": 4, "step": 4}]  # the count saved at step 2, counted on
