@@ -4,8 +4,8 @@ processes at expert_parallel_size 2 (ZeRO-2 fp32), 5 steps give the same losses 
 groups (DeepSeek-V3's routing, with a shared expert), expert choice, MSIT's branches and MoEP's paths. (Layer outputs
 and gradients: tests/moe/test_all_to_all_dedup.py, test_all_to_all_overlap.py; the bytes:
 tests/planning/test_plan_comm.py.) Node-aware dispatch on 4 processes as 2 nodes (in 2 chunks in flight, the
-default): the same, against the per-expert path. FP8 dispatch: 200 steps of configs/deepseek_tiny.yaml near the bf16
-dispatch's losses."""
+default): the same, against the per-expert path. FP8 dispatch: 200 steps of configs/deepseek_tiny.yaml near the
+model-dtype dispatch's losses."""
 import pytest
 
 from tiny import DS_CONFIGS, REPO, losses, run_jobs, write_recipe
@@ -71,26 +71,30 @@ def test_five_steps_once_per_node_equal_the_per_expert_path(node_runs, name):
 
 
 # FP8 dispatch (train.expert_comm.fp8_dispatch): configs/deepseek_tiny.yaml at d_model 128 (a multiple of the 128 values
-# a scale covers; 64 in the recipe) in bf16 on 2 processes at expert_parallel_size 2, 200 steps: the mean of the last 20
-# losses within 2% of the bf16 dispatch's. Not 1%: this recipe's bf16 runs themselves spread that far after 200 steps
-# (lr 3e-3; measured, mean of steps 181-200: bf16 dispatch once per rank 2.2914, per expert 2.2807, no expert parallelism
-# 2.2353; FP8 2.2538 and 2.2646, i.e. 1.6% and 0.7% from the bf16 dispatch of the same path; seed 1: 3.6%). About 65 s
-# a run on the 2-core machine. Rows, bytes and gradients: tests/moe/test_fp8_dispatch.py.
+# a scale covers; 64 in the recipe) on 2 processes at expert_parallel_size 2, 200 steps, against the same run with its
+# rows dispatched in the model's dtype: every 20 steps' mean loss within 2%. The model trains in fp32, so the reference
+# dispatch is unrounded, a stricter reference for FP8's rounding than bf16's (itself a rounding of it), and the CPU, which
+# emulates bf16 arithmetic, runs it 4.5x faster (measured: 200 steps in 26 s against 117 s). Not 1%: at this recipe's lr
+# (3e-3) runs 200 steps long spread that far from any perturbation (measured, mean of steps 181-200, FP8 against the
+# model-dtype dispatch: fp32 seed 1234 +0.36% (every window within 0.77%), seed 1 -2.46%, seed 2 -0.34% (-3.5% at step
+# 60); in bf16, dispatch once per rank against per expert 0.5%, against no expert parallelism 2.5%). Rows, bytes
+# (half of bf16's) and gradients: tests/moe/test_fp8_dispatch.py.
 FP8_STEPS = 200
 DEEPSEEK_TINY = REPO / "configs" / "deepseek_tiny.yaml"
 
 
-def test_fp8_dispatch_trains_within_two_percent_of_bf16_dispatch(tmp_path):
-    jobs = [{"recipe": str(DEEPSEEK_TINY), "ds_config": str(DS_CONFIGS / "zero2_bf16.json"), "overrides": [
+def test_fp8_dispatch_trains_within_two_percent_of_the_model_dtype_dispatch(tmp_path):
+    jobs = [{"recipe": str(DEEPSEEK_TINY), "ds_config": str(DS_CONFIGS / "zero2_fp32.json"), "overrides": [
         "model.d_model=128", f"train.max_steps={FP8_STEPS}", "train.expert_parallel_size=2", "train.log_every=1",
         "train.eval_every=null", "train.checkpoint.every_steps=null", "train.checkpoint.at_end=false",
         f"train.expert_comm.fp8_dispatch={fp8}", f"train.output_dir={tmp_path / f'fp8_{fp8}'}"]}
         for fp8 in ("false", "true")]
     run_jobs(2, jobs, timeout=1200)
-    bf16, fp8 = (losses(tmp_path / f"fp8_{mode}") for mode in ("false", "true"))
-    assert sorted(bf16) == sorted(fp8) == list(range(1, FP8_STEPS + 1))
-    assert fp8 != bf16  # the dispatch rounded
-    last = {name: sum(run[s] for s in range(FP8_STEPS - 19, FP8_STEPS + 1)) / 20 for name, run in
-            (("bf16", bf16), ("fp8", fp8))}
-    assert abs(last["fp8"] - last["bf16"]) < 0.02 * last["bf16"], last
-    assert last["bf16"] < bf16[1] - 1  # it trained
+    exact, fp8 = (losses(tmp_path / f"fp8_{mode}") for mode in ("false", "true"))
+    assert sorted(exact) == sorted(fp8) == list(range(1, FP8_STEPS + 1))
+    assert fp8 != exact  # the dispatch rounded
+    for end in range(20, FP8_STEPS + 1, 20):
+        window = {name: sum(run[s] for s in range(end - 19, end + 1)) / 20 for name, run in
+                  (("exact", exact), ("fp8", fp8))}
+        assert abs(window["fp8"] - window["exact"]) < 0.02 * window["exact"], (end, window)
+    assert window["exact"] < exact[1] - 1  # it trained
