@@ -72,18 +72,18 @@ class StepTrace:
         return max(self.timeline, default=0)
 
     def with_gradients(self, policy: GradPolicy) -> tuple[int, int]:
-        """(peak of activations + the gradients `policy` keeps, gradients kept at the end of backward)."""
-        peak, events = 0, iter(self.grad_events)
-        event = next(events, None)
-        for done, now in enumerate(self.timeline, 1):
-            while event is not None and event[0] < done:
-                policy.on_grad(event[1], event[2])
-                event = next(events, None)
-            peak = max(peak, now + policy.retained)
-        while event is not None:
-            policy.on_grad(event[1], event[2])
-            event = next(events, None)
-        return max(peak, self.timeline[-1] + policy.retained if self.timeline else 0), policy.retained
+        """(peak of activations + the gradients `policy` keeps, gradients kept at the end of backward). A gradient
+        ready after `done` operations is kept from the operation at index `done` on; between two gradients the kept
+        bytes are constant, so each stretch of the timeline needs only its highest point."""
+        peak, first, timeline = 0, 0, self.timeline
+        for done, numel, expert in self.grad_events:
+            if done > first and first < len(timeline):
+                peak = max(peak, max(timeline[first:done]) + policy.retained)
+                first = done
+            policy.on_grad(numel, expert)
+        if first < len(timeline):
+            peak = max(peak, max(timeline[first:]) + policy.retained)
+        return max(peak, timeline[-1] + policy.retained if timeline else 0), policy.retained
 
 
 class Live(TorchDispatchMode):
