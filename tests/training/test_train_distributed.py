@@ -105,10 +105,27 @@ EP_LAYERS = "msit"
 
 
 @pytest.fixture(scope="module")
-def expert_parallel_runs(tmp_path_factory):
+def one_process_reference(tmp_path_factory):
+    """The ZeRO-2 expert-parallel-1 MSIT run and the top-2 run of expert_parallel_runs on 1 process (launched
+    before them, so that their launch also resumes this MSIT run's checkpoint at expert parallel 2)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    out = tmp / "ref_1p"
+    recipe = write_recipe(tmp / "ref_1p.yaml", EP_LAYERS, out, max_steps=8, global_batch_size=8, grad_clip=0.05,
+                          checkpoint={"every_steps": 5, "at_end": False}, eval_every=4)
+    top2 = tmp / "top2_1p"
+    top2_recipe = write_recipe(tmp / "top2_1p.yaml", "top2", top2, max_steps=4, global_batch_size=8, eval_every=3)
+    run_jobs(1, [{"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
+                 {"recipe": str(top2_recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")}])
+    return {"msit": (recipe, out), "top2": (top2_recipe, top2)}
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_runs(tmp_path_factory, one_process_reference):
     """2 processes: expert parallel 1 and 2 on the same global batch under ZeRO 0, 1 and 2 (fp32, clipping on
     every step), ZeRO-0's and ZeRO-2's with checkpoints at step 5. MSIT: its experts' share of the gradient norm is large enough
-    that clipping by anything but the norm over all experts shows in the losses."""
+    that clipping by anything but the norm over all experts shows in the losses. The same launch resumes the
+    1-process reference's checkpoint of step 5 at expert parallel 2 for a step ("1p_on_ep2",
+    test_checkpoints_move_between_expert_parallel_and_single_process)."""
     tmp = tmp_path_factory.mktemp("ep")
     runs, jobs = {}, []
     for stage in (0, 1, 2):
@@ -129,6 +146,9 @@ def expert_parallel_runs(tmp_path_factory):
                               expert_parallel_size=ep, grad_clip=0.05)
         jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero1_fp32.json")})
         runs["paths", ep] = (recipe, out)
+    runs["1p_on_ep2"] = tmp / "1p_on_ep2"
+    jobs.append(resume_job(runs[2, 2][0], runs["1p_on_ep2"],
+                           one_process_reference["msit"][1] / "checkpoints" / "step_00000005", exit_at_step=6))
     run_jobs(2, jobs)
     return tmp, runs
 
@@ -149,20 +169,6 @@ def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs, stage)
 
 def val_losses(run) -> dict[int, float]:
     return {m["step"]: m["val_loss"] for m in metrics(run) if "val_loss" in m}
-
-
-@pytest.fixture(scope="module")
-def one_process_reference(expert_parallel_runs):
-    """The ZeRO-2 expert-parallel-1 MSIT run and the top-2 run of expert_parallel_runs on 1 process."""
-    tmp, runs = expert_parallel_runs
-    out = tmp / "ref_1p"
-    recipe = write_recipe(tmp / "ref_1p.yaml", EP_LAYERS, out, max_steps=8, global_batch_size=8, grad_clip=0.05,
-                          checkpoint={"every_steps": 5, "at_end": False}, eval_every=4)
-    top2 = tmp / "top2_1p"
-    top2_recipe = write_recipe(tmp / "top2_1p.yaml", "top2", top2, max_steps=4, global_batch_size=8, eval_every=3)
-    run_jobs(1, [{"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
-                 {"recipe": str(top2_recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")}])
-    return {"msit": (recipe, out), "top2": (top2_recipe, top2)}
 
 
 def test_one_process_trains_and_validates_as_two(expert_parallel_runs, one_process_reference):
@@ -194,7 +200,7 @@ def resume_job(recipe, out, ckpt, stage=2, **overrides):
 
 def test_checkpoints_move_between_expert_parallel_and_single_process(expert_parallel_runs, one_process_reference):
     tmp, runs = expert_parallel_runs
-    recipe_ep2, out_ep2 = runs[2, 2]
+    _, out_ep2 = runs[2, 2]
     # an expert-parallel-2 checkpoint (2 processes) resumes on 1 process
     one = tmp / "ep2_on_1p"
     ckpt = out_ep2 / "checkpoints" / "step_00000005"
@@ -210,10 +216,8 @@ def test_checkpoints_move_between_expert_parallel_and_single_process(expert_para
     assert sorted(losses(zero0)) == [6, 7]
     for step in (6, 7):
         assert losses(zero0)[step] == pytest.approx(losses(out_zero0)[step], abs=1e-5), (step, losses(zero0))
-    # and a 1-process checkpoint resumes on 2 processes at expert parallel 2
-    two = tmp / "1p_on_ep2"
-    run_jobs(2, [resume_job(recipe_ep2, two, one_ref / "checkpoints" / "step_00000005", exit_at_step=6)])
-    assert losses(two)[6] == pytest.approx(losses(one_ref)[6], abs=1e-5)
+    # and a 1-process checkpoint resumes on 2 processes at expert parallel 2 (in expert_parallel_runs' launch)
+    assert losses(runs["1p_on_ep2"])[6] == pytest.approx(losses(one_ref)[6], abs=1e-5)
 
 
 def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path):
