@@ -14,12 +14,29 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def zero_matrix(tmp_path_factory):
+def two_rank_runs(tmp_path_factory, one_process_reference):
+    """The jobs of expert_parallel_jobs, moe_stream_jobs and zero_matrix_jobs in one launch of 2 ranks, one after
+    another in one process group (as each set's own jobs ran before): the runs of each set, and the ranks. The ZeRO
+    matrix comes last, since its activation-checkpointed job changes the process's allocator
+    (training/host_memory.py)."""
+    parts = {"ep": expert_parallel_jobs(tmp_path_factory.mktemp("ep"), one_process_reference),
+             "stream": moe_stream_jobs(tmp_path_factory.mktemp("stream")),
+             "zero": zero_matrix_jobs(tmp_path_factory.mktemp("zero"))}
+    ranks = run_jobs(2, [job for jobs, _ in parts.values() for job in jobs])
+    return {name: runs for name, (_, runs) in parts.items()} | {"ranks": ranks}
+
+
+@pytest.fixture(scope="module")
+def zero_matrix(two_rank_runs):
+    """The runs of zero_matrix_jobs, and the ranks of their launch (two_rank_runs)."""
+    return {**two_rank_runs["zero"], "ranks": two_rank_runs["ranks"]}
+
+
+def zero_matrix_jobs(tmp: pathlib.Path) -> tuple[list[dict], dict]:
     """Every routed block type, 12 steps on 2 ranks: each ZeRO stage in fp32, bf16 at ZeRO-3 (its partitioned
     build in bf16; every stage in bf16 on 1 rank: test_every_shipped_fp32_and_bf16_config_trains_as_zero2). ZeRO-2
     checkpoints at step 6 and is resumed from there to the end ("resumed"); ZeRO-3 runs with activation
     checkpointing too, stopped at step 3 ("recomputed")."""
-    tmp = tmp_path_factory.mktemp("zero")
     jobs, runs = [], {}
     for stage, precision in ZERO_RUNS:
         out = tmp / f"zero{stage}_{precision}"
@@ -33,8 +50,7 @@ def zero_matrix(tmp_path_factory):
     runs["recomputed"] = tmp / "zero3_recomputed"
     jobs.append({**jobs[3], "overrides": [f"train.output_dir={runs['recomputed']}", "train.exit_at_step=3",
                                           "train.activation_checkpointing=true"]})
-    runs["ranks"] = run_jobs(2, jobs)
-    return runs
+    return jobs, runs
 
 
 @pytest.mark.parametrize("stage, precision", ZERO_RUNS)
@@ -105,11 +121,32 @@ EP_LAYERS = "msit"
 
 
 @pytest.fixture(scope="module")
-def expert_parallel_runs(tmp_path_factory):
+def one_process_reference(tmp_path_factory):
+    """The ZeRO-2 expert-parallel-1 MSIT run and the top-2 run of expert_parallel_runs on 1 process (launched
+    before them, so that their launch also resumes this MSIT run's checkpoint at expert parallel 2)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    out = tmp / "ref_1p"
+    recipe = write_recipe(tmp / "ref_1p.yaml", EP_LAYERS, out, max_steps=8, global_batch_size=8, grad_clip=0.05,
+                          checkpoint={"every_steps": 5, "at_end": False}, eval_every=4)
+    top2 = tmp / "top2_1p"
+    top2_recipe = write_recipe(tmp / "top2_1p.yaml", "top2", top2, max_steps=4, global_batch_size=8, eval_every=3)
+    run_jobs(1, [{"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
+                 {"recipe": str(top2_recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")}])
+    return {"msit": (recipe, out), "top2": (top2_recipe, top2)}
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_runs(two_rank_runs):
+    """The folder of expert_parallel_jobs' runs, and the runs (two_rank_runs)."""
+    return two_rank_runs["ep"]
+
+
+def expert_parallel_jobs(tmp: pathlib.Path, one_process_reference: dict) -> tuple[list[dict], tuple]:
     """2 processes: expert parallel 1 and 2 on the same global batch under ZeRO 0, 1 and 2 (fp32, clipping on
     every step), ZeRO-0's and ZeRO-2's with checkpoints at step 5. MSIT: its experts' share of the gradient norm is large enough
-    that clipping by anything but the norm over all experts shows in the losses."""
-    tmp = tmp_path_factory.mktemp("ep")
+    that clipping by anything but the norm over all experts shows in the losses. The same launch resumes the
+    1-process reference's checkpoint of step 5 at expert parallel 2 for a step ("1p_on_ep2",
+    test_checkpoints_move_between_expert_parallel_and_single_process)."""
     runs, jobs = {}, []
     for stage in (0, 1, 2):
         for ep in (1, 2):
@@ -129,8 +166,10 @@ def expert_parallel_runs(tmp_path_factory):
                               expert_parallel_size=ep, grad_clip=0.05)
         jobs.append({"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero1_fp32.json")})
         runs["paths", ep] = (recipe, out)
-    run_jobs(2, jobs)
-    return tmp, runs
+    runs["1p_on_ep2"] = tmp / "1p_on_ep2"
+    jobs.append(resume_job(runs[2, 2][0], runs["1p_on_ep2"],
+                           one_process_reference["msit"][1] / "checkpoints" / "step_00000005", exit_at_step=6))
+    return jobs, (tmp, runs)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -149,20 +188,6 @@ def test_expert_parallel_2_equals_expert_parallel_1(expert_parallel_runs, stage)
 
 def val_losses(run) -> dict[int, float]:
     return {m["step"]: m["val_loss"] for m in metrics(run) if "val_loss" in m}
-
-
-@pytest.fixture(scope="module")
-def one_process_reference(expert_parallel_runs):
-    """The ZeRO-2 expert-parallel-1 MSIT run and the top-2 run of expert_parallel_runs on 1 process."""
-    tmp, runs = expert_parallel_runs
-    out = tmp / "ref_1p"
-    recipe = write_recipe(tmp / "ref_1p.yaml", EP_LAYERS, out, max_steps=8, global_batch_size=8, grad_clip=0.05,
-                          checkpoint={"every_steps": 5, "at_end": False}, eval_every=4)
-    top2 = tmp / "top2_1p"
-    top2_recipe = write_recipe(tmp / "top2_1p.yaml", "top2", top2, max_steps=4, global_batch_size=8, eval_every=3)
-    run_jobs(1, [{"recipe": str(recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")},
-                 {"recipe": str(top2_recipe), "ds_config": str(DS_CONFIGS / "zero2_fp32.json")}])
-    return {"msit": (recipe, out), "top2": (top2_recipe, top2)}
 
 
 def test_one_process_trains_and_validates_as_two(expert_parallel_runs, one_process_reference):
@@ -194,7 +219,7 @@ def resume_job(recipe, out, ckpt, stage=2, **overrides):
 
 def test_checkpoints_move_between_expert_parallel_and_single_process(expert_parallel_runs, one_process_reference):
     tmp, runs = expert_parallel_runs
-    recipe_ep2, out_ep2 = runs[2, 2]
+    _, out_ep2 = runs[2, 2]
     # an expert-parallel-2 checkpoint (2 processes) resumes on 1 process
     one = tmp / "ep2_on_1p"
     ckpt = out_ep2 / "checkpoints" / "step_00000005"
@@ -210,10 +235,8 @@ def test_checkpoints_move_between_expert_parallel_and_single_process(expert_para
     assert sorted(losses(zero0)) == [6, 7]
     for step in (6, 7):
         assert losses(zero0)[step] == pytest.approx(losses(out_zero0)[step], abs=1e-5), (step, losses(zero0))
-    # and a 1-process checkpoint resumes on 2 processes at expert parallel 2
-    two = tmp / "1p_on_ep2"
-    run_jobs(2, [resume_job(recipe_ep2, two, one_ref / "checkpoints" / "step_00000005", exit_at_step=6)])
-    assert losses(two)[6] == pytest.approx(losses(one_ref)[6], abs=1e-5)
+    # and a 1-process checkpoint resumes on 2 processes at expert parallel 2 (in expert_parallel_runs' launch)
+    assert losses(runs["1p_on_ep2"])[6] == pytest.approx(losses(one_ref)[6], abs=1e-5)
 
 
 def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path):
@@ -298,10 +321,8 @@ def lifecycle_events(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line)["event"] for line in lines if '"event"' in line]
 
 
-def test_moe_stream_lifecycle_expert_parallel_2_equals_1(tmp_path):
-    """configs/moe_stream.yaml at tiny shapes, ZeRO-2 fp32 on 2 ranks: with its 8 experts sharded over the 2
-    ranks, the losses and the lifecycle's replacements (decided on statistics reduced over the ranks, clones
-    sent from the rank holding the source) are those of the run with every expert on both ranks."""
+def moe_stream_jobs(tmp: pathlib.Path) -> tuple[list[dict], dict]:
+    """configs/moe_stream.yaml at tiny shapes, ZeRO-2 fp32, at expert parallel 1 and 2 (two_rank_runs)."""
     layer = "model.layers[0]"
     shapes = ["data.source=builtin", "data.tokenizer.vocab_size=512", "model.vocab_size=512", "model.d_model=32",
               "model.max_seq_len=32", f"{layer}.repeat=2", f"{layer}.mixer.state_size=4", f"{layer}.mixer.chunk_size=8",
@@ -310,11 +331,18 @@ def test_moe_stream_lifecycle_expert_parallel_2_equals_1(tmp_path):
               "train.max_steps=5", "train.log_every=1", "train.micro_batch_size=4", "train.global_batch_size=8",
               "train.checkpoint.every_steps=null", "train.checkpoint.at_end=false", "train.optimizer.lr=1.0e-2",
               "train.schedule.warmup_steps=2"]
-    runs = {ep: tmp_path / f"ep{ep}" for ep in (1, 2)}
+    runs = {ep: tmp / f"ep{ep}" for ep in (1, 2)}
     jobs = [{"recipe": str(REPO / "configs" / "moe_stream.yaml"), "ds_config": str(DS_CONFIGS / "zero2_fp32.json"),
              "overrides": shapes + [f"train.output_dir={out}", f"train.expert_parallel_size={ep}"]}
             for ep, out in runs.items()]
-    run_jobs(2, jobs)
+    return jobs, runs
+
+
+def test_moe_stream_lifecycle_expert_parallel_2_equals_1(two_rank_runs):
+    """configs/moe_stream.yaml at tiny shapes, ZeRO-2 fp32 on 2 ranks: with its 8 experts sharded over the 2
+    ranks, the losses and the lifecycle's replacements (decided on statistics reduced over the ranks, clones
+    sent from the rank holding the source) are those of the run with every expert on both ranks."""
+    runs = two_rank_runs["stream"]
     ep1, ep2 = losses(runs[1]), losses(runs[2])
     assert sorted(ep1) == sorted(ep2) == [1, 2, 3, 4, 5]
     for step in ep1:

@@ -7,14 +7,13 @@ newer one). Versions 1-3 read as version 4's parts. (Unknown keys: tests/trainin
 import json
 import pathlib
 import shutil
-import subprocess
 import sys
 
 import pytest
 import yaml
 
-from ranks import joined
-from tiny import DS_CONFIGS, REPO, env, metrics, run_pretrain, write_recipe
+from ranks import joined, run_ranks
+from tiny import DS_CONFIGS, metrics, run_pretrain, write_recipe
 
 from moep_ds.checkpointing import layout
 from moep_ds.checkpointing.sharded import DamagedCheckpoint
@@ -109,33 +108,41 @@ def test_pretrain_resume_skips_or_refuses_a_wrong_typed_trainer_state(tmp_path):
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 
-# pretrain.py in a process that records every opening of a trainer_state.json (io.open: Path.read_text, open, json)
-COUNTING = """
-import builtins, io, os, sys
-real = io.open
-def counting(file, *args, **kwargs):
-    mode = args[0] if args else kwargs.get("mode", "r")
-    if isinstance(file, (str, os.PathLike)) and os.fspath(file).endswith("trainer_state.json") and "r" in mode:
-        with real(os.environ["READS_OUT"], "a") as out:
-            out.write(os.fspath(file) + "\\n")
-    return real(file, *args, **kwargs)
-builtins.open = io.open = counting
-from moep_ds.cli.pretrain import main
-sys.exit(main())
-"""
+
+def counting_pretrain(argv: list[str], reads_out: str) -> int:
+    """On a rank: pretrain.py's main, recording in `reads_out` every opening of a trainer_state.json for reading,
+    one path a line (io.open, which open and Path.read_text call)."""
+    import builtins
+    import io
+    import os
+
+    from moep_ds.cli.pretrain import main
+
+    sys.path.insert(0, str(FIXTURES))  # the recipe's user_callbacks
+    real = io.open
+
+    def counting(file, *args, **kwargs):
+        mode = args[0] if args else kwargs.get("mode", "r")
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file).endswith("trainer_state.json") and "r" in mode:
+            with real(reads_out, "a") as out:
+                out.write(os.fspath(file) + "\n")
+        return real(file, *args, **kwargs)
+
+    builtins.open = io.open = counting
+    return main(argv)
 
 
-def pretrain_counting(tmp_path, recipe, *args, port):
-    e = {**env(), "PYTHONPATH": f"{FIXTURES}:{env()['PYTHONPATH']}", "MOEP_CACHE_DIR": str(tmp_path / "cache"),
-         "READS_OUT": str(tmp_path / "reads.txt"), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    (tmp_path / "reads.txt").write_text("")
-    proc = subprocess.run([sys.executable, "-c", COUNTING, "--config", str(recipe), "--ds_config",
-                           str(DS_CONFIGS / "quickstart.json"), *args], env=e, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def pretrain_counting(tmp_path, recipe, *args):
+    """pretrain.py on 1 rank of this test (tests/ranks.py), counting the trainer states it opens: those of
+    checkpoints read, and the rank's output."""
+    reads = tmp_path / "reads.txt"
+    reads.write_text("")
+    [rank] = run_ranks(1, counting_pretrain, ["--config", str(recipe), "--ds_config",
+                                              str(DS_CONFIGS / "quickstart.json"), *args], str(reads),
+                       check=False)
+    assert rank.exitcode == 0 and rank.result == 0, rank.stderr[-4000:]
     # those of checkpoints read, not of the new ones hashed for their manifest as they are written
-    return [r for r in (tmp_path / "reads.txt").read_text().splitlines() if "/.tmp-" not in r], proc
+    return [r for r in reads.read_text().splitlines() if "/.tmp-" not in r], rank
 
 
 def fixture_recipe(tmp_path, run, **train) -> pathlib.Path:
@@ -151,7 +158,7 @@ def test_a_resume_opens_the_trainer_state_once(tmp_path):
     its checksum verified from a fourth reading; now its bytes are read once, verified and parsed."""
     run = tmp_path / "run"
     shutil.copytree(FIXTURES / "checkpoint_v3" / "step_00000002", run / "checkpoints" / "step_00000002")
-    reads, _ = pretrain_counting(tmp_path, fixture_recipe(tmp_path, run), "--resume", "auto", port=29519)
+    reads, _ = pretrain_counting(tmp_path, fixture_recipe(tmp_path, run), "--resume", "auto")
     assert reads == [str(run / "checkpoints" / "step_00000002" / "trainer_state.json")]
 
 
@@ -161,13 +168,12 @@ def test_resume_auto_keeps_the_global_batch_of_the_checkpoint_it_resumes(tmp_pat
     is damaged. --resume auto resumes step 2 and trains on in its global batch, 2: before, the global batch was read
     from the newest checkpoint before that one was skipped, and step 3 trained in batches of 4."""
     run = tmp_path / "run"
-    pretrain_counting(tmp_path, fixture_recipe(tmp_path, run, max_steps=2), port=29520)
+    pretrain_counting(tmp_path, fixture_recipe(tmp_path, run, max_steps=2))
     pretrain_counting(tmp_path, fixture_recipe(tmp_path, run, global_batch_size=4), "--resume", "auto",
-                      "--allow_batch_change", port=29520)
+                      "--allow_batch_change")
     shard = run / "checkpoints" / "step_00000004" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
-    reads, proc = pretrain_counting(tmp_path, fixture_recipe(tmp_path, run, max_steps=3), "--resume", "auto",
-                                    port=29520)
+    reads, proc = pretrain_counting(tmp_path, fixture_recipe(tmp_path, run, max_steps=3), "--resume", "auto")
     assert "skipping damaged checkpoint" in proc.stderr and "resumed from" in proc.stderr
     step3 = [m for m in metrics(run) if m.get("step") == 3 and "loss" in m]
     assert [m["tokens"] for m in step3] == [64 + 2 * 16]  # 2 samples of 16 tokens after step 2's 64
