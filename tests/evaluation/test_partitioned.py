@@ -24,7 +24,7 @@ from moep_ds.models.causal_lm import build_model
 from moep_ds.distributed.expert_parallel import expert_stages
 from moep_ds.distributed.inference import inference_ds_config
 
-from ranks import joined, run_command, run_ranks  # noqa: E402
+from ranks import command, joined, run_command, run_ranks  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "training"))
 from tiny import LAYERS  # noqa: E402
@@ -289,13 +289,25 @@ def test_lm_eval_cli_arguments_on_each_rank_of_a_launch():
     assert lm_eval_cli.launched_argv(argv, 1) == ["--model", "moep_ds", "--tasks", "x"]
 
 
+def lm_eval_of_included_tasks(argv: list[str]) -> None:
+    """On a rank: `python -m moep_ds.cli.lm_eval ARGV` with lm-eval's task index built from --include_path alone.
+    Its ~15,000 built-in task YAMLs take some 14 s of CPU to index on each rank; the command indexes them in one
+    process in test_harness.py (test_lm_eval_cli_reports_bad_model_args_in_one_line)."""
+    from lm_eval.tasks import TaskManager
+
+    index = TaskManager.__init__
+    TaskManager.__init__ = lambda self, *args, **kwargs: index(self, *args, **{**kwargs, "include_defaults": False})
+    command("moep_ds.cli.lm_eval", argv)
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lm_eval_cli_under_torchrun_writes_one_result_file(model_dirs, tmp_path):
     assert run_eval.main(["--render_tasks", str(tmp_path / "tasks")]) == 0
-    run_command(2, "moep_ds.cli.lm_eval", "--model", "moep_ds", "--model_args",
-                f"pretrained={model_dirs['sharded']},expert_parallel=true", "--include_path", str(tmp_path / "tasks"),
-                "--tasks", "grammar_pairs", "--limit", "3", "--output_path", str(tmp_path / "out"))
+    run_ranks(2, lm_eval_of_included_tasks, ["--model", "moep_ds", "--model_args",
+                                             f"pretrained={model_dirs['sharded']},expert_parallel=true",
+                                             "--include_path", str(tmp_path / "tasks"), "--tasks", "grammar_pairs",
+                                             "--limit", "3", "--output_path", str(tmp_path / "out")])
     written = list((tmp_path / "out").rglob("results_*.json"))
     assert len(written) == 1 and json.loads(written[0].read_text())["results"]["grammar_pairs"]
 

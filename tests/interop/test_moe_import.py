@@ -327,6 +327,24 @@ def score_on_rank(run: str, way: str) -> dict:
     return {"logits": logits, "chosen": chosen}
 
 
+def import_then_score_on_rank(src: str, out: str, way: str) -> dict:
+    """One rank of a 2-process `moep-import` (import_on_rank), then of the imported run directory scored as moep-eval
+    splits it (score_on_rank), in one launch: the ranks stay in the import's process group (where the command
+    would leave it at its end) to score, as a second launch would join a new one; the scoring reads the run
+    directory from disk. {"import": import_on_rank's result, "logits", "chosen": score_on_rank's, absent where the
+    import failed}."""
+    from moep_ds.distributed import process_group
+    from moep_ds.interop.hf_weights import TensorFiles
+
+    leave, read, rows = process_group.leave_process_group, TensorFiles.read, TensorFiles.read_rows
+    process_group.leave_process_group = torch.distributed.barrier
+    try:
+        imported = import_on_rank(src, out, way)
+    finally:
+        process_group.leave_process_group, TensorFiles.read, TensorFiles.read_rows = leave, read, rows
+    return {"import": imported, **(score_on_rank(out, way) if imported[0] == 0 else {})}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("imported,way", [("deepseek_v3", "expert_parallel"), ("deepseek_v3", "zero3"),
                                           ("olmoe", "expert_parallel"), ("qwen3_next", "expert_parallel"),
@@ -344,9 +362,9 @@ def test_an_import_on_two_processes_is_the_one_process_import(imported, way, tmp
     from ranks import run_ranks
 
     out = tmp_path / "run"
+    ranks = [r.result for r in run_ranks(2, import_then_score_on_rank, str(imported.folder / "hf"), str(out), way)]
     # each rank read its own half of the experts (under ZeRO-3 the halves of each stack's flat partitions)
-    assert [r.result for r in run_ranks(2, import_on_rank, str(imported.folder / "hf"), str(out), way)] == [
-        (0, [0, 1, 2, 3]), (0, [4, 5, 6, 7])]
+    assert [r["import"] for r in ranks] == [(0, [0, 1, 2, 3]), (0, [4, 5, 6, 7])]
     one, two = stored(imported.folder / "run1"), stored(out)
     assert one.keys() == two.keys()
     for name in one:
@@ -356,9 +374,9 @@ def test_an_import_on_two_processes_is_the_one_process_import(imported, way, tmp
     single = next((imported.folder / "run1" / "checkpoints").iterdir())
     assert (ckpt / "config.yaml").read_text() == (single / "config.yaml").read_text()
     expected_BTV, hf_chosen = hf_choices(imported.reference, tokens())
-    for rank in run_ranks(2, score_on_rank, str(out), way):
-        torch.testing.assert_close(rank.result["logits"], expected_BTV, **TOLERANCE)
-        assert all(torch.equal(ours, theirs) for ours, theirs in zip(rank.result["chosen"], hf_chosen, strict=True))
+    for rank in ranks:
+        torch.testing.assert_close(rank["logits"], expected_BTV, **TOLERANCE)
+        assert all(torch.equal(ours, theirs) for ours, theirs in zip(rank["chosen"], hf_chosen, strict=True))
 
 
 @pytest.mark.slow
