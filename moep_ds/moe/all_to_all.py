@@ -47,7 +47,7 @@ import torch.distributed as dist
 from moep_ds.moe import fp8, overlap
 from moep_ds.moe.dispatch import (Dispatcher, ExpertBatch, RunExperts, WeightedCombine, combine_tokens, gather_tokens,
                                   take_meta)
-from moep_ds.moe.node_dispatch import NodeDispatch, NodeGroups, NodePipeline, NodeRoute
+from moep_ds.moe.node_dispatch import NodeDispatch, NodeGroups, NodePipeline, NodeRoute, arrived
 from moep_ds.moe.overlap import Ints, Rows, chunk_bounds, chunk_counts, chunk_plans
 from moep_ds.moe.plan import ExpertParallelPlan
 from moep_ds.routing.plan import RoutingPlan
@@ -204,7 +204,6 @@ class AllToAllDispatcher(Dispatcher):
                                   or not self.comm.dedup):
             raise ValueError(f"node-aware dispatch needs dedup and a group of several nodes: {plan.size} ranks, "
                              f"{nodes.ranks_per_node} per node, dedup {self.comm.dedup}")
-        self.nodes = nodes
         self._node = None if nodes is None else NodeDispatch(nodes, plan.size, plan.rank, self.num_local_experts,
                                                                _send, self._rows)
 
@@ -311,7 +310,7 @@ class AllToAllDispatcher(Dispatcher):
 
     def _finish_chunk(self, p: _Pending) -> tuple[ExpertBatch, _Route | _PairRoute]:
         """Step 3 of one chunk: wait for its rows and order them by (local expert, source rank, plan order)."""
-        R, L, chunk = self.ep_size, self.num_local_experts, p.chunk
+        L, chunk = self.num_local_experts, p.chunk
         send_assign, send_pairs, _ = _splits(chunk.send, L)
         recv_assign, recv_pairs, recv_RL = _splits(chunk.recv, L)
         num_assign = sum(recv_assign)
@@ -326,11 +325,7 @@ class AllToAllDispatcher(Dispatcher):
             return batch, _Route(perm_U, send_assign, recv_assign, chunk.plan)
         weights, slots, token_P = p.extra
         weight_U, slot_U = weights.result(), slots.result()
-        # a slot counts rows within its source's block: offset it by the rows of the sources before
-        first_R = torch.tensor([0, *recv_pairs[:-1]], device=slot_U.device).cumsum(0)
-        source_U = torch.arange(R, device=slot_U.device).repeat_interleave(
-            torch.tensor(recv_assign, device=slot_U.device), output_size=num_assign)
-        row_S = (slot_U + first_R[source_U]).index_select(0, perm_U)
+        row_S = arrived(slot_U, 1, recv_assign, recv_pairs)[0].index_select(0, perm_U)
         seq_ids_S, positions_S = take_meta(meta, row_S, p.seq_ids_T, p.positions_T)
         batch = ExpertBatch(x_rows.index_select(0, row_S), counts_L, seq_ids_S, positions_S, local_counts)
         return batch, _PairRoute(token_P, row_S, weight_U.index_select(0, perm_U), sum(recv_pairs), send_pairs,

@@ -114,7 +114,7 @@ class _HopInFlight:
     def result(self) -> _Leg:
         x_PD, weight_U, packed_U = self.rows.result(), self.weights.result(), self.packed.result()
         meta = None if self.meta is None else self.meta.result()
-        row_U, code_U, source_U = _arrived(packed_U, self.radix, self.recv_assign, self.recv_pairs)
+        row_U, code_U, source_U = arrived(packed_U, self.radix, self.recv_assign, self.recv_pairs)
         return _Leg(x_PD, row_U, weight_U, code_U, source_U, meta, [], self.hop)
 
 
@@ -176,7 +176,7 @@ def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
     return counts_on([0, *sizes[:-1]], device).cumsum(0)
 
 
-def _arrived(packed_U: torch.Tensor, radix: int, recv_assign: list[int],
+def arrived(packed_U: torch.Tensor, radix: int, recv_assign: list[int],
              recv_pairs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per assignment a hop delivered (grouped by source): its row among all received rows, its code and its source
     (index in the hop's group), from the int each carried and the counts per source."""
@@ -416,4 +416,4 @@ class NodeDispatch:
                        back.route, 0, back.acc, back.wire)
 
 
-__all__ = ["NodeDispatch", "NodeGroups", "NodePipeline", "NodeRoute"]
+__all__ = ["NodeDispatch", "NodeGroups", "NodePipeline", "NodeRoute", "arrived"]
